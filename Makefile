@@ -1,0 +1,30 @@
+# Two commands do all the set-up on a fresh machine (see README.md):
+#   make demo   - creates .venv, installs the pinned CPU set, runs the main job
+#   make test   - creates .venv if needed, runs the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench-tensor install clean
+
+$(STAMP): pyproject.toml requirements/cpu.txt third_party/fbgemm-gpu-shim/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements/cpu.txt
+	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) launch/train_dlrm.py --config configs/dlrm_demo.yaml $(ARGS)
+
+bench-tensor: $(STAMP)
+	$(PY) launch/bench_tensor.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

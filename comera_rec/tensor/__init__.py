@@ -1,0 +1,39 @@
+"""The tensor core: shapes, tensor-train cores with rank controllers, contractions,
+truncation and TT-SVD. Pure PyTorch; it never imports TorchRec or the trainer."""
+
+from comera_rec.tensor.contract import (
+    merge_input_chain,
+    merge_output_chain,
+    pool_bags,
+    tt_linear,
+    ttm_dense_table,
+    ttm_embedding_bag,
+    ttm_rows,
+)
+from comera_rec.tensor.embedding import TTMEmbeddingBag, ttm_shape
+from comera_rec.tensor.linear import TTLinear
+from comera_rec.tensor.shapes import factorize, tt_linear_shapes, ttm_row_shape
+from comera_rec.tensor.svd import tt_svd
+from comera_rec.tensor.train import TensorTrainModule, parameter_groups, tensor_train_modules
+from comera_rec.tensor.validation import check_bags
+
+__all__ = [
+    "TTLinear",
+    "TTMEmbeddingBag",
+    "TensorTrainModule",
+    "check_bags",
+    "factorize",
+    "merge_input_chain",
+    "merge_output_chain",
+    "parameter_groups",
+    "pool_bags",
+    "tensor_train_modules",
+    "tt_linear",
+    "tt_linear_shapes",
+    "tt_svd",
+    "ttm_dense_table",
+    "ttm_embedding_bag",
+    "ttm_row_shape",
+    "ttm_rows",
+    "ttm_shape",
+]

@@ -1,0 +1,291 @@
+"""Contractions of tensor trains: the TT linear product and the de-duplicated TTM lookup.
+
+Neither ever forms the dense weight or table. Shapes in comments: B batch rows,
+N_in / N_out padded feature sizes, r the middle rank, U unique ids, D embedding dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------- TT linear
+
+
+def merge_input_chain(cores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Merge input-side cores ``(r_{k-1}, n_k, r_k)`` into ``(n_1...n_d, r_d)``.
+
+    Rows are in mixed radix with ``i_1`` most significant. The cost does not depend on
+    the batch.
+    """
+    left = cores[0].reshape(cores[0].shape[1], cores[0].shape[2])  # (n_1, r_1), r_0 = 1
+    for core in cores[1:]:
+        r_prev, n, r = core.shape
+        left = (left @ core.reshape(r_prev, n * r)).reshape(-1, r)  # (N * n_k, r_k)
+    return left
+
+
+def merge_output_chain(cores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Merge output-side cores ``(r_{k-1}, n_k, r_k)`` into ``(r_d, n_{d+1}...n_{2d})``."""
+    last = cores[-1]
+    right = last.reshape(last.shape[0], last.shape[1])  # (r_{2d-1}, n_2d), r_2d = 1
+    for core in reversed(cores[:-1]):
+        r_prev, n, r = core.shape
+        right = (core.reshape(r_prev * n, r) @ right).reshape(r_prev, -1)  # (r_{k-1}, n_k * M)
+    return right
+
+
+class TTLinearFunction(torch.autograd.Function):
+    """``y = (x @ left) @ right`` keeping only ``x`` and ``x @ left`` for backward.
+
+    ``left`` (N_in, r) and ``right`` (r, N_out) are the merged chains; their gradients
+    ``x^T (dy right^T)`` and ``(x left)^T dy`` are batch-independent in size and flow on
+    into the cores through the (small) autograd graph of the merge.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        t = x @ left  # (B, r)
+        ctx.save_for_backward(x, t, left, right)
+        return t @ right  # (B, N_out)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x, t, left, right = ctx.saved_tensors
+        grad_x = grad_left = grad_right = None
+        grad_t = grad_y @ right.t()  # (B, r)
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_t @ left.t()  # (B, N_in)
+        if ctx.needs_input_grad[1]:
+            grad_left = x.t() @ grad_t  # (N_in, r)
+        if ctx.needs_input_grad[2]:
+            grad_right = t.t() @ grad_y  # (r, N_out)
+        return grad_x, grad_left, grad_right
+
+
+def tt_linear(
+    x: torch.Tensor,
+    input_cores: Sequence[torch.Tensor],
+    output_cores: Sequence[torch.Tensor],
+    out_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Apply a TT weight to the last dimension of ``x`` like ``F.linear``.
+
+    Args:
+        x: ``(..., in_features)``; ``in_features`` may be below the padded N_in.
+        input_cores: cores ``(r_{k-1}, n_k, r_k)`` of the input side (controllers folded in).
+        output_cores: cores of the output side.
+        out_features: the columns kept (<= the padded N_out).
+        bias: optional ``(out_features,)``.
+
+    Returns:
+        ``(..., out_features)``.
+    """
+    in_features = x.shape[-1]
+    left = merge_input_chain(input_cores)[:in_features]  # (in_features, r)
+    right = merge_output_chain(output_cores)[:, :out_features]  # (r, out_features)
+    y = TTLinearFunction.apply(x.reshape(-1, in_features), left, right)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+# ---------------------------------------------------------------------------- TTM lookup
+
+
+def _left_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Contract the left cores of stacked trains over all their row indices.
+
+    ``cores[k]: (T, r_{k-1}, n_k, m_k, r_k)``, ``r_0 = 1`` ->
+    ``(T * N, M, r)`` with N = n_1..n_h (row-major) and M = m_1..m_h.
+    """
+    T, _, n, m, r = cores[0].shape
+    table = cores[0].reshape(T, n * m, r)  # (T, N*M, r), N-major
+    N, M = n, m
+    for core in cores[1:]:
+        _, r_prev, n, m, r = core.shape
+        table = torch.bmm(table, core.reshape(T, r_prev, n * m * r))  # (T, N*M, n*m*r)
+        table = table.reshape(T, N, M, n, m, r).permute(0, 1, 3, 2, 4, 5)  # (T, N, n, M, m, r)
+        N, M = N * n, M * m
+        table = table.reshape(T, N * M, r)
+    return table.reshape(T * N, M, r)
+
+
+def _right_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Contract the right cores of stacked trains over all their row indices.
+
+    ``cores[k]: (T, r_{k-1}, n_k, m_k, r_k)``, ``r_K = 1`` ->
+    ``(T * N, r, M)`` with N, M over the right cores (row-major).
+    """
+    T, r, n, m, _ = cores[-1].shape
+    table = cores[-1].reshape(T, r, n * m)  # (T, r, N*M)
+    N, M = n, m
+    for core in reversed(cores[:-1]):
+        _, r_prev, n, m, r = core.shape
+        table = torch.bmm(core.reshape(T, r_prev * n * m, r), table)  # (T, r_prev*n*m, N*M)
+        table = table.reshape(T, r_prev, n, m, N, M).permute(0, 1, 2, 4, 3, 5)  # (T, r', n, N, m, M)
+        N, M = n * N, m * M
+        table = table.reshape(T, r_prev, N * M)
+    r_bond = table.shape[1]
+    return table.reshape(T, r_bond, N, M).permute(0, 2, 1, 3).reshape(T * N, r_bond, M)
+
+
+def _half(
+    cores: Sequence[torch.Tensor],
+    row_shape: Sequence[int],
+    keys: torch.Tensor,
+    left: bool,
+    strategy: str = "auto",
+) -> torch.Tensor:
+    """Per-key matrices of one half: ``(K, M, r)`` (left) or ``(K, r, M)`` (right).
+
+    ``keys`` are ``train * N_half + index``. Either the whole half is contracted for
+    every index (one GEMM per core, no gathers) and the keys' rows selected, or only
+    the distinct keys are contracted from their gathered core slices; the cheaper
+    one, counted in elements touched, is taken (``strategy`` "auto"), or the one named
+    ("gather" / "full").
+    """
+    table_fn = _left_table if left else _right_table
+    distinct, key_of = torch.unique(keys, return_inverse=True)
+    T = cores[0].shape[0]
+    n_half = math.prod(row_shape)
+    out_elems = math.prod(c.shape[3] for c in cores) * (cores[-1].shape[-1] if left else cores[0].shape[1])
+    full_cost = T * n_half * out_elems
+    gather_cost = distinct.numel() * (sum(c[0].numel() // c.shape[2] for c in cores) + out_elems)
+    gather = gather_cost < full_cost if strategy == "auto" else strategy == "gather"
+    if len(cores) == 1 or gather:
+        # Gather the distinct keys' slices of each core, then contract them as one-row trains.
+        train, index = distinct // n_half, distinct % n_half
+        slices, stride = [], n_half
+        for core, n in zip(cores, row_shape):
+            stride //= n
+            flat = core.permute(0, 2, 1, 3, 4).reshape(core.shape[0] * n, -1)  # (T*n, r*m*r')
+            rows = flat.index_select(0, train * n + (index // stride) % n)
+            slices.append(rows.reshape(-1, core.shape[1], 1, core.shape[3], core.shape[4]))
+        per_key = table_fn(slices)  # (K_distinct, ...)
+    else:
+        per_key = table_fn(cores).index_select(0, distinct)
+    return per_key.index_select(0, key_of)
+
+
+def ttm_rows(
+    cores: Sequence[torch.Tensor],
+    row_shape: Sequence[int],
+    rows: torch.Tensor,
+    trains: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows of stacked TTM tables, computing each distinct prefix and suffix once.
+
+    The cores are split in a left half (prefix) and a right half (suffix). Each
+    distinct prefix ``(train, i_1..i_h)`` among ``rows`` is contracted once, likewise
+    each distinct suffix (or, when cheaper, the whole half for every index by dense
+    GEMMs); one batched GEMM over the rows then contracts prefix x suffix on the
+    middle rank. Pass unique rows (row-level de-duplication is the caller's).
+
+    Args:
+        cores: ``d >= 2`` cores of shape ``(T, r_{k-1}, n_k, m_k, r_k)`` (controllers folded in).
+        row_shape: ``(n_1, ..., n_d)``.
+        rows: ``(U,)`` row indices in ``[0, n_1...n_d)``.
+        trains: ``(U,)`` index of the stacked table of each row; ``None`` means table 0.
+
+    Returns:
+        ``(U, m_1...m_d)`` rows (the padded embedding dimension).
+    """
+    d = len(cores)
+    if d < 2:
+        raise ValueError(f"ttm_rows: need at least 2 cores, got {d}")
+    h = (d + 1) // 2
+    left_rows, right_rows = math.prod(row_shape[:h]), math.prod(row_shape[h:])
+    if trains is None:
+        trains = torch.zeros_like(rows)
+    prefix = _half(cores[:h], row_shape[:h], trains * left_rows + rows // right_rows, left=True)  # (U, M_l, r)
+    suffix = _half(cores[h:], row_shape[h:], trains * right_rows + rows % right_rows, left=False)  # (U, r, M_r)
+    out = torch.bmm(prefix, suffix)  # (U, M_l, M_r)
+    return out.reshape(rows.shape[0], prefix.shape[1] * suffix.shape[2])
+
+
+def pool_bags(
+    rows: torch.Tensor,
+    row_of_id: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str,
+    per_sample_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pool looked-up rows into bags (``include_last_offset=True`` layout).
+
+    Args:
+        rows: ``(U, D)`` distinct rows.
+        row_of_id: ``(N,)`` which row each id of the input uses.
+        offsets: ``(B + 1,)`` bag boundaries into the N ids.
+        mode: ``"sum"`` or ``"mean"`` (mean divides the weighted sum by the bag length).
+        per_sample_weights: optional ``(N,)``.
+
+    Returns:
+        ``(B, D)``; empty bags give zeros.
+    """
+    if mode == "sum" or per_sample_weights is None:
+        return F.embedding_bag(
+            row_of_id, rows, offsets, mode=mode, per_sample_weights=per_sample_weights,
+            include_last_offset=True,
+        )
+    pooled = F.embedding_bag(
+        row_of_id, rows, offsets, mode="sum", per_sample_weights=per_sample_weights,
+        include_last_offset=True,
+    )
+    lengths = (offsets[1:] - offsets[:-1]).clamp_min(1).to(pooled.dtype)
+    return pooled / lengths.unsqueeze(1)
+
+
+def ttm_embedding_bag(
+    cores: Sequence[torch.Tensor],
+    row_shape: Sequence[int],
+    embedding_dim: int,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+    trains: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """De-duplicated TTM embedding-bag lookup.
+
+    Unique ``(train, id)`` pairs are looked up once (row level), their prefixes and
+    suffixes once each (tensor-index level, see :func:`ttm_rows`); the bags are then
+    pooled. Nothing of the size of the table is formed, forward or backward.
+
+    Args:
+        cores: ``(T, r_{k-1}, n_k, m_k, r_k)`` stacked cores, controllers folded in.
+        row_shape: ``(n_1..n_d)``.
+        embedding_dim: D (<= m_1...m_d).
+        ids: ``(N,)`` int64 row ids.
+        offsets: ``(B + 1,)`` bag offsets.
+        mode: ``"sum"`` or ``"mean"``.
+        per_sample_weights: optional ``(N,)``.
+        trains: optional ``(N,)`` stacked-table index of each id.
+
+    Returns:
+        ``(B, D)`` pooled embeddings.
+    """
+    if trains is None:
+        unique_ids, row_of_id = torch.unique(ids, return_inverse=True)
+        unique_trains = None
+    else:
+        num_rows = math.prod(row_shape)
+        keys, row_of_id = torch.unique(trains * num_rows + ids, return_inverse=True)
+        unique_trains, unique_ids = keys // num_rows, keys % num_rows
+    rows = ttm_rows(cores, row_shape, unique_ids, unique_trains)[:, :embedding_dim]  # (U, D)
+    return pool_bags(rows, row_of_id, offsets, mode, per_sample_weights)
+
+
+def ttm_dense_table(cores: Sequence[torch.Tensor], train: int = 0) -> torch.Tensor:
+    """Reconstruct one whole table ``(n_1...n_d, m_1...m_d)``: for tests and export only."""
+    full = cores[0][train]  # (1, n_1, m_1, r_1)
+    full = full.reshape(full.shape[1], full.shape[2], full.shape[3])  # (N, M, r)
+    for core in cores[1:]:
+        c = core[train]  # (r, n, m, r')
+        N, M, _ = full.shape
+        full = torch.einsum("NMr,rnms->NnMms", full, c).reshape(N * c.shape[1], M * c.shape[2], c.shape[3])
+    return full.reshape(full.shape[0], full.shape[1])

@@ -1,0 +1,167 @@
+"""TTLinear: a linear layer whose weight is a tensor train with rank controllers."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comera_rec.tensor.contract import merge_input_chain, merge_output_chain, tt_linear
+from comera_rec.tensor.shapes import check_shape, tt_linear_shapes
+from comera_rec.tensor.svd import tt_svd
+from comera_rec.tensor.train import TensorTrainModule, cap_ranks, check_float_dtype, check_rank
+
+
+class TTLinear(TensorTrainModule):
+    """``nn.Linear`` with a tensor-train weight.
+
+    The weight ``W^T`` of shape ``(N_in, N_out)``, ``N_in = n_1...n_d >= in_features``,
+    ``N_out = n_{d+1}...n_{2d} >= out_features``, is a train of ``2d`` cores
+    ``(r_{k-1}, n_k, r_k)`` with a rank controller on each of the ``2d - 1`` internal
+    bonds. The forward merges each side once and applies two skinny GEMMs; the dense
+    weight is never formed.
+
+    Args:
+        in_features: size of each input sample.
+        out_features: size of each output sample.
+        rank: rank of every internal bond, or one per bond (``2d - 1`` values); capped
+            at the largest useful rank.
+        bias: add a learnable bias.
+        shape: ``(input_factors, output_factors)`` with the same number of factors
+            (1 to 4) on each side; chosen by :func:`tt_linear_shapes` when ``None``.
+        device: where to allocate (``"meta"`` allocates nothing; call
+            :meth:`reset_parameters` later).
+        dtype: floating point dtype.
+
+    Example::
+
+        >>> layer = TTLinear(768, 3072, rank=30)
+        >>> layer(torch.randn(4, 768)).shape
+        torch.Size([4, 3072])
+        >>> layer.shape
+        ((8, 8, 12), (12, 16, 16))
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int | Sequence[int],
+        *,
+        bias: bool = True,
+        shape: tuple[Sequence[int], Sequence[int]] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        dtype = check_float_dtype("TTLinear", dtype)
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"TTLinear: {name} must be a positive integer, got {value!r}")
+        if shape is None:
+            in_shape, out_shape = tt_linear_shapes(in_features, out_features)
+        else:
+            in_shape = check_shape("TTLinear input", in_features, shape[0])
+            out_shape = check_shape("TTLinear output", out_features, shape[1])
+            if len(in_shape) != len(out_shape) or not 1 <= len(in_shape) <= 4:
+                raise ValueError(
+                    f"TTLinear: input and output shapes need the same number (1-4) of factors, "
+                    f"got {list(in_shape)} and {list(out_shape)}"
+                )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.in_shape: tuple[int, ...] = tuple(in_shape)
+        self.out_shape: tuple[int, ...] = tuple(out_shape)
+        modes = self.in_shape + self.out_shape
+        ranks = cap_ranks(check_rank("TTLinear", rank, len(modes) - 1), modes)
+        full = [1] + ranks + [1]
+        self._init_train(
+            core_shapes=[(full[k], modes[k], full[k + 1]) for k in range(len(modes))],
+            num_batch_dims=0,
+            controller_shapes=[(r,) for r in ranks],
+            device=device,
+            dtype=dtype,
+        )
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    @property
+    def shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.in_shape, self.out_shape
+
+    def reset_parameters(self) -> None:
+        """Initialise like ``nn.Linear``: weight entries of variance 1 / (3 in_features)."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        self._init_cores_normal(target_std=bound / math.sqrt(3.0))
+        if self.bias is not None and not self.bias.is_meta:
+            with torch.no_grad():
+                self.bias.uniform_(-bound, bound)
+
+    def _split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        cores = self.scaled_cores()
+        d = len(self.in_shape)
+        return cores[:d], cores[d:]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., in_features) -> (..., out_features)``."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"TTLinear: expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}"
+            )
+        inputs, outputs = self._split()
+        return tt_linear(x, inputs, outputs, self.out_features, self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The ``(out_features, in_features)`` weight, differentiable in the cores."""
+        inputs, outputs = self._split()
+        left = merge_input_chain(inputs)[: self.in_features]  # (in, r)
+        right = merge_output_chain(outputs)[:, : self.out_features]  # (r, out)
+        return (left @ right).t()
+
+    def _extra_num_parameters(self) -> int:
+        return 0 if self.bias is None else self.out_features
+
+    def dense_num_parameters(self) -> int:
+        return self.in_features * self.out_features + self._extra_num_parameters()
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"shape={self.shape}, ranks={self.ranks}, bias={self.bias is not None}"
+        )
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        rank: int | Sequence[int],
+        *,
+        shape: tuple[Sequence[int], Sequence[int]] | None = None,
+    ) -> "TTLinear":
+        """Convert a dense layer by TT-SVD at ``rank`` (exact at full rank).
+
+        Example::
+
+            >>> dense = nn.Linear(64, 32)
+            >>> tt = TTLinear.from_linear(dense, rank=64)
+            >>> torch.allclose(tt.dense_weight(), dense.weight, atol=1e-5)
+            True
+        """
+        w = linear.weight.detach()
+        layer = cls(
+            linear.in_features, linear.out_features, rank, bias=linear.bias is not None,
+            shape=shape, device="meta", dtype=w.dtype,
+        )
+        n_in, n_out = math.prod(layer.in_shape), math.prod(layer.out_shape)
+        padded = F.pad(w.t(), (0, n_out - linear.out_features, 0, n_in - linear.in_features))
+        cores = tt_svd(padded.reshape(layer.in_shape + layer.out_shape), layer.ranks)
+        layer.cores = nn.ParameterList([nn.Parameter(c.to(w.device)) for c in cores])
+        layer.controllers = nn.ParameterList(
+            [nn.Parameter(torch.ones(c.shape[-1], device=w.device, dtype=w.dtype)) for c in cores[:-1]]
+        )
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone())
+        return layer

@@ -1,0 +1,1 @@
+"""Small utilities shared by benchmarks and entry points."""

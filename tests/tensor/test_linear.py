@@ -1,0 +1,157 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from comera_rec import TTLinear
+from comera_rec.tensor.contract import TTLinearFunction
+
+from .reference import linear_weight
+
+DT = torch.float64
+
+
+def randomize_controllers(layer) -> None:
+    with torch.no_grad():
+        for d in layer.controllers:
+            d.uniform_(0.5, 1.5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_and_backward_match_dense_reconstruction(bias: bool) -> None:
+    layer = TTLinear(30, 20, rank=4, bias=bias, shape=((2, 3, 5), (2, 2, 5)), dtype=DT)
+    randomize_controllers(layer)
+    x = torch.randn(7, 3, 30, dtype=DT, requires_grad=True)
+    w = linear_weight(layer)
+    ref = F.linear(x, w, layer.bias)
+    out = layer(x)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(layer.dense_weight(), w)
+
+    g = torch.randn_like(out)
+    params = [x, *layer.cores, *layer.controllers]
+    got = torch.autograd.grad(out, params, g)
+    want = torch.autograd.grad(ref, params, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_custom_function_gradcheck() -> None:
+    x = torch.randn(5, 6, dtype=DT, requires_grad=True)
+    left = torch.randn(6, 3, dtype=DT, requires_grad=True)
+    right = torch.randn(3, 4, dtype=DT, requires_grad=True)
+    assert torch.autograd.gradcheck(TTLinearFunction.apply, (x, left, right))
+
+
+def test_backward_saves_only_input_and_rank_intermediate() -> None:
+    layer = TTLinear(64, 64, rank=4, shape=((8, 8), (8, 8)), dtype=DT)
+    x = torch.randn(100, 64, dtype=DT, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x).sum()
+    batch_sized = [s for s in saved if 100 in s]
+    # x (100, 64) and x @ left (100, r); never a (100, 64)-sized output intermediate twice.
+    assert sorted(batch_sized) == [(100, 4), (100, 64)]
+
+
+@given(
+    in_shape=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    out_seed=st.integers(0, 1000),
+    rank=st.integers(1, 5),
+    batch=st.integers(1, 4),
+)
+def test_property_shapes_and_ranks(in_shape, out_seed, rank, batch) -> None:
+    g = torch.Generator().manual_seed(out_seed)
+    out_shape = [int(v) for v in torch.randint(1, 5, (len(in_shape),), generator=g)]
+    n_in = max(1, int(torch.tensor(in_shape).prod()) - 1)
+    n_out = int(torch.tensor(out_shape).prod())
+    layer = TTLinear(n_in, n_out, rank=rank, shape=(in_shape, out_shape), dtype=DT)
+    assert all(r <= rank for r in layer.ranks)
+    x = torch.randn(batch, n_in, dtype=DT)
+    torch.testing.assert_close(layer(x), F.linear(x, linear_weight(layer), layer.bias))
+
+
+def test_truncation_keeps_output_and_shrinks() -> None:
+    layer = TTLinear(64, 48, rank=6, shape=((4, 4, 4), (4, 4, 3)), dtype=DT)
+    with torch.no_grad():
+        layer.controllers[1][[0, 2, 5]] = 0.0
+        layer.controllers[2][1] = 1e-4
+    x = torch.randn(9, 64, dtype=DT)
+    before, params_before = layer(x), layer.num_parameters()
+    assert layer.live_ranks(1e-2) == [4, 3, 5, 6, 3]
+    assert layer.truncate_ranks(1e-2)
+    assert layer.ranks == [4, 3, 5, 6, 3]
+    assert layer.num_parameters() < params_before
+    torch.testing.assert_close(layer(x), before, atol=1e-3, rtol=0)
+    assert not layer.truncate_ranks(1e-2)  # nothing left to cut
+
+
+def test_truncation_of_exact_zeros_is_exact() -> None:
+    layer = TTLinear(16, 16, rank=4, shape=((4, 4), (4, 4)), dtype=DT)
+    with torch.no_grad():
+        layer.controllers[1][:2] = 0.0
+    x = torch.randn(3, 16, dtype=DT)
+    before = layer(x)
+    layer.truncate_ranks(1e-2)
+    torch.testing.assert_close(layer(x), before)
+
+
+def test_size_accounting() -> None:
+    layer = TTLinear(16, 16, rank=3, shape=((4, 4), (4, 4)), dtype=DT)
+    assert layer.ranks == [3, 3, 3]
+    # S = 1*4*3 + 3*4*3 + 3*4*3 + 3*4*1
+    assert layer.tt_size() == 12 + 36 + 36 + 12
+    assert layer.num_parameters() == 96 + 9 + 16
+    assert layer.compression_ratio() == pytest.approx((256 + 16) / 121)
+    total, count = layer.size_surrogate()
+    assert count == 9 and float(total.detach()) == pytest.approx(9.0)
+    with torch.no_grad():
+        layer.controllers[0][0] = 0.0
+    assert layer.tt_size(0.5) == 1 * 4 * 2 + 2 * 4 * 3 + 36 + 12
+    assert layer.size_surrogate(0.5)[1] == 8
+
+
+def test_from_linear_exact_at_full_rank() -> None:
+    dense = nn.Linear(24, 10).double()
+    tt = TTLinear.from_linear(dense, rank=100, shape=((2, 3, 4), (2, 5, 1)))
+    x = torch.randn(4, 24, dtype=DT)
+    torch.testing.assert_close(tt(x), dense(x))
+    low = TTLinear.from_linear(dense, rank=2, shape=((2, 3, 4), (2, 5, 1)))
+    assert max(low.ranks) <= 2
+
+
+def test_meta_device_and_reset() -> None:
+    layer = TTLinear(32, 32, rank=4, device="meta")
+    assert all(c.is_meta for c in layer.cores)
+    layer = layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    assert torch.isfinite(layer(torch.randn(2, 32))).all()
+
+
+def test_init_matches_nn_linear_scale() -> None:
+    layer = TTLinear(512, 512, rank=16, dtype=DT)
+    std = float(layer.dense_weight().std())
+    assert 0.5 * (1 / (3 * 512)) ** 0.5 < std < 2.0 * (1 / (3 * 512)) ** 0.5
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ValueError, match="rank must be an integer >= 1, got 0"):
+        TTLinear(8, 8, rank=0)
+    with pytest.raises(TypeError, match="floating point"):
+        TTLinear(8, 8, rank=2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"product 6.*cannot hold dimension 8"):
+        TTLinear(8, 8, rank=2, shape=((2, 3), (2, 4)))
+    with pytest.raises(ValueError, match="same number"):
+        TTLinear(8, 8, rank=2, shape=((2, 4), (2, 2, 2)))
+    with pytest.raises(ValueError, match="in_features must be a positive integer"):
+        TTLinear(0, 8, rank=2)
+    layer = TTLinear(8, 8, rank=2)
+    with pytest.raises(ValueError, match="last dimension 8"):
+        layer(torch.randn(2, 9))
