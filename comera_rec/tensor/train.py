@@ -108,8 +108,13 @@ class TensorTrainModule(nn.Module):
         return math.prod(self.cores[0].shape[: self._num_batch_dims])
 
     def tt_size(self, threshold: float = 0.0) -> int:
-        """The method's size S: core entries at the live ranks (TTM column factors counted)."""
+        """The method's size S: core entries at the live ranks (TTM column factors counted).
+
+        A train with a bond of no live slice computes zero and counts zero.
+        """
         ranks = [1] + self.live_ranks(threshold) + [1]
+        if 0 in ranks:
+            return 0
         per_train = sum(
             ranks[k] * self._core_mode_size(k) * ranks[k + 1] for k in range(self.num_cores)
         )
@@ -149,6 +154,25 @@ class TensorTrainModule(nn.Module):
 
     # ------------------------------------------------------------------ truncation
     @torch.no_grad()
+    def kept_indices(self, threshold: float) -> list[torch.Tensor]:
+        """Indices of the slices each bond keeps under ``truncate_ranks(threshold)``.
+
+        Live slices (|D| >= threshold in some train); on a bond where none is live, the
+        slice of largest magnitude.
+        """
+        kept = []
+        for k in range(len(self.controllers)):
+            keep = self.live_mask(k, threshold)
+            if not bool(keep.any()):
+                mags = self.controllers[k].detach().abs()
+                while mags.dim() > 1:
+                    mags = mags.amax(dim=0)
+                keep = torch.zeros_like(keep)
+                keep[int(mags.argmax())] = True
+            kept.append(keep.nonzero().flatten())
+        return kept
+
+    @torch.no_grad()
     def truncate_ranks(self, threshold: float) -> bool:
         """Cut every rank slice whose controller magnitude is below ``threshold``.
 
@@ -162,21 +186,13 @@ class TensorTrainModule(nn.Module):
             threshold: slices with |D| < threshold (in every stacked train) are cut.
 
         Returns:
-            True if any rank fell.
+            True if any rank fell (and parameters were replaced).
         """
         changed = False
         b = self._num_batch_dims
-        for k in range(len(self.controllers)):
-            keep = self.live_mask(k, threshold)
-            if bool(keep.all()):
+        for k, idx in enumerate(self.kept_indices(threshold)):
+            if idx.numel() == self.controllers[k].shape[-1]:
                 continue
-            if not bool(keep.any()):
-                mags = self.controllers[k].detach().abs()
-                while mags.dim() > 1:
-                    mags = mags.amax(dim=0)
-                keep = torch.zeros_like(keep)
-                keep[int(mags.argmax())] = True
-            idx = keep.nonzero().flatten()
             left, right, ctrl = self.cores[k], self.cores[k + 1], self.controllers[k]
             self.cores[k] = nn.Parameter(left.index_select(left.dim() - 1, idx).contiguous())
             self.cores[k + 1] = nn.Parameter(right.index_select(b, idx).contiguous())

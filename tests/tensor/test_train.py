@@ -39,3 +39,30 @@ def test_parameter_groups_split_cores_controllers_rest() -> None:
     assert len(list(tensor_train_modules(model))) == 2
     total = sum(len(v) for v in groups.values())
     assert total == len(list(model.parameters()))
+
+
+def test_rank_one_bond_all_dead_is_not_a_change() -> None:
+    layer = TTLinear(16, 8, rank=[1, 1, 4], shape=((4, 4), (2, 4)))
+    with torch.no_grad():
+        layer.controllers[0].zero_()
+    assert not layer.truncate_ranks(1e-2)
+    assert layer.ranks == [1, 1, 4]
+
+
+def test_dead_bond_counts_zero_size() -> None:
+    layer = TTLinear(16, 8, rank=4, shape=((4, 4), (2, 4)))
+    with torch.no_grad():
+        layer.controllers[1].zero_()
+    assert layer.live_ranks(1e-2) == [4, 0, 4]
+    assert layer.tt_size(1e-2) == 0
+
+
+def test_kept_indices_match_truncation() -> None:
+    layer = TTLinear(16, 16, rank=4, shape=((4, 4), (4, 4)))
+    with torch.no_grad():
+        layer.controllers[1][[0, 2]] = 0.0
+    kept = layer.kept_indices(1e-2)
+    assert [k.tolist() for k in kept] == [[0, 1, 2, 3], [1, 3], [0, 1, 2, 3]]
+    old = layer.controllers[1].detach().clone()
+    layer.truncate_ranks(1e-2)
+    torch.testing.assert_close(layer.controllers[1].detach(), old[kept[1]])

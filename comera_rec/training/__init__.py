@@ -1,0 +1,32 @@
+"""The training engine that knows nothing of the model's kind: loop, optimisers,
+metrics, checkpoints and reports."""
+
+from comera_rec.training.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from comera_rec.training.engine import Task, Trainer, TrainerConfig, peak_memory_mb
+from comera_rec.training.metrics import BinaryMetrics
+from comera_rec.training.optim import OptimConfig, build_optimizer, rebuild_optimizer
+from comera_rec.training.report import JsonlLog, plot_run, read_jsonl, summary_table
+
+__all__ = [
+    "BinaryMetrics",
+    "JsonlLog",
+    "OptimConfig",
+    "Task",
+    "Trainer",
+    "TrainerConfig",
+    "build_optimizer",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "peak_memory_mb",
+    "plot_run",
+    "read_jsonl",
+    "rebuild_optimizer",
+    "save_checkpoint",
+    "summary_table",
+]

@@ -1,0 +1,537 @@
+"""The training engine: one loop for every model kind, driven by a task object.
+
+The engine owns the loop (forward, rank-adaptive objective, backward, optimiser steps),
+rank truncation and the rebuild it forces, validation metrics over all processes,
+checkpoints and resume, and the reports. It knows nothing of the model's kind: a *task*
+supplies the model, the wrapper, the batches and the loss.
+
+Task protocol (see :class:`Task`)::
+
+    build_model(device) -> nn.Module            # the unwrapped model, same on every process
+    wrap(model) -> nn.Module                    # DDP / DMP / identity; called again after truncation
+    train_batches(epoch) -> Iterable            # this process's training batches of one epoch
+    val_batches() -> Iterable                   # this process's validation batches
+    step_loss(wrapped, batch) -> (loss, logits, labels)
+    extra_optimizers(wrapped) -> list           # optional: e.g. TorchRec fused optimisers
+    optimizer_parameters(wrapped) -> Iterable   # optional: what the torch optimiser updates
+
+Batches must be deterministic given the epoch (so a resumed run can skip the consumed
+ones) and the wrapper must share its parameters with the model ``build_model`` returned
+(DDP does; so do DMP's replicated modules).
+
+Example::
+
+    >>> trainer = Trainer(task, TrainerConfig(run_dir="runs/x", max_steps=100),
+    ...                   RankScheduleConfig(truncate_every=20), OptimConfig())  # doctest: +SKIP
+    >>> summary = trainer.fit()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import math
+import os
+import random
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from comera_rec.config import to_dict
+from comera_rec.rank.schedule import RankSchedule, RankScheduleConfig
+from comera_rec.rank.size import (
+    model_compression_ratio,
+    model_live_ranks,
+    model_ranks,
+    model_tt_bytes,
+    total_live_rank,
+)
+from comera_rec.rank.truncation import resize_to_state_dict
+from comera_rec.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from comera_rec.training.metrics import BinaryMetrics
+from comera_rec.training.optim import OptimConfig, build_optimizer, rebuild_optimizer
+from comera_rec.training.report import JsonlLog, plot_run, read_jsonl, summary_table
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the engine needs from a model kind (DLRM, transformer, a test toy)."""
+
+    def build_model(self, device: torch.device) -> nn.Module:
+        """Build the unwrapped model on ``device`` (called once, after seeding)."""
+        ...
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Wrap for distributed training (DDP, DMP) or return ``model`` itself."""
+        ...
+
+    def train_batches(self, epoch: int) -> Iterable[Any]:
+        """This process's training batches of ``epoch``; the same sequence every call."""
+        ...
+
+    def val_batches(self) -> Iterable[Any]:
+        """This process's validation batches (use a private generator, not the global RNG)."""
+        ...
+
+    def step_loss(self, wrapped: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward one batch: ``(mean loss, logits (B,), labels (B,))``."""
+        ...
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop: length, intervals, run directory, device and resume."""
+
+    run_dir: str = "runs/default"
+    """Folder for the JSONL log, plots, summary and checkpoints/."""
+    max_steps: int = 100
+    """Optimiser steps (batches) to run; 0 runs `epochs` full passes instead."""
+    epochs: int = 1
+    """Passes over train_batches when max_steps is 0; with max_steps > 0 the data wraps into new epochs as needed."""
+    log_every: int = 10
+    """Write a train record (loss, throughput, ranks, size) every this many steps."""
+    eval_every: int = 0
+    """Validate every this many steps (0: only at the end)."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints to keep (0 keeps all)."""
+    checkpoint_at_end: bool = True
+    """Write a checkpoint after the last step."""
+    seed: int = 0
+    """Seed of torch, numpy and random (the same on every process, so models start equal)."""
+    device: str = "auto"
+    """"cpu", "cuda", "cuda:N" or "auto" (cuda:LOCAL_RANK when a GPU is present)."""
+    backend: str = "auto"
+    """Process group backend when launched with torchrun: "gloo", "nccl" or "auto"."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in run_dir/checkpoints (fresh start if none)."""
+    skip_nonfinite: bool = True
+    """Skip a batch whose loss is NaN or infinite (on any process) instead of failing."""
+    max_nonfinite: int = 100
+    """Fail after this many skipped batches."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0."""
+    plots: bool = True
+    """Write PNG plots into run_dir at the end."""
+    eval_max_batches: int = 0
+    """Validate on at most this many batches per process (0: all)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "epochs", "log_every", "eval_every", "checkpoint_every",
+                     "keep_checkpoints", "max_nonfinite", "eval_max_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"TrainerConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.max_steps == 0 and self.epochs == 0:
+            raise ValueError("TrainerConfig: max_steps and epochs are both 0; nothing to train")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"TrainerConfig.backend must be auto, gloo or nccl, got {self.backend!r}")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process in MiB: CUDA allocations on a GPU, else peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [py_state[0], torch.tensor(py_state[1], dtype=torch.int64), py_state[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]),
+                  int(np_state[3]), float(np_state[4])],
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(int(x) for x in py[1].tolist()), py[2]))
+    npst = state["numpy"]
+    np.random.set_state((npst[0], npst[1].numpy().astype(np.uint32), npst[2], npst[3], npst[4]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class Trainer:
+    """Runs a task under the rank-adaptive schedule; see the module docstring.
+
+    Args:
+        task: the model kind (see :class:`Task`).
+        config: the loop settings.
+        schedule: the rank-adaptive objective settings.
+        optim: the torch optimiser settings.
+        run_config: the whole run's config (any dataclass), saved into checkpoints'
+            meta.json for the record.
+
+    Attributes:
+        model: the unwrapped model; ``wrapped`` the wrapper; ``optimizers`` all optimisers
+            (the torch one first); ``step`` optimiser steps taken (skipped batches count);
+            ``losses`` the global task loss of every step run in this process's life.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        config: TrainerConfig,
+        schedule: Optional[RankScheduleConfig] = None,
+        optim: Optional[OptimConfig] = None,
+        run_config: Any = None,
+    ) -> None:
+        self.task = task
+        self.config = config
+        self.schedule = RankSchedule(schedule or RankScheduleConfig())
+        self.optim_config = optim or OptimConfig()
+        self.run_config = run_config
+        self.run_dir = Path(config.run_dir)
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.nonfinite = 0
+        self.truncations = 0
+        self.samples = 0
+        self.losses: list[float] = []
+        self.last_eval: dict[str, float] = {}
+        self._owns_group = False
+        self.model: Optional[nn.Module] = None
+        self.wrapped: Optional[nn.Module] = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.extra: list[Any] = []
+
+    # ------------------------------------------------------------------ setup
+    def _init_distributed(self) -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            backend = self.config.backend
+            if backend == "auto":
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend)
+            self._owns_group = True
+
+    def _device(self) -> torch.device:
+        name = self.config.device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(name)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return device
+
+    @property
+    def optimizers(self) -> list[Any]:
+        return ([self.optimizer] if self.optimizer is not None else []) + list(self.extra)
+
+    def _build_optimizers(self, truncation: Any = None) -> None:
+        include = None
+        if hasattr(self.task, "optimizer_parameters"):
+            include = list(self.task.optimizer_parameters(self.wrapped))
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(self.model, self.optim_config, include)
+        else:
+            self.optimizer = rebuild_optimizer(self.optimizer, self.model, self.optim_config, truncation, include)
+        self.extra = list(self.task.extra_optimizers(self.wrapped)) if hasattr(self.task, "extra_optimizers") else []
+
+    def _zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True) if isinstance(opt, torch.optim.Optimizer) else opt.zero_grad()
+        if self.model is not None:
+            for p in self.model.parameters():
+                p.grad = None
+
+    def _rebuild_after_truncation(self) -> None:
+        self._zero_grad()
+        old_wrapped = self.wrapped
+        self.wrapped = None
+        del old_wrapped
+        self.wrapped = self.task.wrap(self.model)
+        self._build_optimizers(self.schedule.last_truncation)
+
+    # ------------------------------------------------------------------ data
+    def _batches(self) -> Iterator[Any]:
+        """Training batches from the saved position on, wrapping into new epochs."""
+        while True:
+            if self.config.max_steps == 0 and self.epoch >= self.config.epochs:
+                return
+            it = iter(self.task.train_batches(self.epoch))
+            if self.batch_in_epoch:
+                it = itertools.islice(it, self.batch_in_epoch, None)
+            empty = True
+            for batch in it:
+                empty = False
+                yield batch
+            if empty and self.batch_in_epoch == 0:
+                raise RuntimeError(f"task.train_batches({self.epoch}) yielded no batches")
+            self.epoch += 1
+            self.batch_in_epoch = 0
+
+    # ------------------------------------------------------------------ checkpoint
+    def _state(self) -> dict[str, Any]:
+        assert self.model is not None and self.optimizer is not None
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "extra_optimizers": [o.state_dict() for o in self.extra],
+            "schedule": self.schedule.state_dict(),
+            "trainer": {
+                "step": self.step,
+                "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch,
+                "nonfinite": self.nonfinite,
+                "truncations": self.truncations,
+                "samples": self.samples,
+            },
+            "rng": _rng_state(self.device),
+        }
+
+    def save(self) -> Path:
+        """Checkpoint now (collective: every process calls it)."""
+        meta = {"ranks": model_ranks(self.model), "time": time.time()}
+        if self.run_config is not None:
+            meta["config"] = to_dict(self.run_config)
+        return save_checkpoint(self.run_dir / "checkpoints", self.step, self._state(), meta,
+                               keep=self.config.keep_checkpoints)
+
+    def _restore(self, path: Path) -> None:
+        state, _ = load_checkpoint(path)
+        resize_to_state_dict(self.model, state["model"])
+        self.model.load_state_dict(state["model"])
+        self.wrapped = self.task.wrap(self.model)
+        self._build_optimizers()
+        self.optimizer.load_state_dict(state["optimizer"])
+        if len(state["extra_optimizers"]) != len(self.extra):
+            raise ValueError(
+                f"{path}: checkpoint has {len(state['extra_optimizers'])} extra optimizers, the task {len(self.extra)}"
+            )
+        for opt, sd in zip(self.extra, state["extra_optimizers"]):
+            opt.load_state_dict(sd)
+        self.schedule.load_state_dict(state["schedule"])
+        t = state["trainer"]
+        self.step, self.epoch, self.batch_in_epoch = int(t["step"]), int(t["epoch"]), int(t["batch_in_epoch"])
+        self.nonfinite, self.truncations, self.samples = int(t["nonfinite"]), int(t["truncations"]), int(t["samples"])
+        self._rng_to_restore = state["rng"]
+
+    # ------------------------------------------------------------------ metrics
+    def _size_record(self) -> dict[str, Any]:
+        tau = self.schedule.config.threshold
+        return {
+            "live_rank": total_live_rank(self.model, tau),
+            "model_bytes": model_tt_bytes(self.model, tau),
+            "compression": model_compression_ratio(self.model, tau),
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Validation AUC, accuracy and log loss over all processes (collective)."""
+        metrics = BinaryMetrics(self.device)
+        self.wrapped.eval()
+        try:
+            batches = self.task.val_batches()
+            if self.config.eval_max_batches:
+                batches = itertools.islice(batches, self.config.eval_max_batches)
+            for batch in batches:
+                _, logits, labels = self.task.step_loss(self.wrapped, batch)
+                metrics.update(logits, labels)
+            result = metrics.compute()
+        finally:
+            self.wrapped.train()
+        self.last_eval = result
+        self.schedule.observe_validation(self.step, result["log_loss"], self.model)
+        return result
+
+    def _reduce_loss(self, loss: torch.Tensor) -> tuple[float, bool]:
+        """Global mean of the loss and whether it is finite on every process."""
+        value = loss.detach().float().reshape(())
+        finite = bool(torch.isfinite(value))
+        if not _distributed():
+            return float(value), finite
+        buf = torch.stack([value if finite else torch.zeros_like(value),
+                           torch.tensor(0.0 if finite else 1.0, device=value.device)]).to(self.device)
+        dist.all_reduce(buf)
+        return float(buf[0]) / _world(), float(buf[1]) == 0.0
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict[str, Any]:
+        """Train to the end, then validate, checkpoint, plot and summarise.
+
+        Returns:
+            The summary (also printed on rank 0 and saved as summary.txt / summary.json).
+        """
+        try:
+            return self._fit()
+        finally:
+            self.close()
+
+    def _fit(self) -> dict[str, Any]:
+        import json
+
+        from tqdm import tqdm
+
+        cfg = self.config
+        self._init_distributed()
+        self.device = self._device()
+        rank = _rank()
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        self.model = self.task.build_model(self.device)
+        self._rng_to_restore: Optional[dict[str, Any]] = None
+        resume_from = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume else None
+        if resume_from is not None:
+            self._restore(resume_from)
+        else:
+            self.wrapped = self.task.wrap(self.model)
+            self._build_optimizers()
+        start_step = self.step
+        log = JsonlLog(self.run_dir / "log.jsonl", resume_step=start_step if resume_from else None) if rank == 0 else None
+        if self._rng_to_restore is not None:
+            _set_rng_state(self._rng_to_restore, self.device)
+        total = cfg.max_steps if cfg.max_steps > 0 else None
+        bar = tqdm(total=total, initial=start_step, disable=not (cfg.progress and rank == 0),
+                   dynamic_ncols=True, desc="train")
+        batches = self._batches()
+        window_loss, window_steps, window_samples, window_time = 0.0, 0, 0, 0.0
+        throughputs: list[float] = []
+        wall0 = time.perf_counter()
+        self.wrapped.train()
+        self._zero_grad()
+        while total is None or self.step < total:
+            t0 = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            loss, _, labels = self.task.step_loss(self.wrapped, batch)
+            global_loss, finite = self._reduce_loss(loss)
+            self.batch_in_epoch += 1
+            if not finite:
+                self._zero_grad()
+                self.nonfinite += 1
+                self.step += 1
+                if not cfg.skip_nonfinite:
+                    raise FloatingPointError(f"non-finite loss at step {self.step}")
+                if self.nonfinite > cfg.max_nonfinite:
+                    raise FloatingPointError(
+                        f"{self.nonfinite} non-finite losses exceed max_nonfinite={cfg.max_nonfinite}"
+                    )
+                bar.update(1)
+                continue
+            terms = self.schedule.objective(self.model, loss, self.step, global_task_loss=global_loss)
+            terms.loss.backward()
+            for opt in self.optimizers:
+                opt.step()
+            self._zero_grad()
+            self.step += 1
+            n = int(labels.shape[0]) * _world()
+            self.samples += n
+            self.losses.append(global_loss)
+            truncated = False
+            if self.schedule.should_truncate(self.step) and self.schedule.truncate(self.model):
+                self._rebuild_after_truncation()
+                self.truncations += 1
+                truncated = True
+            window_time += time.perf_counter() - t0
+            window_loss += global_loss
+            window_steps += 1
+            window_samples += n
+            bar.update(1)
+            if truncated and log is not None:
+                tr = self.schedule.last_truncation
+                log.write({"kind": "truncate", "step": self.step, "ranks_before": tr.ranks_before,
+                           "ranks_after": tr.ranks_after})
+            if cfg.log_every and self.step % cfg.log_every == 0:
+                tput = window_samples / max(window_time, 1e-9)
+                throughputs.append(tput)
+                record = {"kind": "train", "step": self.step, "loss": window_loss / window_steps,
+                          "objective": float(terms.loss.detach()), "surrogate": terms.surrogate,
+                          "stage": terms.stage, "choice": terms.choice, "samples_per_s": tput,
+                          "peak_mem_mb": peak_memory_mb(self.device), "nonfinite": self.nonfinite,
+                          **self._size_record()}
+                if log is not None:
+                    log.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", cr=f"{record['compression']:.1f}")
+                window_loss, window_steps, window_samples, window_time = 0.0, 0, 0, 0.0
+            if cfg.eval_every and self.step % cfg.eval_every == 0:
+                result = self.evaluate()
+                if log is not None:
+                    log.write({"kind": "eval", "step": self.step, **result, "stage": self.schedule.stage})
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self.save()
+        bar.close()
+        if not (cfg.eval_every and self.step % cfg.eval_every == 0 and self.last_eval):
+            result = self.evaluate()
+            if log is not None:
+                log.write({"kind": "eval", "step": self.step, **result, "stage": self.schedule.stage})
+        if cfg.checkpoint_at_end and not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+            self.save()
+        size = self._size_record()
+        summary: dict[str, Any] = {
+            "steps": self.step,
+            "samples": self.samples,
+            "world_size": _world(),
+            "final_train_loss": self.losses[-1] if self.losses else float("nan"),
+            "val_auc": self.last_eval.get("auc", float("nan")),
+            "val_accuracy": self.last_eval.get("accuracy", float("nan")),
+            "val_log_loss": self.last_eval.get("log_loss", float("nan")),
+            "samples_per_s": float(np.mean(throughputs)) if throughputs else float("nan"),
+            "peak_mem_mb": peak_memory_mb(self.device),
+            "live_rank": size["live_rank"],
+            "model_bytes": size["model_bytes"],
+            "compression": size["compression"],
+            "truncations": self.truncations,
+            "nonfinite_skipped": self.nonfinite,
+            "stage": self.schedule.stage,
+            "wall_s": time.perf_counter() - wall0,
+        }
+        if rank == 0:
+            table = summary_table(summary)
+            print(table, flush=True)
+            (self.run_dir / "summary.txt").write_text(table + "\n")
+            (self.run_dir / "summary.json").write_text(json.dumps(
+                {**summary, "live_ranks": model_live_ranks(self.model, self.schedule.config.threshold)},
+                indent=1, default=str))
+            if log is not None:
+                log.write({"kind": "summary", **summary})
+            if cfg.plots:
+                plot_run(read_jsonl(self.run_dir / "log.jsonl"), self.run_dir)
+        return summary
+
+    def close(self) -> None:
+        """Release the wrapper and optimisers, then the process group if the engine made it.
+
+        Deleting them and collecting garbage before ``destroy_process_group`` avoids the
+        gloo abort at exit (platform.md).
+        """
+        self.wrapped = None
+        self.optimizer = None
+        self.extra = []
+        gc.collect()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False

@@ -1,0 +1,171 @@
+"""Optimisers with separate learning rates for TT cores, rank controllers and the rest,
+and their rebuild after a rank truncation.
+
+After truncation the cut cores and controllers are new ``nn.Parameter`` objects. The
+rebuilt optimiser keeps the state of every parameter that did not change as it is, and
+slices the state of each cut parameter (``exp_avg``, ``exp_avg_sq``, Adagrad's ``sum``,
+SGD's ``momentum_buffer``: every state tensor shaped like the parameter) along the kept
+rank indices; scalar state (``step``) is copied. When the kept indices are unknown the
+cut parameter's state is dropped (the optimiser starts it afresh).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from comera_rec.rank.truncation import TruncationResult
+from comera_rec.tensor.train import parameter_groups
+
+OPTIMIZERS = {
+    "AdamW": torch.optim.AdamW,
+    "Adam": torch.optim.Adam,
+    "SGD": torch.optim.SGD,
+    "Adagrad": torch.optim.Adagrad,
+}
+GROUPS = ("cores", "controllers", "other")
+
+
+@dataclass
+class OptimConfig:
+    """The torch optimiser for TT cores, rank controllers and the remaining dense parameters."""
+
+    name: str = "AdamW"
+    """Optimiser class: "AdamW", "Adam", "SGD" or "Adagrad"."""
+    lr_cores: float = 1e-4
+    """Learning rate of the TT cores (reference 1e-4)."""
+    lr_controllers: float = 1e-3
+    """Learning rate of the rank controllers D (reference 1e-3)."""
+    lr_other: float = 5e-5
+    """Learning rate of every other trainable parameter (reference 5e-5)."""
+    weight_decay: float = 0.0
+    """Weight decay of every group (reference 0)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam / AdamW betas."""
+    eps: float = 1e-8
+    """Adam / AdamW / Adagrad epsilon."""
+    momentum: float = 0.0
+    """SGD momentum."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"OptimConfig.name must be one of {sorted(OPTIMIZERS)}, got {self.name!r}")
+        for field_name in ("lr_cores", "lr_controllers", "lr_other", "weight_decay", "eps", "momentum"):
+            value = getattr(self, field_name)
+            if not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
+                raise ValueError(f"OptimConfig.{field_name} must be a finite number >= 0, got {value!r}")
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+
+    def group_lr(self, group: str) -> float:
+        """Learning rate of a named group ("cores", "controllers" or "other")."""
+        return {"cores": self.lr_cores, "controllers": self.lr_controllers, "other": self.lr_other}[group]
+
+    def kwargs(self) -> dict[str, object]:
+        """Constructor arguments shared by all groups (learning rates are per group)."""
+        kw: dict[str, object] = {"weight_decay": self.weight_decay}
+        if self.name in ("Adam", "AdamW"):
+            kw.update(betas=self.betas, eps=self.eps)
+        elif self.name == "Adagrad":
+            kw.update(eps=self.eps)
+        elif self.name == "SGD":
+            kw.update(momentum=self.momentum)
+        return kw
+
+
+def build_optimizer(
+    model: nn.Module,
+    config: OptimConfig,
+    include: Optional[Iterable[nn.Parameter]] = None,
+) -> torch.optim.Optimizer:
+    """One optimiser with a named param group per kind: cores, controllers, other.
+
+    Args:
+        model: the unwrapped model.
+        config: optimiser settings.
+        include: if given, only these parameters are optimised (e.g. leave out tables
+            that TorchRec updates with a fused optimiser).
+
+    Returns:
+        The optimiser; each group carries ``"name"``. Empty groups are left out.
+
+    Example::
+
+        >>> opt = build_optimizer(model, OptimConfig(name="AdamW"))  # doctest: +SKIP
+        >>> [g["name"] for g in opt.param_groups]  # doctest: +SKIP
+        ['cores', 'controllers', 'other']
+    """
+    allowed = None if include is None else {id(p) for p in include}
+    groups = []
+    for name, params in parameter_groups(model).items():
+        params = [p for p in params if p.requires_grad and (allowed is None or id(p) in allowed)]
+        if params:
+            groups.append({"params": params, "lr": config.group_lr(name), "name": name})
+    if not groups:
+        raise ValueError("build_optimizer: the model has no trainable parameters to optimise")
+    return OPTIMIZERS[config.name](groups, lr=config.lr_other, **config.kwargs())
+
+
+def _move_state(
+    state: dict[str, object],
+    old: nn.Parameter,
+    slicer: Optional[Callable[[torch.Tensor], torch.Tensor]],
+) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == old.shape:
+            out[key] = slicer(value) if slicer is not None else value
+        else:
+            out[key] = value
+    return out
+
+
+def rebuild_optimizer(
+    old: torch.optim.Optimizer,
+    model: nn.Module,
+    config: OptimConfig,
+    truncation: Optional[TruncationResult] = None,
+    include: Optional[Iterable[nn.Parameter]] = None,
+) -> torch.optim.Optimizer:
+    """A new optimiser over ``model``'s current parameters, carrying ``old``'s state.
+
+    Parameters that were not replaced keep their state; parameters replaced by a
+    truncation get their old state sliced along the kept indices (or none when the
+    indices are unknown). Group hyper-parameters (``lr`` and the rest, which a learning
+    rate scheduler may have changed) are copied from the group of the same name.
+
+    Args:
+        old: the optimiser before the truncation.
+        model: the unwrapped model, after the truncation.
+        config: optimiser settings.
+        truncation: what the truncation replaced (``RankSchedule.last_truncation``).
+        include: as in :func:`build_optimizer`.
+
+    Example::
+
+        >>> if schedule.truncate(model):  # doctest: +SKIP
+        ...     opt = rebuild_optimizer(opt, model, cfg, schedule.last_truncation)
+    """
+    new = build_optimizer(model, config, include)
+    old_groups = {g.get("name"): g for g in old.param_groups}
+    for group in new.param_groups:
+        source = old_groups.get(group["name"])
+        if source is None:
+            continue
+        for key, value in source.items():
+            if key != "params":
+                group[key] = value
+    changes = truncation.by_old_id() if truncation is not None else {}
+    by_new = {id(c.new): c for c in changes.values()}
+    for group in new.param_groups:
+        for p in group["params"]:
+            change = by_new.get(id(p))
+            if change is None:
+                if p in old.state:
+                    new.state[p] = _move_state(old.state[p], p, None)
+            elif change.old in old.state and change.index:
+                new.state[p] = _move_state(old.state[change.old], change.old, change.slice)
+    return new

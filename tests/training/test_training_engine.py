@@ -1,0 +1,123 @@
+"""The engine on the toy task: a full run, resume equivalence, non-finite losses, 2-process DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from comera_rec.rank import RankScheduleConfig
+from comera_rec.training import OptimConfig, Trainer, TrainerConfig, latest_checkpoint, read_jsonl
+
+from toy_task import ToyTask
+
+HERE = Path(__file__).parent
+
+
+def optim() -> OptimConfig:
+    return OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2)
+
+
+def schedule(**kw) -> RankScheduleConfig:
+    # threshold just below the initial controller value 1: every step some entries fall
+    # under it, so truncation really happens within a few steps
+    base = dict(threshold=0.999, truncate_every=3, late_stage=True, switch="step", switch_step=5)
+    base.update(kw)
+    return RankScheduleConfig(**base)
+
+
+def run(run_dir: Path, steps: int, resume: bool = False, sched: dict | None = None, **trainer_kw) -> Trainer:
+    kw = dict(run_dir=str(run_dir), max_steps=steps, log_every=1, eval_every=4, checkpoint_every=4,
+              progress=False, plots=False, resume=resume, seed=1)
+    kw.update(trainer_kw)
+    trainer = Trainer(ToyTask(batches_per_epoch=5), TrainerConfig(**kw), schedule(**(sched or {})), optim())
+    trainer.fit()
+    return trainer
+
+
+def test_full_run_learns_and_reports(tmp_path):
+    t = run(tmp_path, 40, plots=True, eval_every=10, checkpoint_every=20,
+            progress=True)
+    records = read_jsonl(tmp_path / "log.jsonl")
+    kinds = {r["kind"] for r in records}
+    assert kinds == {"train", "eval", "truncate", "summary"}
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [10, 20, 30, 40]
+    assert evals[-1]["auc"] > 0.6  # the toy rule is learnable
+    trains = [r for r in records if r["kind"] == "train"]
+    assert trains[-1]["stage"] == "late" and trains[0]["stage"] == "early"
+    assert trains[-1]["live_rank"] < trains[0]["live_rank"]
+    assert trains[-1]["compression"] > trains[0]["compression"]
+    assert all(r["samples_per_s"] > 0 and r["peak_mem_mb"] > 0 for r in trains)
+    assert t.truncations > 0
+    for name in ("loss_auc.png", "ranks_compression.png", "summary.txt", "summary.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["val_auc"] == evals[-1]["auc"]
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_000000040"
+
+
+def test_resume_gives_the_same_losses(tmp_path):
+    sched = dict(truncate_every=2, switch_step=3)
+    full = run(tmp_path / "full", 11, sched=sched)
+    # 5 steps: truncations at 2 and 4, the late stage from 3, the checkpoint at the end of
+    # epoch 0; the resumed part starts epoch 1 and truncates again at 6 (ranks fall)
+    first = run(tmp_path / "split", 5, sched=sched)
+    assert first.truncations == 2 and first.schedule.stage == "late"
+    ranks_at_5 = first.model.lin.ranks + first.model.emb.ranks
+    second = run(tmp_path / "split", 11, resume=True, sched=sched)
+    assert first.losses == full.losses[:5]
+    assert second.losses == full.losses[5:]
+    assert second.truncations == full.truncations > 2
+    assert second.model.lin.ranks + second.model.emb.ranks != ranks_at_5
+    for (k, a), b in zip(full.model.state_dict().items(), second.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    # the log of the resumed run is continuous: one train record per step
+    steps = [r["step"] for r in read_jsonl(tmp_path / "split" / "log.jsonl") if r["kind"] == "train"]
+    assert steps == list(range(1, 12))
+
+
+def test_nonfinite_batches_are_skipped(tmp_path):
+    trainer = Trainer(ToyTask(batches_per_epoch=5, nan_batches=(1, 3)),
+                      TrainerConfig(run_dir=str(tmp_path), max_steps=6, progress=False, plots=False,
+                                    checkpoint_at_end=False),
+                      schedule(), optim())
+    summary = trainer.fit()
+    assert summary["nonfinite_skipped"] == 2 and summary["steps"] == 6
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    strict = Trainer(ToyTask(batches_per_epoch=5, nan_batches=(1,)),
+                     TrainerConfig(run_dir=str(tmp_path / "s"), max_steps=6, progress=False, plots=False,
+                                   skip_nonfinite=False), schedule(), optim())
+    with pytest.raises(FloatingPointError, match="non-finite loss at step 2"):
+        strict.fit()
+
+
+@pytest.mark.slow
+def test_two_process_ddp_run(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(HERE / "ddp_run.py"), str(run_dir)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+    p0 = torch.load(run_dir / "params_rank0.pt", weights_only=True)
+    p1 = torch.load(run_dir / "params_rank1.pt", weights_only=True)
+    assert p0.keys() == p1.keys()
+    for k in p0:
+        assert torch.equal(p0[k], p1[k]), k
+    r0 = json.loads((run_dir / "ranks_rank0.json").read_text())
+    r1 = json.loads((run_dir / "ranks_rank1.json").read_text())
+    assert r0 == r1  # the same global losses, skips and truncations on both
+    assert r0["truncations"] >= 1 and r0["nonfinite"] == 1
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    assert ckpt.name == "step_000000010" and (ckpt / "rank1.pt").exists()
+    assert "val_auc" in (run_dir / "summary.txt").read_text()

@@ -1,0 +1,91 @@
+"""Optimiser groups and the rebuild after a rank truncation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from comera_rec.rank import RankSchedule, RankScheduleConfig
+from comera_rec.training import OptimConfig, build_optimizer, rebuild_optimizer
+
+from toy_task import ToyModel, make_batch
+
+
+def train_steps(model, opt, gen, n, sched=None):
+    losses = []
+    for _ in range(n):
+        b = make_batch(gen, 32)
+        loss = F.binary_cross_entropy_with_logits(model(b["dense"], b["ids"], b["offsets"]), b["labels"])
+        total = sched.objective(model, loss, 0).loss if sched else loss
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def test_groups_and_learning_rates():
+    model = ToyModel()
+    opt = build_optimizer(model, OptimConfig())
+    assert isinstance(opt, torch.optim.AdamW)
+    lrs = {g["name"]: g["lr"] for g in opt.param_groups}
+    assert lrs == {"cores": 1e-4, "controllers": 1e-3, "other": 5e-5}
+    assert all(g["weight_decay"] == 0.0 for g in opt.param_groups)
+    n = {g["name"]: len(g["params"]) for g in opt.param_groups}
+    assert n == {"cores": 4 + 2, "controllers": 3 + 1, "other": 3}  # lin.bias, head.weight, head.bias
+    for name, cls in [("SGD", torch.optim.SGD), ("Adagrad", torch.optim.Adagrad), ("Adam", torch.optim.Adam)]:
+        assert isinstance(build_optimizer(model, OptimConfig(name=name)), cls)
+
+
+def test_bad_optimizer_name():
+    with pytest.raises(ValueError, match="'Lion'"):
+        OptimConfig(name="Lion")
+
+
+def test_include_filters_parameters():
+    model = ToyModel()
+    opt = build_optimizer(model, OptimConfig(), include=list(model.lin.parameters()))
+    assert {g["name"] for g in opt.param_groups} == {"cores", "controllers", "other"}
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.lin.parameters()))
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adagrad", "SGD"])
+def test_rebuild_after_truncation_moves_state(name):
+    torch.manual_seed(0)
+    model = ToyModel()
+    cfg = OptimConfig(name=name, lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2, momentum=0.9)
+    opt = build_optimizer(model, cfg)
+    gen = torch.Generator().manual_seed(0)
+    train_steps(model, opt, gen, 3)
+    opt.param_groups[0]["lr"] = 0.123  # e.g. set by a scheduler: must survive the rebuild
+    with torch.no_grad():
+        model.lin.controllers[1][torch.tensor([1, 3])] = 0.0
+    head_w = model.head.weight
+    head_state = {k: v.clone() for k, v in opt.state[head_w].items()}
+    old_core = model.lin.cores[1]
+    old_core_state = {k: v.clone() for k, v in opt.state[old_core].items()}
+    before = sum(p.numel() for p in model.parameters())
+    sched = RankSchedule(RankScheduleConfig())
+    assert sched.truncate(model)
+    new = rebuild_optimizer(opt, model, cfg, sched.last_truncation)
+    assert sum(p.numel() for p in model.parameters()) < before
+    assert new.param_groups[0]["lr"] == 0.123
+    # unchanged parameters keep their state exactly
+    for k, v in head_state.items():
+        assert torch.equal(new.state[head_w][k], v)
+    # the cut core's state is the old state at the kept rank indices
+    new_core = model.lin.cores[1]
+    assert new_core is not old_core and new_core.shape[-1] == 2
+    for k, v in old_core_state.items():
+        if v.dim() > 0:
+            assert torch.equal(new.state[new_core][k], v[:, :, torch.tensor([0, 2])])
+        else:
+            assert torch.equal(new.state[new_core][k], v)
+    # every current parameter is optimised, no stale one
+    ids = {id(p) for g in new.param_groups for p in g["params"]}
+    assert ids == {id(p) for p in model.parameters()}
+    # the model still trains
+    losses = train_steps(model, new, gen, 15)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert model.lin.cores[1].grad is None and new.state[model.lin.cores[1]]
