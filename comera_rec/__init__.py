@@ -16,7 +16,29 @@ from comera_rec.tensor import (
 
 __version__ = "0.1.0"
 
+# Names of the TorchRec integration, imported on first access so that
+# ``import comera_rec`` does not import TorchRec.
+_INTEGRATION = (
+    "CompressionPolicy",
+    "TTMEmbeddingBagCollection",
+    "TableOverride",
+    "compress",
+    "model_size",
+    "rewrap_after_truncation",
+    "wrap_model",
+)
+
+
+def __getattr__(name: str):
+    if name in _INTEGRATION:
+        import comera_rec.integration as integration
+
+        return getattr(integration, name)
+    raise AttributeError(f"module 'comera_rec' has no attribute {name!r}")
+
+
 __all__ = [
+    *_INTEGRATION,
     "TTLinear",
     "TTMEmbeddingBag",
     "TensorTrainModule",

@@ -6,15 +6,9 @@ dataclasses (sections). Unknown keys are errors that list the valid ones.
 
 Example::
 
-    >>> @dataclass
-    ... class Section:
-    ...     lr: float = 0.1
-    >>> @dataclass
-    ... class Run:
-    ...     optim: Section = field(default_factory=Section)
-    ...     steps: int = 10
-    >>> load_config(Run, None, ["optim.lr=0.5", "steps=20"])
-    Run(optim=Section(lr=0.5), steps=20)
+    >>> from comera_rec.training import OptimConfig
+    >>> load_config(OptimConfig, None, ["lr_cores=0.5", "name=SGD"]).lr_cores
+    0.5
 """
 
 from __future__ import annotations

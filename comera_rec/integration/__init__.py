@@ -1,0 +1,41 @@
+"""TorchRec integration: TTM embedding-bag collections, TT MLPs and cross nets,
+``compress`` for existing models, and the DistributedModelParallel glue."""
+
+from comera_rec.integration.collection import TTMEmbeddingBagCollection
+from comera_rec.integration.compress import CompressionReport, ModelSize, ModuleReport, compress, model_size
+from comera_rec.integration.distributed import (
+    EmbeddingOptimizerSpec,
+    OptimizerBundle,
+    default_dense_optimizer,
+    destroy_distributed,
+    materialize_tensor_trains,
+    replicated_parameter_groups,
+    rewrap_after_truncation,
+    wrap_model,
+)
+from comera_rec.integration.mlp import TTLowRankCrossNet, tt_mlp
+from comera_rec.integration.policy import CompressionPolicy, TableOverride, TablePlan, linear_pays, plan_table
+
+__all__ = [
+    "CompressionPolicy",
+    "CompressionReport",
+    "EmbeddingOptimizerSpec",
+    "ModelSize",
+    "ModuleReport",
+    "OptimizerBundle",
+    "TTLowRankCrossNet",
+    "TTMEmbeddingBagCollection",
+    "TableOverride",
+    "TablePlan",
+    "compress",
+    "default_dense_optimizer",
+    "destroy_distributed",
+    "linear_pays",
+    "materialize_tensor_trains",
+    "model_size",
+    "plan_table",
+    "replicated_parameter_groups",
+    "rewrap_after_truncation",
+    "tt_mlp",
+    "wrap_model",
+]

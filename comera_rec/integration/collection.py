@@ -1,0 +1,382 @@
+"""TTMEmbeddingBagCollection: a drop-in TorchRec EmbeddingBagCollection with TTM tables.
+
+Large tables are tensor-train matrices (TTM); tables of one TT shape are stacked and
+looked up in one call. Small tables stay dense in a TorchRec ``EmbeddingBagCollection``
+submodule (``dense``), so TorchRec's sharders and planner treat them exactly as in any
+other model: under ``DistributedModelParallel`` they become FBGEMM table-batched
+kernels with a fused optimizer, sharded across ranks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import OrderedDict
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagCollectionInterface,
+    get_embedding_names_by_table,
+)
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_table
+from comera_rec.tensor.stacked import StackedTTMTables
+
+_POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
+
+
+class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
+    """An ``EmbeddingBagCollection`` whose large tables are TTM tensor trains.
+
+    Output keys, their order and ``length_per_key`` are those of TorchRec's
+    ``EmbeddingBagCollection`` for the same configs (a feature read by several tables
+    is named ``feature@table``). The ``policy`` decides per table whether it is
+    compressed, at which rank and shape; the others stay dense in the ``dense``
+    submodule. Compressed tables with equal (row factors, column factors, ranks,
+    embedding_dim) form one :class:`~comera_rec.tensor.stacked.StackedTTMTables` in
+    ``groups`` and are looked up together.
+
+    Args:
+        tables: the table configs (SUM or MEAN pooling; compressed tables must be FP32).
+        policy: what to compress; ``CompressionPolicy()`` when ``None``.
+        is_weighted: whether input KJTs carry per-id weights (weighted pooling).
+        device: where to allocate (``"meta"`` allocates nothing; call
+            :meth:`reset_parameters` after materialising).
+        validate_inputs: check every id against its table (an error names the feature
+            and the value); costs one vectorised comparison per batch.
+        allow_extra_keys: ignore KJT keys that no table reads (TorchRec's behaviour);
+            when ``False`` they are an error.
+        plans: explicit per-table decisions (``compress`` passes them); overrides ``policy``.
+
+    Example::
+
+        >>> tables = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=50_000,
+        ...                              feature_names=["f0"]),
+        ...           EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=100,
+        ...                              feature_names=["f1"])]
+        >>> ebc = TTMEmbeddingBagCollection(tables, CompressionPolicy(rank=8))
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(
+        ...     keys=["f0", "f1"], values=torch.tensor([1, 49_999, 3]), lengths=torch.tensor([2, 0, 1, 0]))
+        >>> out = ebc(kjt)
+        >>> out.keys(), out.values().shape
+        (['f0', 'f1'], torch.Size([2, 16]))
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        policy: CompressionPolicy | None = None,
+        *,
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        validate_inputs: bool = True,
+        allow_extra_keys: bool = False,
+        plans: Mapping[str, TablePlan] | None = None,
+    ) -> None:
+        super().__init__()
+        if not tables:
+            raise ValueError("TTMEmbeddingBagCollection: need at least one table config")
+        policy = policy or CompressionPolicy()
+        self.policy = policy
+        self._is_weighted = is_weighted
+        self._validate = validate_inputs
+        self._allow_extra_keys = allow_extra_keys
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._embedding_bag_configs = tables
+
+        names = [t.name for t in tables]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"TTMEmbeddingBagCollection: duplicate table names {duplicates}")
+        for t in tables:
+            if not t.feature_names:
+                t.feature_names = [t.name]  # as TorchRec's EmbeddingBagCollection does
+            if t.pooling not in _POOLINGS:
+                raise ValueError(
+                    f"TTMEmbeddingBagCollection: table {t.name!r} has pooling {t.pooling}; "
+                    f"only SUM and MEAN are supported"
+                )
+
+        self.plans: dict[str, TablePlan] = {}
+        for t in tables:
+            plan = (plans or {}).get(t.name) or plan_table(t.name, t.num_embeddings, t.embedding_dim, policy)
+            if plan.compressed and t.data_type != DataType.FP32:
+                raise ValueError(
+                    f"TTMEmbeddingBagCollection: compressed table {t.name!r} must be FP32, got {t.data_type}"
+                )
+            self.plans[t.name] = plan
+
+        # ---- dense tables: one TorchRec EBC, sharded by TorchRec under DMP
+        dense_configs = [t for t in tables if not self.plans[t.name].compressed]
+        self.dense: EmbeddingBagCollection | None = (
+            EmbeddingBagCollection(dense_configs, is_weighted=is_weighted, device=self._device)
+            if dense_configs else None
+        )
+        self._dense_features: list[str] = list(
+            OrderedDict.fromkeys(f for t in dense_configs for f in t.feature_names)
+        )
+        self._dense_lengths: list[int] = [t.embedding_dim for t in dense_configs for _ in t.feature_names]
+
+        # ---- compressed tables: stacked by TT shape
+        groups: "OrderedDict[tuple, list[EmbeddingBagConfig]]" = OrderedDict()
+        for t in tables:
+            plan = self.plans[t.name]
+            if plan.compressed:
+                groups.setdefault(plan.group_key(t.embedding_dim), []).append(t)
+        self.groups = nn.ModuleList()
+        self._group_tables: list[list[str]] = []
+        # per group: (feature name, table index in the stack, is mean) for every bag stream
+        self._group_streams: list[list[tuple[str, int, bool]]] = []
+        for members in groups.values():
+            plan = self.plans[members[0].name]
+            assert plan.shape is not None and plan.ranks is not None
+            self.groups.append(
+                StackedTTMTables(
+                    [t.num_embeddings for t in members], members[0].embedding_dim, list(plan.ranks),
+                    row_shape=plan.shape[0], col_shape=plan.shape[1], device=self._device,
+                )
+            )
+            self._group_tables.append([t.name for t in members])
+            self._group_streams.append(
+                [(f, i, t.pooling == PoolingType.MEAN) for i, t in enumerate(members) for f in t.feature_names]
+            )
+
+        # ---- where each output key comes from, in TorchRec's order
+        self._embedding_names: list[str] = list(itertools.chain(*get_embedding_names_by_table(tables)))
+        self._lengths_per_embedding: list[int] = [t.embedding_dim for t in tables for _ in t.feature_names]
+        dense_pos = itertools.count()
+        stream_pos: dict[tuple[str, str], tuple[int, int]] = {}
+        for g, streams in enumerate(self._group_streams):
+            for s, (f, i, _) in enumerate(streams):
+                stream_pos[(self._group_tables[g][i], f)] = (g, s)
+        self._slots: list[tuple[str, int, int]] = []
+        for t in tables:
+            for f in t.feature_names:
+                if self.plans[t.name].compressed:
+                    g, s = stream_pos[(t.name, f)]
+                    self._slots.append(("tt", g, s))
+                else:
+                    self._slots.append(("dense", next(dense_pos), 0))
+
+        # ---- id bounds per feature (the smallest table that reads it)
+        self._bounds: dict[str, tuple[int, str]] = {}
+        for t in tables:
+            for f in t.feature_names:
+                if f not in self._bounds or t.num_embeddings < self._bounds[f][0]:
+                    self._bounds[f] = (t.num_embeddings, t.name)
+        self._key_cache: dict[tuple[str, ...], tuple[dict[str, int], list[int]]] = {}
+
+    # ------------------------------------------------------------------ interface
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """The table configs, as given."""
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        """Whether the input KJT's weights are used as per-sample weights."""
+        return self._is_weighted
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def compressed_tables(self) -> list[str]:
+        """Names of the TTM tables."""
+        return [n for members in self._group_tables for n in members]
+
+    def dense_tables(self) -> list[str]:
+        """Names of the dense tables."""
+        return [t.name for t in self._embedding_bag_configs if not self.plans[t.name].compressed]
+
+    def reset_parameters(self) -> None:
+        """(Re)initialise all tables; a no-op for tensors still on the meta device."""
+        for group in self.groups:
+            group.reset_parameters()
+        if self.dense is not None:
+            self.dense.reset_parameters()
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """The dense ``(num_embeddings, embedding_dim)`` table ``name`` (reconstructed if TTM).
+
+        Meant for tests and export: a TTM table is formed whole.
+        """
+        for g, members in enumerate(self._group_tables):
+            if name in members:
+                return self.groups[g].dense_weight(members.index(name))
+        if self.dense is not None and name in self.dense.embedding_bags:
+            return self.dense.embedding_bags[name].weight
+        raise KeyError(f"TTMEmbeddingBagCollection: no table named {name!r}")
+
+    def extra_repr(self) -> str:
+        return f"compressed={self.compressed_tables()}, dense={self.dense_tables()}, is_weighted={self._is_weighted}"
+
+    # ------------------------------------------------------------------ forward
+    def _key_layout(self, keys: Sequence[str]) -> tuple[dict[str, int], list[int]]:
+        cache_key = tuple(keys)
+        hit = self._key_cache.get(cache_key)
+        if hit is not None:
+            return hit
+        index = {k: i for i, k in enumerate(keys)}
+        missing = [f for f in self._bounds if f not in index]
+        if missing:
+            raise ValueError(
+                f"TTMEmbeddingBagCollection: the input KeyedJaggedTensor lacks feature(s) {missing} "
+                f"read by the tables; its keys are {list(keys)}"
+            )
+        extra = [k for k in keys if k not in self._bounds]
+        if extra and not self._allow_extra_keys:
+            raise ValueError(
+                f"TTMEmbeddingBagCollection: KeyedJaggedTensor key(s) {extra} are in no table config "
+                f"(features known: {list(self._bounds)}); pass allow_extra_keys=True to ignore them"
+            )
+        bounds = [self._bounds[k][0] if k in self._bounds else -1 for k in keys]
+        self._key_cache[cache_key] = (index, bounds)
+        return index, bounds
+
+    def _check_ids(self, keys: Sequence[str], values: torch.Tensor, length_per_key: list[int], bounds: list[int]) -> None:
+        if values.numel() == 0:
+            return
+        limit = torch.repeat_interleave(
+            torch.tensor(bounds, device=values.device), torch.tensor(length_per_key, device=values.device)
+        )
+        bad = (values < 0) | ((values >= limit) & (limit >= 0))
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0])
+            starts = list(itertools.accumulate([0] + length_per_key[:-1]))
+            key = keys[bisect.bisect_right(starts, pos) - 1]
+            num, table = self._bounds[key]
+            raise ValueError(
+                f"TTMEmbeddingBagCollection: feature {key!r} has id {int(values[pos])} out of range "
+                f"[0, {num}) of table {table!r}"
+            )
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pool every feature's bags with its tables.
+
+        Args:
+            features: a KJT holding at least every feature the tables read, one bag per
+                sample and feature (stride ``B``).
+
+        Returns:
+            A ``KeyedTensor`` of values ``(B, sum of embedding dims)``, keys and
+            ``length_per_key`` as TorchRec's ``EmbeddingBagCollection``.
+        """
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"TTMEmbeddingBagCollection: expected a KeyedJaggedTensor, got {type(features).__name__}")
+        if features.variable_stride_per_key():
+            raise ValueError("TTMEmbeddingBagCollection: variable batch sizes per feature are not supported")
+        keys = features.keys()
+        index, bounds = self._key_layout(keys)
+        values = features.values()
+        lengths = features.lengths()
+        length_per_key = features.length_per_key()
+        offset_per_key = features.offset_per_key()
+        batch = features.stride()
+        weights = features.weights_or_none() if self._is_weighted else None
+        if self._is_weighted and weights is None:
+            raise ValueError("TTMEmbeddingBagCollection: is_weighted=True but the KeyedJaggedTensor has no weights")
+        if self._validate:
+            self._check_ids(keys, values, length_per_key, bounds)
+
+        def stream(feature: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            i = index[feature]
+            lo, hi = offset_per_key[i], offset_per_key[i + 1]
+            w = weights[lo:hi] if weights is not None else None
+            return values[lo:hi], lengths[i * batch : (i + 1) * batch], w
+
+        pooled_tt: list[torch.Tensor] = []  # per group: (F_g, B, D)
+        for group, streams in zip(self.groups, self._group_streams):
+            parts = [stream(f) for f, _, _ in streams]
+            ids = torch.cat([p[0] for p in parts]).long()
+            lens = torch.cat([p[1] for p in parts]).long()
+            w = torch.cat([p[2] for p in parts]) if weights is not None else None  # type: ignore[misc]
+            trains = torch.repeat_interleave(
+                torch.tensor([t for _, t, _ in streams], device=ids.device),
+                torch.tensor([length_per_key[index[f]] for f, _, _ in streams], device=ids.device),
+            )
+            offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
+            out = group(ids, offsets, trains, w)  # (F_g * B, D)
+            if any(mean for _, _, mean in streams):
+                is_mean = torch.tensor([m for _, _, m in streams], device=ids.device).repeat_interleave(batch)
+                divisor = torch.where(is_mean, lens.clamp_min(1), torch.ones_like(lens)).to(out.dtype)
+                out = out / divisor.unsqueeze(1)
+            pooled_tt.append(out.view(len(streams), batch, -1))
+
+        dense_parts: list[torch.Tensor] = []
+        if self.dense is not None:
+            parts = [stream(f) for f in self._dense_features]
+            sub = KeyedJaggedTensor(
+                keys=self._dense_features,
+                values=torch.cat([p[0] for p in parts]),
+                lengths=torch.cat([p[1] for p in parts]),
+                weights=torch.cat([p[2] for p in parts]) if weights is not None else None,  # type: ignore[misc]
+                stride=batch,
+            )
+            kt = self.dense(sub)
+            if not isinstance(kt, KeyedTensor) and hasattr(kt, "wait"):
+                kt = kt.wait()  # sharded under DMP: an awaitable KeyedTensor
+            dense_parts = list(kt.values().split(self._dense_lengths, dim=1))
+
+        pieces = [
+            pooled_tt[a][b] if kind == "tt" else dense_parts[a]
+            for kind, a, b in self._slots
+        ]
+        return KeyedTensor(
+            keys=self._embedding_names,
+            values=torch.cat(pieces, dim=1).float(),
+            length_per_key=self._lengths_per_embedding,
+        )
+
+    # ------------------------------------------------------------------ conversion
+    @classmethod
+    def from_embedding_bag_collection(
+        cls,
+        ebc: EmbeddingBagCollectionInterface,
+        policy: CompressionPolicy | None = None,
+        *,
+        validate_inputs: bool = True,
+        allow_extra_keys: bool = True,
+    ) -> "TTMEmbeddingBagCollection":
+        """Convert a TorchRec collection, initialising TTM tables from its weights by TT-SVD.
+
+        Dense tables keep their weights. At full rank the result computes the same
+        embeddings (to float tolerance).
+
+        Example::
+
+            >>> ebc = EmbeddingBagCollection([EmbeddingBagConfig(
+            ...     name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])])
+            >>> ttm = TTMEmbeddingBagCollection.from_embedding_bag_collection(
+            ...     ebc, CompressionPolicy(rank=64, min_rows_to_compress=0, min_gain=0.0))
+            >>> ttm.compressed_tables()
+            ['t']
+        """
+        tables = ebc.embedding_bag_configs()
+        weights = {name: bag.weight.detach() for name, bag in getattr(ebc, "embedding_bags", {}).items()}
+        missing = [t.name for t in tables if t.name not in weights]
+        if missing:
+            raise ValueError(f"from_embedding_bag_collection: no weights found for tables {missing}")
+        out = cls(
+            tables, policy, is_weighted=ebc.is_weighted(), device="meta",
+            validate_inputs=validate_inputs, allow_extra_keys=allow_extra_keys,
+        )
+        device = next(iter(weights.values())).device
+        for g, members in enumerate(out._group_tables):
+            old = out.groups[g]
+            out.groups[g] = StackedTTMTables.from_embeddings(
+                [weights[n] for n in members], list(old.ranks),
+                row_shape=old.row_shape, col_shape=old.col_shape,
+            ).to(device)
+        if out.dense is not None:
+            out.dense = EmbeddingBagCollection(
+                out.dense.embedding_bag_configs(), is_weighted=ebc.is_weighted(), device=device
+            )
+            with torch.no_grad():
+                for name, bag in out.dense.embedding_bags.items():
+                    bag.weight.copy_(weights[name])
+        out._device = device
+        return out

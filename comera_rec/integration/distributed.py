@@ -1,0 +1,322 @@
+"""DistributedModelParallel glue for compressed models.
+
+Layout under ``DistributedModelParallel`` (DMP):
+
+* dense embedding tables (TorchRec ``EmbeddingBagCollection`` modules, including the
+  ``dense`` part of every :class:`TTMEmbeddingBagCollection`) are sharded by TorchRec's
+  planner and run as FBGEMM table-batched kernels whose optimizer is fused into the
+  backward (the class given by :class:`EmbeddingOptimizerSpec`);
+* everything else (TT cores and controllers, MLPs, cross nets) is replicated and wrapped
+  in one ``DistributedDataParallel``, which all-reduces (averages) its gradients; those
+  parameters are stepped by the *dense* optimizer after backward.
+
+After ``truncate_ranks`` replaces TT parameters by smaller ones the DDP wrapper still
+holds the old ones and silently stops syncing the new ones: call
+:func:`rewrap_after_truncation` after any truncation.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import _apply_optimizer_in_backward
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from comera_rec.tensor.train import TensorTrainModule, parameter_groups
+
+ParamGroups = dict[str, list[nn.Parameter]]
+DenseOptimizerFactory = Callable[[ParamGroups], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class EmbeddingOptimizerSpec:
+    """Optimizer of the dense embedding tables, fused into the backward pass."""
+
+    optimizer_class: type[torch.optim.Optimizer] = RowWiseAdagrad
+    """SGD, Adagrad, RowWiseAdagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD) or Adam."""
+    kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 0.01, "eps": 1e-8})
+    """Constructor arguments (``lr``, ``eps``, ...)."""
+
+
+def default_dense_optimizer(groups: ParamGroups) -> torch.optim.Optimizer:
+    """AdamW without weight decay at the method's reference rates: cores 1e-4,
+    controllers 1e-3, everything else 5e-5."""
+    rates = {"cores": 1e-4, "controllers": 1e-3, "other": 5e-5}
+    return torch.optim.AdamW(
+        [{"params": groups[k], "lr": rates[k], "name": k} for k in ("cores", "controllers", "other") if groups[k]],
+        weight_decay=0.0,
+    )
+
+
+@dataclass
+class OptimizerBundle:
+    """The optimizers of a wrapped model.
+
+    Call ``loss.backward()`` (dense tables are updated inside it by the fused
+    optimizer), then :meth:`step` and :meth:`zero_grad`.
+    """
+
+    dense: torch.optim.Optimizer
+    """Steps the replicated parameters (TT cores, controllers, MLPs); schedulers attach here."""
+    fused: KeyedOptimizer | None
+    """DMP's fused optimizer of the sharded tables (state for checkpoints); ``None`` unsharded."""
+    make_dense_optimizer: DenseOptimizerFactory
+    """How ``dense`` was built; used again after truncation."""
+    groups: ParamGroups
+    """The replicated parameters by kind (``cores``, ``controllers``, ``other``)."""
+
+    def step(self) -> None:
+        self.dense.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dense.zero_grad(set_to_none=set_to_none)
+
+
+def materialize_tensor_trains(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate and initialise TT modules built on the meta device.
+
+    DMP only calls ``reset_parameters`` on modules that own a meta parameter directly;
+    TT cores live in ``ParameterList`` children, so this is done here.
+    """
+    for _, module in model.named_modules():
+        if isinstance(module, TensorTrainModule) and any(p.is_meta for p in module.parameters()):
+            module.to_empty(device=device)
+            module.reset_parameters()
+
+
+def _fused_table_params(model: nn.Module) -> list[nn.Parameter]:
+    params: list[nn.Parameter] = []
+    for _, module in model.named_modules():
+        if type(module) is EmbeddingBagCollection:
+            params.extend(module.parameters())
+    return params
+
+
+def replicated_parameter_groups(model: nn.Module) -> ParamGroups:
+    """TT cores, controllers and other trainable parameters, without embedding tables
+    (sharded tables, or tables updated by an optimizer in backward)."""
+    unwrapped = get_unwrapped_module(model)
+    sharded = set(DistributedModelParallel._sharded_parameter_names(unwrapped))
+    skip = {id(p) for n, p in unwrapped.named_parameters() if n in sharded}
+    skip |= {id(p) for p in unwrapped.parameters() if hasattr(p, "_in_backward_optimizers")}
+    for _, module in unwrapped.named_modules():
+        if isinstance(module, FusedEmbeddingBagCollection):  # updated inside backward
+            skip |= {id(p) for p in module.parameters()}
+    groups = parameter_groups(unwrapped)
+    return {k: [p for p in v if id(p) not in skip] for k, v in groups.items()}
+
+
+def wrap_model(
+    model: nn.Module,
+    *,
+    device: torch.device | str,
+    world_size: int | None = None,
+    make_dense_optimizer: DenseOptimizerFactory = default_dense_optimizer,
+    embedding_optimizer: EmbeddingOptimizerSpec | None = None,
+    sharding_type: str | None = None,
+    constraints: dict[str, ParameterConstraints] | None = None,
+) -> tuple[nn.Module, OptimizerBundle]:
+    """Wrap a (compressed) TorchRec model for training on one or many processes.
+
+    With an initialised process group the model goes into ``DistributedModelParallel``:
+    dense tables are sharded by TorchRec's planner, the rest is replicated under DDP.
+    Without one (a single process), the model is moved to ``device`` and its dense
+    tables get the same optimizer applied in backward, so the training loop is the same.
+
+    Args:
+        model: the model, possibly on the meta device.
+        device: the compute device of this process (``cpu`` with gloo, ``cuda:LOCAL_RANK`` with nccl).
+        world_size: checked against the process group's size when given.
+        make_dense_optimizer: builds the optimizer of the replicated parameters from
+            their groups (``cores``, ``controllers``, ``other``).
+        embedding_optimizer: optimizer of the dense tables, fused into backward.
+        sharding_type: force one sharding type for every dense table (``"table_wise"``,
+            ``"row_wise"``, ``"column_wise"``, ``"data_parallel"``); the planner chooses when ``None``.
+        constraints: per-table planner constraints (override ``sharding_type``).
+
+    Returns:
+        ``(wrapped model, optimizers)``.
+
+    Example::
+
+        >>> wrapped, optim = wrap_model(model, device=torch.device("cpu"))  # doctest: +SKIP
+        >>> loss, _ = wrapped(batch); loss.backward(); optim.step(); optim.zero_grad()  # doctest: +SKIP
+    """
+    device = torch.device(device)
+    spec = embedding_optimizer or EmbeddingOptimizerSpec()
+    distributed = dist.is_available() and dist.is_initialized()
+    if world_size is not None:
+        actual = dist.get_world_size() if distributed else 1
+        if world_size != actual:
+            raise ValueError(f"wrap_model: world_size={world_size} but the process group has {actual} processes")
+    materialize_tensor_trains(model, device)
+    fused: KeyedOptimizer | None = None
+    if not distributed:
+        if any(p.is_meta for p in model.parameters()):
+            _materialize_rest(model, device)
+        model = model.to(device)
+        # One process: FBGEMM's table-batched kernels with the optimizer fused into
+        # backward, the same kernels DMP uses when it shards the tables.
+        fused = _fuse_dense_tables(model, spec, device)
+        groups = replicated_parameter_groups(model)
+        return model, OptimizerBundle(make_dense_optimizer(groups), fused, make_dense_optimizer, groups)
+
+    tables = [p for p in _fused_table_params(model) if not hasattr(p, "_in_backward_optimizers")]
+    if tables:
+        _apply_optimizer_in_backward(spec.optimizer_class, tables, dict(spec.kwargs))
+    if distributed:
+        sharders = get_default_sharders()
+        table_constraints: dict[str, ParameterConstraints] = {}
+        if sharding_type is not None:
+            for _, module in model.named_modules():
+                if type(module) is EmbeddingBagCollection:
+                    for cfg in module.embedding_bag_configs():
+                        table_constraints[cfg.name] = ParameterConstraints(sharding_types=[sharding_type])
+        table_constraints.update(constraints or {})
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=dist.get_world_size(), compute_device=device.type),
+            constraints=table_constraints or None,
+        )
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+        tables_before = _table_weights(model)
+        wrapped: nn.Module = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+        _load_sharded_tables(wrapped, tables_before)
+        fused = wrapped.fused_optimizer
+    groups = replicated_parameter_groups(wrapped)
+    return wrapped, OptimizerBundle(make_dense_optimizer(groups), fused, make_dense_optimizer, groups)
+
+
+@torch.no_grad()
+def _fuse_dense_tables(model: nn.Module, spec: EmbeddingOptimizerSpec, device: torch.device) -> KeyedOptimizer | None:
+    """Replace every plain ``EmbeddingBagCollection`` by a ``FusedEmbeddingBagCollection``
+    (same configs, weights and state-dict keys) and return their fused optimizers."""
+    fused: list[tuple[str, KeyedOptimizer]] = []
+    for name, module in list(model.named_modules()):
+        if type(module) is not EmbeddingBagCollection:
+            continue
+        replacement = FusedEmbeddingBagCollection(
+            module.embedding_bag_configs(), optimizer_type=spec.optimizer_class,
+            optimizer_kwargs=dict(spec.kwargs), is_weighted=module.is_weighted(), device=device,
+        )
+        replacement.load_state_dict(module.state_dict())
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+        fused.append((name, replacement.fused_optimizer()))
+    if not fused:
+        return None
+    return fused[0][1] if len(fused) == 1 else CombinedOptimizer(fused)
+
+
+@torch.no_grad()
+def _materialize_rest(model: nn.Module, device: torch.device) -> None:
+    for _, module in model.named_modules():
+        own = [p for p in module._parameters.values() if p is not None and p.is_meta]
+        if own:
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.is_meta:
+                    module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    for _, module in model.named_modules():
+        if hasattr(module, "embedding_bag_configs") and hasattr(module, "_device"):
+            if getattr(module, "_device").type == "meta":
+                module._device = device
+                if type(module) is EmbeddingBagCollection:
+                    module.reset_parameters()
+
+
+def _strip(name: str) -> str:
+    for prefix in ("_dmp_wrapped_module.", "module."):
+        name = name.removeprefix(prefix)
+    return name
+
+
+def _table_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Materialised weights of the tables DMP will shard (it re-initialises them)."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        if type(module) is EmbeddingBagCollection:
+            for name, p in module.named_parameters():
+                if not p.is_meta:
+                    out[f"{prefix}.{name}" if prefix else name] = p.detach().clone()
+    return out
+
+
+@torch.no_grad()
+def _load_sharded_tables(wrapped: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    for name, value in wrapped.state_dict().items():
+        full = weights.get(_strip(name))
+        if full is None:
+            continue
+        if isinstance(value, ShardedTensor):
+            for shard in value.local_shards():
+                (r0, c0), (rows, cols) = shard.metadata.shard_offsets, shard.tensor.shape
+                shard.tensor.copy_(full[r0 : r0 + rows, c0 : c0 + cols])
+        else:
+            value.copy_(full)
+
+
+def rewrap_after_truncation(wrapped: nn.Module, optim: OptimizerBundle) -> tuple[nn.Module, OptimizerBundle]:
+    """Rebuild the DDP wrapper and the dense optimizer after TT ranks were truncated.
+
+    Call it on every rank right after ``truncate_ranks`` (the decision is the same on
+    all ranks: controllers are replicated). The fused optimizer of the sharded tables is
+    kept. Optimizer state (and each group's current learning rate) carries over for
+    parameters that were not replaced; replaced (smaller) parameters start fresh.
+
+    Args:
+        wrapped: what :func:`wrap_model` returned (DMP, or the plain module).
+        optim: its optimizers.
+
+    Returns:
+        ``(wrapped model, optimizers)`` to use from now on.
+
+    Example::
+
+        >>> if any(m.truncate_ranks(1e-2) for _, m in tensor_train_modules(model)):  # doctest: +SKIP
+        ...     wrapped, optim = rewrap_after_truncation(wrapped, optim)
+    """
+    if isinstance(wrapped, DistributedModelParallel):
+        inner = wrapped._dmp_wrapped_module
+        if isinstance(inner, DistributedDataParallel):
+            wrapped._dmp_wrapped_module = inner.module
+            del inner
+        wrapped._data_parallel_wrapper.wrap(wrapped, wrapped._env, wrapped.device)
+    elif isinstance(wrapped, DistributedDataParallel):
+        raise TypeError("rewrap_after_truncation: pass the DMP-wrapped model (or the plain model), not a bare DDP")
+    groups = replicated_parameter_groups(wrapped)
+    dense = optim.make_dense_optimizer(groups)
+    old = optim.dense
+    for p, state in old.state.items():
+        if any(p is q for g in dense.param_groups for q in g["params"]):
+            dense.state[p] = state
+    if len(old.param_groups) == len(dense.param_groups):
+        for g_old, g_new in zip(old.param_groups, dense.param_groups):
+            g_new["lr"] = g_old["lr"]
+    return wrapped, OptimizerBundle(dense, optim.fused, optim.make_dense_optimizer, groups)
+
+
+def destroy_distributed() -> None:
+    """Collect garbage and destroy the default process group.
+
+    Delete the wrapped model and the optimizers first (``del wrapped, optim``): gloo
+    aborts at exit in a fraction of runs when they outlive the process group.
+    """
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,143 @@
+"""TT versions of TorchRec's dense blocks: ``MLP`` and ``LowRankCrossNet``.
+
+Layers become ``TTLinear`` only where the TT layer at the given rank has at least
+``min_gain`` times fewer parameters than the dense one; small layers stay ``nn.Linear``.
+The module structure (and so the state-dict names) of TorchRec's ``MLP`` is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+from torch import nn
+from torchrec.modules.crossnet import LowRankCrossNet
+from torchrec.modules.mlp import MLP
+
+from comera_rec.integration.policy import linear_pays
+from comera_rec.tensor.linear import TTLinear
+
+Activation = Union[str, Callable[[torch.Tensor], torch.Tensor], nn.Module]
+
+
+def tt_mlp(
+    in_size: int,
+    layer_sizes: list[int],
+    *,
+    rank: int,
+    bias: bool = True,
+    activation: Activation = "relu",
+    min_gain: float = 2.0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> MLP:
+    """TorchRec's ``MLP`` with ``TTLinear`` layers where they pay.
+
+    Args:
+        in_size: input features.
+        layer_sizes: output size of each layer.
+        rank: TT rank of the compressed layers.
+        bias: layers learn a bias.
+        activation: as for ``torchrec.modules.mlp.MLP``.
+        min_gain: dense / TT parameter ratio a layer needs to be compressed.
+        device: where to allocate (``"meta"`` allowed).
+        dtype: parameter dtype.
+
+    Returns:
+        An ``MLP`` whose ``Perceptron._linear`` is a ``TTLinear`` where it pays.
+
+    Example::
+
+        >>> mlp = tt_mlp(13, [512, 256, 64, 16], rank=16)
+        >>> [type(p._linear).__name__ for p in mlp._mlp]
+        ['Linear', 'TTLinear', 'TTLinear', 'Linear']
+    """
+    mlp = MLP(in_size, layer_sizes, bias=bias, activation=activation, device=device, dtype=dtype)
+    for perceptron in mlp._mlp:
+        linear = perceptron._linear
+        if linear_pays(linear.in_features, linear.out_features, rank, min_gain, bias):
+            perceptron._linear = TTLinear(
+                linear.in_features, linear.out_features, rank, bias=bias, device=device, dtype=dtype
+            )
+    return mlp
+
+
+class TTLowRankCrossNet(nn.Module):
+    """``LowRankCrossNet`` whose projections ``V_l: N -> r`` and ``W_l: r -> N`` are
+    ``TTLinear`` where they pay: ``x_{l+1} = x_0 * (W_l(V_l(x_l)) + b_l) + x_l``.
+
+    Args:
+        in_features: N, the input size.
+        num_layers: number of cross layers.
+        low_rank: r, the inner size of each cross layer.
+        tt_rank: TT rank of the compressed projections.
+        min_gain: dense / TT parameter ratio a projection needs to be compressed.
+        device: where to allocate.
+        dtype: parameter dtype.
+
+    Example::
+
+        >>> net = TTLowRankCrossNet(3456, num_layers=3, low_rank=512, tt_rank=16)
+        >>> net(torch.randn(2, 3456)).shape
+        torch.Size([2, 3456])
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        num_layers: int,
+        low_rank: int,
+        *,
+        tt_rank: int,
+        min_gain: float = 2.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if low_rank < 1 or num_layers < 1:
+            raise ValueError(f"TTLowRankCrossNet: low_rank and num_layers must be >= 1, got {low_rank}, {num_layers}")
+        self.in_features = in_features
+        self.low_rank = low_rank
+
+        def projection(n_in: int, n_out: int) -> nn.Module:
+            if linear_pays(n_in, n_out, tt_rank, min_gain, bias=False):
+                return TTLinear(n_in, n_out, tt_rank, bias=False, device=device, dtype=dtype)
+            layer = nn.Linear(n_in, n_out, bias=False, device=device, dtype=dtype)
+            if not layer.weight.is_meta:
+                nn.init.xavier_normal_(layer.weight)
+            return layer
+
+        self.V = nn.ModuleList([projection(in_features, low_rank) for _ in range(num_layers)])
+        self.W = nn.ModuleList([projection(low_rank, in_features) for _ in range(num_layers)])
+        self.bias = nn.ParameterList(
+            [nn.Parameter(torch.zeros(in_features, device=device, dtype=dtype)) for _ in range(num_layers)]
+        )
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``(B, N) -> (B, N)``."""
+        x0 = input
+        x = x0
+        for v, w, b in zip(self.V, self.W, self.bias):
+            x = x0 * (w(v(x)) + b) + x
+        return x
+
+    @classmethod
+    def from_crossnet(cls, net: LowRankCrossNet, tt_rank: int, *, min_gain: float = 2.0) -> "TTLowRankCrossNet":
+        """Convert a trained ``LowRankCrossNet`` (TT-SVD of the projections that pay)."""
+        w0 = net.W_kernels[0]
+        in_features, low_rank = w0.shape
+        out = cls(in_features, len(net.W_kernels), low_rank, tt_rank=tt_rank, min_gain=min_gain,
+                  device="meta", dtype=w0.dtype)
+
+        def convert(weight: torch.Tensor, current: nn.Module) -> nn.Module:
+            # weight: (out, in) as nn.Linear stores it
+            dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+            with torch.no_grad():
+                dense.weight.copy_(weight)
+            return TTLinear.from_linear(dense, tt_rank) if isinstance(current, TTLinear) else dense
+
+        for layer in range(len(net.W_kernels)):
+            out.V[layer] = convert(net.V_kernels[layer].detach(), out.V[layer])
+            out.W[layer] = convert(net.W_kernels[layer].detach(), out.W[layer])
+            out.bias[layer] = nn.Parameter(net.bias[layer].detach().clone())
+        return out

@@ -1,0 +1,158 @@
+"""Which tables and layers are compressed, at what rank and shape.
+
+A :class:`CompressionPolicy` is plain data; :func:`plan_table` and
+:func:`linear_pays` turn it into per-module decisions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence, Union
+
+from comera_rec.tensor.embedding import ttm_shape
+from comera_rec.tensor.shapes import check_shape, tt_linear_shapes
+from comera_rec.tensor.train import cap_ranks, check_rank
+
+Shape = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class TableOverride:
+    """Per-table exception to a :class:`CompressionPolicy`."""
+
+    rank: int | None = None
+    """TT rank of this table (the policy's ``rank`` when ``None``)."""
+    shape: Shape | None = None
+    """``(row_factors, column_factors)`` of this table (chosen automatically when ``None``)."""
+    dense: bool | None = None
+    """``True``: keep dense whatever its size; ``False``: compress even if small; ``None``: the policy decides."""
+
+
+TableRule = Union[TableOverride, str, int]
+
+
+@dataclass(frozen=True)
+class CompressionPolicy:
+    """What to compress in a recommendation model.
+
+    Example::
+
+        >>> policy = CompressionPolicy(rank=16, per_table={"t_small": "dense", "t_big": 32})
+        >>> policy.override("t_big").rank
+        32
+    """
+
+    rank: int = 32
+    """TT rank of compressed embedding tables."""
+    min_rows_to_compress: int = 10_000
+    """Tables with fewer rows stay dense (FBGEMM kernels, sharded by TorchRec)."""
+    min_gain: float = 2.0
+    """A table or layer is compressed only if dense parameters / TT parameters >= this."""
+    per_table: Mapping[str, TableRule] = field(default_factory=dict)
+    """Overrides by table name: a :class:`TableOverride`, ``"dense"``, ``"compress"`` or an int rank."""
+    linear_rank: int | None = None
+    """TT rank of MLP and cross-net layers (``rank`` when ``None``)."""
+    compress_mlps: bool = True
+    """Replace MLP linear layers by ``TTLinear`` where it pays."""
+    compress_crossnet: bool = True
+    """Replace DCN low-rank projections by ``TTLinear`` where it pays."""
+
+    def override(self, table: str) -> TableOverride:
+        """The normalised override of ``table`` (an empty one when there is none)."""
+        rule = self.per_table.get(table)
+        if rule is None:
+            return TableOverride()
+        if isinstance(rule, TableOverride):
+            return rule
+        if rule == "dense":
+            return TableOverride(dense=True)
+        if rule == "compress":
+            return TableOverride(dense=False)
+        if isinstance(rule, int) and not isinstance(rule, bool):
+            return TableOverride(rank=rule)
+        raise ValueError(
+            f"CompressionPolicy.per_table[{table!r}]: expected a TableOverride, 'dense', 'compress' "
+            f"or an int rank, got {rule!r}"
+        )
+
+    @property
+    def mlp_rank(self) -> int:
+        return self.linear_rank if self.linear_rank is not None else self.rank
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    """The decision for one table: dense, or TTM with a shape and ranks."""
+
+    name: str
+    compressed: bool
+    shape: Shape | None = None
+    ranks: tuple[int, ...] | None = None
+
+    def group_key(self, embedding_dim: int) -> tuple:
+        """Tables with equal keys are stacked and looked up in one call."""
+        return (self.shape, self.ranks, embedding_dim)
+
+
+def ttm_num_parameters(shape: Shape, ranks: Sequence[int]) -> int:
+    """Core and controller entries of one TTM table."""
+    full = [1, *ranks, 1]
+    cores = sum(full[k] * n * m * full[k + 1] for k, (n, m) in enumerate(zip(*shape)))
+    return cores + sum(ranks)
+
+
+def plan_table(name: str, num_embeddings: int, embedding_dim: int, policy: CompressionPolicy) -> TablePlan:
+    """Decide how one table is stored.
+
+    Example::
+
+        >>> plan_table("t", 1_000_000, 16, CompressionPolicy(rank=8)).shape
+        ((100, 100, 100), (2, 2, 4))
+    """
+    rule = policy.override(name)
+    if rule.dense is True:
+        return TablePlan(name, compressed=False)
+    rank = rule.rank if rule.rank is not None else policy.rank
+    if rule.shape is not None:
+        rows = check_shape(f"table {name!r} rows", num_embeddings, rule.shape[0])
+        cols = check_shape(f"table {name!r} columns", embedding_dim, rule.shape[1])
+        if len(rows) != len(cols) or not 2 <= len(rows) <= 4:
+            raise ValueError(
+                f"table {name!r}: row and column shapes need the same number (2-4) of factors, "
+                f"got {list(rows)} and {list(cols)}"
+            )
+        shape: Shape = (tuple(rows), tuple(cols))
+    else:
+        shape = ttm_shape(num_embeddings, embedding_dim, rank)
+    modes = [n * m for n, m in zip(*shape)]
+    ranks = tuple(cap_ranks(check_rank(f"table {name!r}", rank, len(modes) - 1), modes))
+    if rule.dense is False:
+        return TablePlan(name, True, shape, ranks)
+    if num_embeddings < policy.min_rows_to_compress:
+        return TablePlan(name, compressed=False)
+    gain = num_embeddings * embedding_dim / ttm_num_parameters(shape, ranks)
+    if gain < policy.min_gain:
+        return TablePlan(name, compressed=False)
+    return TablePlan(name, True, shape, ranks)
+
+
+def tt_linear_num_parameters(in_features: int, out_features: int, rank: int, bias: bool = True) -> int:
+    """Parameters of a ``TTLinear`` with the default shape at ``rank`` (cores, controllers, bias)."""
+    in_shape, out_shape = tt_linear_shapes(in_features, out_features)
+    modes = list(in_shape) + list(out_shape)
+    ranks = cap_ranks([rank] * (len(modes) - 1), modes)
+    full = [1, *ranks, 1]
+    cores = sum(full[k] * n * full[k + 1] for k, n in enumerate(modes))
+    return cores + sum(ranks) + (out_features if bias else 0)
+
+
+def linear_pays(in_features: int, out_features: int, rank: int, min_gain: float, bias: bool = True) -> bool:
+    """Whether a TT layer at ``rank`` has ``min_gain`` times fewer parameters than the dense one.
+
+    Example::
+
+        >>> linear_pays(512, 256, 16, 2.0), linear_pays(13, 16, 16, 2.0)
+        (True, False)
+    """
+    dense = in_features * out_features + (out_features if bias else 0)
+    return dense >= min_gain * tt_linear_num_parameters(in_features, out_features, rank, bias)

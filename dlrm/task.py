@@ -1,0 +1,176 @@
+"""DLRM as a task of the training engine: model, wrapping, data and loss.
+
+The engine (``comera_rec.training``) knows nothing of DLRM; this module supplies what it
+asks for (see ``comera_rec.training.engine.Task``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.datasets.utils import Batch
+
+from comera_rec.config import load_config
+from comera_rec.data import DataConfig, build_dataloaders, num_embeddings, set_epoch
+from comera_rec.integration.distributed import (
+    EmbeddingOptimizerSpec,
+    OptimizerBundle,
+    replicated_parameter_groups,
+    rewrap_after_truncation,
+    wrap_model,
+)
+from comera_rec.rank import RankScheduleConfig
+from comera_rec.training import OptimConfig, TrainerConfig
+from dlrm.config import DLRMConfig
+from dlrm.model import build_dlrm_train
+
+
+@dataclass
+class EmbeddingOptimConfig:
+    """The optimiser of the dense (uncompressed) tables, fused into the backward pass."""
+
+    name: str = "RowWiseAdagrad"
+    """"RowWiseAdagrad" (FBGEMM's exact row-wise Adagrad), "Adagrad" or "SGD"."""
+    lr: float = 0.01
+    """Learning rate of the dense tables."""
+    eps: float = 1e-8
+    """Adagrad epsilon (MLPerf DLRM-DCNv2: 1e-8)."""
+    sharding_type: Optional[str] = "data_parallel"
+    """Sharding of the dense tables under DMP: "data_parallel", "table_wise", "column_wise",
+    "table_column_wise", or null to let TorchRec's planner choose. Small tables are best
+    replicated (data_parallel), which also keeps checkpoints plain tensors."""
+
+    def spec(self) -> EmbeddingOptimizerSpec:
+        from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+        classes = {"RowWiseAdagrad": RowWiseAdagrad, "Adagrad": torch.optim.Adagrad, "SGD": torch.optim.SGD}
+        if self.name not in classes:
+            raise ValueError(f"embedding_optim.name must be one of {sorted(classes)}, got {self.name!r}")
+        kwargs: dict[str, Any] = {"lr": self.lr}
+        if self.name != "SGD":
+            kwargs["eps"] = self.eps
+        return EmbeddingOptimizerSpec(classes[self.name], kwargs)
+
+
+@dataclass
+class DLRMRunConfig:
+    """A whole DLRM training run, as read from ``configs/*.yaml`` plus overrides."""
+
+    model: DLRMConfig = field(default_factory=DLRMConfig)
+    """The model (tables, MLPs, interaction, compression policy)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Where batches come from (synthetic, Criteo TSV / Parquet / npy)."""
+    schedule: RankScheduleConfig = field(default_factory=RankScheduleConfig)
+    """The rank-adaptive objective and truncation schedule."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The torch optimiser of TT cores, controllers and dense layers."""
+    embedding_optim: EmbeddingOptimConfig = field(default_factory=EmbeddingOptimConfig)
+    """The fused optimiser of the dense tables."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop length, intervals, run directory, checkpoints."""
+    table_sizes_from_data: bool = True
+    """Take the model's table sizes from the data (vocabularies / synthetic sizes)."""
+
+
+def load_run_config(path: Optional[str], overrides: Iterable[str] = ()) -> DLRMRunConfig:
+    """Read a run config; ``overrides`` are ``section.key=value`` strings.
+
+    Example::
+
+        >>> cfg = load_run_config(None, ["trainer.max_steps=5", "model.rank=8"])
+        >>> cfg.trainer.max_steps, cfg.model.rank
+        (5, 8)
+    """
+    return load_config(DLRMRunConfig, path, list(overrides))
+
+
+class DLRMTask:
+    """The engine's view of a DLRM run.
+
+    Args:
+        config: the run config; ``data.rank`` / ``data.world_size`` are taken from the
+            process group when one exists.
+
+    Example::
+
+        >>> task = DLRMTask(load_run_config(None, ["data.batch_size=8"]))  # doctest: +SKIP
+        >>> Trainer(task, task.config.trainer, task.config.schedule, task.config.optim).fit()  # doctest: +SKIP
+    """
+
+    def __init__(self, config: DLRMRunConfig) -> None:
+        self.config = config
+        self.bundle: Optional[OptimizerBundle] = None
+        self._wrapped: Optional[nn.Module] = None
+        self.device = torch.device("cpu")
+        self._train: Optional[Iterable[Batch]] = None
+        self._val: Optional[Iterable[Batch]] = None
+
+    # ------------------------------------------------------------------ model
+    def build_model(self, device: torch.device) -> nn.Module:
+        cfg = self.config
+        self.device = device
+        if cfg.table_sizes_from_data:
+            sizes = num_embeddings(self._data_config())
+            if len(sizes) != len(cfg.model.table_sizes):
+                raise ValueError(
+                    f"the data has {len(sizes)} categorical features but model.table_sizes has "
+                    f"{len(cfg.model.table_sizes)} tables"
+                )
+            cfg.model.table_sizes = list(sizes)
+        return build_dlrm_train(cfg.model, device=device)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """DMP on the first call; after a truncation, rebuild its DDP wrapper only."""
+        if self._wrapped is None or self.bundle is None:
+            self._wrapped, self.bundle = wrap_model(
+                model,
+                device=self.device,
+                embedding_optimizer=self.config.embedding_optim.spec(),
+                sharding_type=self.config.embedding_optim.sharding_type,
+            )
+        else:
+            self._wrapped, self.bundle = rewrap_after_truncation(self._wrapped, self.bundle)
+        return self._wrapped
+
+    def optimizer_parameters(self, wrapped: nn.Module) -> list[nn.Parameter]:
+        """Everything replicated: TT cores, controllers, MLPs (not the dense tables)."""
+        groups = replicated_parameter_groups(wrapped)
+        return [p for k in ("cores", "controllers", "other") for p in groups[k]]
+
+    def extra_optimizers(self, wrapped: nn.Module) -> list[Any]:
+        """DMP's fused optimiser of sharded tables (its state goes into checkpoints)."""
+        assert self.bundle is not None
+        return [self.bundle.fused] if self.bundle.fused is not None else []
+
+    # ------------------------------------------------------------------ data
+    def _data_config(self) -> DataConfig:
+        data = self.config.data
+        if dist.is_available() and dist.is_initialized():
+            data.rank, data.world_size = dist.get_rank(), dist.get_world_size()
+        if data.num_embeddings_per_feature is None and data.source == "synthetic":
+            data.num_embeddings_per_feature = list(self.config.model.table_sizes)
+        return data
+
+    def _loaders(self) -> None:
+        if self._train is None:
+            self._train, self._val = build_dataloaders(self._data_config())
+
+    def train_batches(self, epoch: int) -> Iterable[Batch]:
+        self._loaders()
+        set_epoch(self._train, epoch)
+        return self._train
+
+    def val_batches(self) -> Iterable[Batch]:
+        self._loaders()
+        if self._val is None:
+            raise ValueError("the data config gives no validation set (holdout: none and no val_paths)")
+        return self._val
+
+    # ------------------------------------------------------------------ loss
+    def step_loss(self, wrapped: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        loss, (_, logits, labels) = wrapped(batch.to(self.device))
+        return loss, logits, labels

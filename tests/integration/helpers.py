@@ -1,0 +1,52 @@
+"""Small tables and KJTs shared by the integration tests."""
+
+from __future__ import annotations
+
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from comera_rec.integration import CompressionPolicy, TableOverride, TTMEmbeddingBagCollection
+
+SHAPE = ((10, 10), (2, 4))  # rows <= 100, dim 8
+
+
+def tables(pooling: PoolingType = PoolingType.SUM) -> list[EmbeddingBagConfig]:
+    """Two stackable TTM tables (one read by two features), a third TTM table of another
+    shape, and a small dense table that shares feature f0."""
+    return [
+        EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=100, feature_names=["f0", "f1"], pooling=pooling),
+        EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=90, feature_names=["f2"],
+                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=10, feature_names=["f0"], pooling=pooling),
+        EmbeddingBagConfig(name="d", embedding_dim=8, num_embeddings=300, feature_names=["f3"], pooling=pooling),
+    ]
+
+
+def policy(rank: int = 4) -> CompressionPolicy:
+    return CompressionPolicy(
+        rank=rank, min_rows_to_compress=50, min_gain=0.0,
+        per_table={"a": TableOverride(shape=SHAPE), "b": TableOverride(shape=SHAPE)},
+    )
+
+
+def kjt(weighted: bool = False, batch: int = 3, seed: int = 0) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(seed)
+    bounds = {"f0": 10, "f1": 100, "f2": 90, "f3": 300}
+    lengths = torch.randint(0, 4, (len(bounds), batch), generator=g)
+    lengths[0, 0] = 0  # an empty bag
+    values = torch.cat([torch.randint(0, n, (int(lengths[i].sum()),), generator=g) for i, n in enumerate(bounds.values())])
+    weights = torch.rand(values.shape, generator=g) if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=list(bounds), values=values, lengths=lengths.reshape(-1), weights=weights
+    )
+
+
+def reference_ebc(ttm: TTMEmbeddingBagCollection, configs: list[EmbeddingBagConfig], weighted: bool = False) -> EmbeddingBagCollection:
+    """TorchRec's EBC loaded with the dense reconstruction of ``ttm``."""
+    ref = EmbeddingBagCollection(configs, is_weighted=weighted)
+    with torch.no_grad():
+        for name, bag in ref.embedding_bags.items():
+            bag.weight.copy_(ttm.table_weight(name))
+    return ref

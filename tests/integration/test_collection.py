@@ -1,0 +1,192 @@
+"""TTMEmbeddingBagCollection against TorchRec's EmbeddingBagCollection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import comera_rec.tensor.stacked as stacked
+from comera_rec.integration import CompressionPolicy, TTMEmbeddingBagCollection
+from comera_rec.tensor.stacked import StackedTTMTables
+from tests.integration.helpers import kjt, policy, reference_ebc, tables
+
+
+@pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
+def test_matches_torchrec_ebc(pooling: PoolingType) -> None:
+    configs = tables(pooling)
+    ttm = TTMEmbeddingBagCollection(configs, policy())
+    assert ttm.compressed_tables() == ["a", "b", "d"] and ttm.dense_tables() == ["c"]
+    assert len(ttm.groups) == 2  # a and b stacked, d alone
+    ref = reference_ebc(ttm, tables(pooling))
+    features = kjt()
+    out, expected = ttm(features), ref(features)
+    assert out.keys() == expected.keys() == ["f0@a", "f1", "f2", "f0@c", "f3"]
+    assert out.length_per_key() == expected.length_per_key()
+    torch.testing.assert_close(out.values(), expected.values(), rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_matches_torchrec_ebc() -> None:
+    configs = [t for t in tables() if t.name != "b"]  # TorchRec's weighted bags are SUM only
+    ttm = TTMEmbeddingBagCollection(configs, policy(), is_weighted=True, allow_extra_keys=True)
+    assert ttm.is_weighted()
+    ref = reference_ebc(ttm, [t for t in tables() if t.name != "b"], weighted=True)
+    features = kjt(weighted=True)
+    torch.testing.assert_close(ttm(features).values(), ref(features).values(), rtol=1e-5, atol=1e-6)
+    unweighted = TTMEmbeddingBagCollection(configs, policy(), allow_extra_keys=True)
+    unweighted.load_state_dict(ttm.state_dict())
+    assert not torch.allclose(unweighted(features).values(), ttm(features).values())
+
+
+def test_gradients_match_torchrec_ebc() -> None:
+    ttm = TTMEmbeddingBagCollection(tables(), policy())
+    ref = EmbeddingBagCollection(tables())
+    # the reference table is the differentiable reconstruction of the cores
+    features = kjt()
+    grad_out = torch.randn(3, 40)
+    (ttm(features).values() * grad_out).sum().backward()
+    for name in ("a", "b", "d"):
+        ref.embedding_bags[name].weight.data = ttm.table_weight(name).detach().clone()
+    ref.embedding_bags["c"].weight.data = ttm.dense.embedding_bags["c"].weight.detach().clone()
+    (ref(features).values() * grad_out).sum().backward()
+    # cores: d(sum)/d(cores) through the reconstruction with the reference's table gradient
+    for g, group in enumerate(ttm.groups):
+        names = ttm._group_tables[g]
+        recon = sum(
+            (group.dense_weight(i) * ref.embedding_bags[n].weight.grad).sum() for i, n in enumerate(names)
+        )
+        expected = torch.autograd.grad(recon, list(group.cores) + list(group.controllers))
+        for got, want in zip(list(group.cores) + list(group.controllers), expected):
+            torch.testing.assert_close(got.grad, want, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        ttm.dense.embedding_bags["c"].weight.grad, ref.embedding_bags["c"].weight.grad
+    )
+
+
+def test_stacked_tables_are_looked_up_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    original = stacked.ttm_embedding_bag
+
+    def spy(*args, **kwargs):
+        calls.append(args[0][0].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(stacked, "ttm_embedding_bag", spy)
+    ttm = TTMEmbeddingBagCollection(tables(), policy())
+    ttm(kjt())
+    assert sorted(calls) == [1, 2]  # one call per group: {a, b} and {d}
+
+
+def test_meta_device_then_reset_parameters() -> None:
+    ttm = TTMEmbeddingBagCollection(tables(), policy(), device="meta")
+    assert all(p.is_meta for p in ttm.parameters())
+    ttm.to_empty(device="cpu")
+    ttm._device = torch.device("cpu")
+    ttm.dense._device = torch.device("cpu")
+    ttm.reset_parameters()
+    assert all(torch.isfinite(p).all() for p in ttm.parameters())
+    std = ttm.table_weight("d").std().item()
+    assert 0.3 * (1 / 900) ** 0.5 < std < 3 * (1 / 900) ** 0.5  # variance 1 / (3 num_embeddings)
+    assert ttm(kjt()).values().shape == (3, 40)
+
+
+def test_state_dict_round_trip() -> None:
+    torch.manual_seed(1)
+    a = TTMEmbeddingBagCollection(tables(), policy())
+    torch.manual_seed(2)
+    b = TTMEmbeddingBagCollection(tables(), policy())
+    assert not torch.allclose(a(kjt()).values(), b(kjt()).values())
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(a(kjt()).values(), b(kjt()).values())
+    assert "groups.0.cores.0" in a.state_dict() and "dense.embedding_bags.c.weight" in a.state_dict()
+
+
+def test_truncate_stacked_group_cuts_only_slices_dead_in_all_tables() -> None:
+    ttm = TTMEmbeddingBagCollection(tables(), policy(rank=4))
+    group = ttm.groups[0]
+    with torch.no_grad():
+        group.controllers[0][:, 3] = 0.0  # dead in both tables
+        group.controllers[0][0, 2] = 0.0  # dead in table a only
+    before = ttm(kjt()).values()
+    assert group.truncate_ranks(1e-6)
+    assert group.ranks == [3] and group.cores[0].shape == (2, 1, 10, 2, 3)
+    torch.testing.assert_close(ttm(kjt()).values(), before, rtol=1e-5, atol=1e-6)
+
+
+def test_from_embedding_bag_collection_is_exact_at_full_rank() -> None:
+    ebc = EmbeddingBagCollection(tables())
+    ttm = TTMEmbeddingBagCollection.from_embedding_bag_collection(ebc, policy(rank=100))
+    assert ttm.compressed_tables() == ["a", "b", "d"]
+    torch.testing.assert_close(ttm(kjt()).values(), ebc(kjt()).values(), rtol=1e-4, atol=1e-5)
+
+
+def test_stacked_from_embeddings_exact() -> None:
+    a, b = torch.randn(100, 8), torch.randn(90, 8)
+    s = StackedTTMTables.from_embeddings([a, b], 64, row_shape=(10, 10), col_shape=(2, 4))
+    torch.testing.assert_close(s.dense_weight(0), a, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s.dense_weight(1), b, rtol=1e-4, atol=1e-5)
+
+
+def test_policy_keeps_small_tables_dense() -> None:
+    configs = [
+        EmbeddingBagConfig(name="big", embedding_dim=16, num_embeddings=200_000, feature_names=["x"]),
+        EmbeddingBagConfig(name="small", embedding_dim=16, num_embeddings=500, feature_names=["y"]),
+        EmbeddingBagConfig(name="forced", embedding_dim=16, num_embeddings=200_000, feature_names=["z"]),
+    ]
+    ttm = TTMEmbeddingBagCollection(configs, CompressionPolicy(rank=8, per_table={"forced": "dense"}), device="meta")
+    assert ttm.compressed_tables() == ["big"]
+    assert ttm.dense_tables() == ["small", "forced"]
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_missing_feature_in_kjt() -> None:
+    ttm = TTMEmbeddingBagCollection(tables(), policy())
+    features = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1"], values=torch.tensor([1, 2]),
+                                                   lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match=r"lacks feature\(s\) \['f2', 'f3'\]"):
+        ttm(features)
+
+
+def test_kjt_key_missing_from_configs() -> None:
+    ttm = TTMEmbeddingBagCollection(tables(), policy())
+    f = kjt()
+    extra = KeyedJaggedTensor.from_lengths_sync(
+        keys=f.keys() + ["zz"], values=torch.cat([f.values(), torch.tensor([1])]),
+        lengths=torch.cat([f.lengths(), torch.tensor([1, 0, 0])]),
+    )
+    with pytest.raises(ValueError, match=r"\['zz'\] are in no table config"):
+        ttm(extra)
+    lenient = TTMEmbeddingBagCollection(tables(), policy(), allow_extra_keys=True)
+    lenient.load_state_dict(ttm.state_dict())
+    torch.testing.assert_close(lenient(extra).values(), ttm(f).values())
+
+
+@pytest.mark.parametrize("feature,value", [("f3", 300), ("f2", -1), ("f0", 10)])
+def test_id_out_of_range_names_feature_and_value(feature: str, value: int) -> None:
+    ttm = TTMEmbeddingBagCollection(tables(), policy())
+    f = kjt().to_dict()
+    values = {k: jt.values().clone() for k, jt in f.items()}
+    values[feature] = torch.cat([values[feature], torch.tensor([value])])
+    lengths = {k: jt.lengths().clone() for k, jt in f.items()}
+    lengths[feature][-1] += 1
+    bad = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(f), values=torch.cat(list(values.values())), lengths=torch.cat(list(lengths.values()))
+    )
+    with pytest.raises(ValueError, match=rf"feature '{feature}' has id {value} out of range"):
+        ttm(bad)
+
+
+def test_bad_configs() -> None:
+    with pytest.raises(ValueError, match="duplicate table names"):
+        TTMEmbeddingBagCollection(tables() + tables()[:1], policy())
+    with pytest.raises(ValueError, match="only SUM and MEAN"):
+        TTMEmbeddingBagCollection(
+            [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"],
+                                pooling=PoolingType.NONE)]
+        )
+    with pytest.raises(ValueError, match="per_table"):
+        TTMEmbeddingBagCollection(tables(), CompressionPolicy(per_table={"a": "zip"}))
