@@ -12,6 +12,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from comera_rec.tensor import kernels
+
 # ---------------------------------------------------------------------------- TT linear
 
 
@@ -269,6 +271,10 @@ def ttm_embedding_bag(
     Returns:
         ``(B, D)`` pooled embeddings.
     """
+    if ids.is_cuda and kernels.triton_enabled():  # fused Triton lookup (docs/gpu.md)
+        return kernels.ttm_embedding_bag_triton(
+            cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains
+        )
     if trains is None:
         unique_ids, row_of_id = torch.unique(ids, return_inverse=True)
         unique_trains = None

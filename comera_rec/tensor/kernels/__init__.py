@@ -1,0 +1,83 @@
+"""Optional Triton kernels for CUDA tensors, and the switch that decides when they run.
+
+Importing this package never imports Triton: the check runs on the first CUDA lookup
+only, so the CPU path pays nothing. The fused lookup is used when
+
+* the ids are CUDA tensors,
+* ``triton`` can be imported, and
+* it is not disabled: neither ``COMERA_DISABLE_TRITON=1`` in the environment nor
+  :func:`set_triton_enabled(False) <set_triton_enabled>`.
+
+See ``docs/gpu.md`` for the design.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Sequence
+
+import torch
+
+DISABLE_ENV = "COMERA_DISABLE_TRITON"
+
+_enabled = True
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether ``triton`` imports (checked once, then cached)."""
+    try:
+        importlib.import_module("triton")
+        importlib.import_module("triton.language")
+    except Exception:  # ImportError, or a broken install failing at import time
+        return False
+    return True
+
+
+def set_triton_enabled(enabled: bool) -> None:
+    """Turn the Triton path on or off for this process (the environment switch still wins)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def triton_enabled() -> bool:
+    """Whether CUDA lookups take the Triton path: importable and not disabled.
+
+    ``COMERA_DISABLE_TRITON`` set to anything but ``""`` / ``"0"`` / ``"false"`` disables it;
+    it is read on every call, so it may be changed at run time.
+    """
+    flag = os.environ.get(DISABLE_ENV, "").strip().lower()
+    if flag not in ("", "0", "false", "no", "off"):
+        return False
+    return _enabled and triton_available()
+
+
+def ttm_embedding_bag_triton(
+    cores: Sequence[torch.Tensor],
+    row_shape: Sequence[int],
+    embedding_dim: int,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+    trains: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The fused Triton lookup with the signature of ``contract.ttm_embedding_bag``.
+
+    Imports the kernel module on first use; see
+    :func:`comera_rec.tensor.kernels.ttm_triton.ttm_embedding_bag_triton`.
+    """
+    from comera_rec.tensor.kernels.ttm_triton import ttm_embedding_bag_triton as fused
+
+    return fused(cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains)
+
+
+__all__ = [
+    "DISABLE_ENV",
+    "set_triton_enabled",
+    "triton_available",
+    "triton_enabled",
+    "ttm_embedding_bag_triton",
+]

@@ -1,0 +1,193 @@
+"""DLRM benchmark: compressed vs dense TorchRec DLRM at Criteo Kaggle shapes, side by side.
+
+Baseline: TorchRec's DLRM with FBGEMM's fused table-batched embedding (row-wise Adagrad
+fused into backward) and dense MLPs. Compressed: TTM tables for the large tables and TT
+MLP layers, at the starting rank and again with every rank cut to about half. All
+variants train on the same synthetic Kaggle-shaped batches (Zipf ids), their steps
+timed interleaved in one process; each variant's peak RSS is measured in its own fresh
+process; validation AUC after the same number of steps.
+
+    python launch/bench_dlrm.py                 # Kaggle shapes, batch 2048
+    python launch/bench_dlrm.py --mlperf        # MLPerf DLRM-DCNv2 shapes, compressed only
+    python launch/bench_dlrm.py --quick         # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import multiprocessing as mp
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
+from comera_rec.integration.distributed import wrap_model
+from comera_rec.rank import model_num_parameters
+from comera_rec.tensor.train import tensor_train_modules
+from comera_rec.training.metrics import BinaryMetrics
+from comera_rec.utils.benchmark import current_rss_bytes, fmt_bytes, peak_rss_bytes
+from dlrm.config import DLRMConfig
+from dlrm.model import build_dlrm_train
+
+
+@dataclass
+class Setup:
+    batch_size: int = 2048
+    train_steps: int = 300
+    val_rows: int = 65536
+    zipf: float = 1.1
+    rank: int = 32
+    memory_steps: int = 20
+
+
+VARIANTS = ("dense", "tt", "tt_half")
+
+
+def model_config(variant: str, setup: Setup, mlperf: bool) -> DLRMConfig:
+    base = DLRMConfig.mlperf_dcn() if mlperf else DLRMConfig.kaggle()
+    return replace(base, compressed=variant != "dense", rank=setup.rank, mlp_rank=setup.rank)
+
+
+@torch.no_grad()
+def cut_ranks_to_half(model: nn.Module) -> None:
+    """Zero the controllers of the upper half of every bond, then truncate for real."""
+    for _, module in tensor_train_modules(model):
+        for d in module.controllers:
+            r = d.shape[-1]
+            d[..., (r + 1) // 2 :] = 0.0
+        module.truncate_ranks(1e-6)
+
+
+def build(variant: str, setup: Setup, mlperf: bool):
+    torch.manual_seed(0)
+    model = build_dlrm_train(model_config(variant, setup, mlperf), device="cpu")
+    if variant == "tt_half":
+        cut_ranks_to_half(model)
+    wrapped, bundle = wrap_model(model, device="cpu")
+    return wrapped, bundle
+
+
+def batches(setup: Setup, mlperf: bool, stream: str, rows: int):
+    sizes = list(model_config("dense", setup, mlperf).table_sizes)
+    cfg = SyntheticCriteoConfig(
+        num_embeddings_per_feature=sizes, zipf_exponent=setup.zipf, batch_size=setup.batch_size,
+        num_rows=rows, seed=0, stream=stream, drop_last=True,
+    )
+    return SyntheticCriteo(cfg)
+
+
+def train_step(wrapped, bundle, batch) -> float:
+    loss, _ = wrapped(batch)
+    loss.backward()
+    bundle.step()
+    bundle.zero_grad()
+    return float(loss)
+
+
+@torch.no_grad()
+def auc(wrapped, setup: Setup, mlperf: bool) -> float:
+    metrics = BinaryMetrics(torch.device("cpu"))
+    wrapped.eval()
+    for batch in batches(setup, mlperf, "val", setup.val_rows):
+        _, (_, logits, labels) = wrapped(batch)
+        metrics.update(logits, labels)
+    wrapped.train()
+    return metrics.compute()["auc"]
+
+
+def model_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def memory_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # runs in a fresh process
+    data = list(itertools.islice(iter(batches(setup, mlperf, "train", setup.batch_size * 4)), 4))
+    base = current_rss_bytes()
+    wrapped, bundle = build(variant, setup, mlperf)
+    start = time.perf_counter()
+    for step in range(setup.memory_steps):
+        train_step(wrapped, bundle, data[step % len(data)])
+    seconds = (time.perf_counter() - start) / setup.memory_steps
+    queue.put({"base": base, "peak": peak_rss_bytes(), "step_s": seconds})
+
+
+def measure_memory(variant: str, setup: Setup, mlperf: bool) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=memory_child, args=(variant, setup, mlperf, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def kaggle(setup: Setup) -> None:
+    print(f"Criteo Kaggle shapes, batch {setup.batch_size}, Zipf({setup.zipf}) ids, rank {setup.rank}; "
+          f"{torch.get_num_threads()} threads")
+    models = {v: build(v, setup, mlperf=False) for v in VARIANTS}
+    params = {v: model_num_parameters(m[0]) if v != "dense" else sum(p.numel() for p in m[0].parameters())
+              for v, m in models.items()}
+    sizes = {v: model_bytes(m[0]) for v, m in models.items()}
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    stream = iter(batches(Setup(**{**setup.__dict__}), False, "train", setup.batch_size * setup.train_steps))
+    for step in range(setup.train_steps):
+        batch = next(stream)
+        for v in VARIANTS:  # interleaved: every variant sees the machine in the same state
+            t0 = time.perf_counter()
+            train_step(*models[v], batch)
+            times[v].append(time.perf_counter() - t0)
+    median = {v: sorted(t[3:])[len(t[3:]) // 2] for v, t in times.items()}
+    aucs = {v: auc(models[v][0], setup, False) for v in VARIANTS}
+    del models
+    memory = {v: measure_memory(v, setup, False) for v in VARIANTS}
+
+    print(f"\n{'variant':10s} {'step ms':>9s} {'speed-up':>9s} {'samples/s':>10s} {'params':>13s} "
+          f"{'model bytes':>12s} {'smaller':>8s} {'peak RSS':>10s} {'RSS ratio':>9s} {'val AUC':>8s}")
+    for v in VARIANTS:
+        peak = memory[v]["peak"]
+        print(f"{v:10s} {median[v] * 1e3:9.2f} {median['dense'] / median[v]:8.2f}x "
+              f"{setup.batch_size / median[v]:10.0f} {params[v]:13,d} {fmt_bytes(sizes[v]):>12s} "
+              f"{sizes['dense'] / sizes[v]:7.0f}x {fmt_bytes(peak):>10s} {memory['dense']['peak'] / peak:8.1f}x "
+              f"{aucs[v]:8.4f}")
+    print(f"\nmedian of {setup.train_steps - 3} interleaved training steps (AdamW on MLPs/cores, fused row-wise "
+          f"Adagrad on dense tables); AUC on {setup.val_rows} synthetic validation rows after "
+          f"{setup.train_steps} steps; peak RSS of a fresh process building the model and running "
+          f"{setup.memory_steps} steps (imports included: {fmt_bytes(memory['dense']['base'])} before the model)")
+
+
+def mlperf(setup: Setup) -> None:
+    print(f"MLPerf DLRM-DCNv2 shapes (204M rows, dim 128), compressed at rank {setup.rank}, batch {setup.batch_size}")
+    result = measure_memory("tt", setup, mlperf=True)
+    print(f"  step {result['step_s'] * 1e3:.1f} ms, {setup.batch_size / result['step_s']:.0f} samples/s, "
+          f"peak RSS {fmt_bytes(result['peak'])} (before the model: {fmt_bytes(result['base'])})")
+    dense_bytes = sum(model_config("dense", setup, True).table_sizes) * 128 * 4
+    print(f"  dense tables alone would need {fmt_bytes(dense_bytes)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mlperf", action="store_true", help="MLPerf DLRM-DCNv2 shapes, compressed only")
+    parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per variant")
+    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument("--rank", type=int, default=32)
+    args = parser.parse_args()
+    setup = Setup(batch_size=args.batch_size, rank=args.rank)
+    if args.quick:
+        setup = replace(setup, train_steps=10, val_rows=8192, memory_steps=3)
+    if args.steps:
+        setup = replace(setup, train_steps=args.steps)
+    mlperf(setup) if args.mlperf else kaggle(setup)
+
+
+if __name__ == "__main__":
+    main()
