@@ -100,40 +100,41 @@ def tt_linear(
 
 
 def _left_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Contract the left cores of stacked trains over all their row indices.
+    """Contract the left half (1 or 2 cores) of stacked trains over all its row indices.
 
     ``cores[k]: (T, r_{k-1}, n_k, m_k, r_k)``, ``r_0 = 1`` ->
-    ``(T * N, M, r)`` with N = n_1..n_h (row-major) and M = m_1..m_h.
+    ``(T * N, M, r)`` with N = n_1 n_2 (row-major) and M = m_1 m_2.
     """
-    T, _, n, m, r = cores[0].shape
-    table = cores[0].reshape(T, n * m, r)  # (T, N*M, r), N-major
-    N, M = n, m
-    for core in cores[1:]:
-        _, r_prev, n, m, r = core.shape
-        table = torch.bmm(table, core.reshape(T, r_prev, n * m * r))  # (T, N*M, n*m*r)
-        table = table.reshape(T, N, M, n, m, r).permute(0, 1, 3, 2, 4, 5)  # (T, N, n, M, m, r)
-        N, M = N * n, M * m
-        table = table.reshape(T, N * M, r)
-    return table.reshape(T * N, M, r)
+    T, _, n1, m1, r1 = cores[0].shape
+    if len(cores) == 1:
+        return cores[0].reshape(T * n1, m1, r1)
+    _, _, n2, m2, r2 = cores[1].shape
+    table = torch.bmm(cores[0].reshape(T, n1 * m1, r1), cores[1].reshape(T, r1, n2 * m2 * r2))
+    # (T, n1, m1, n2, m2, r2) -> (T, n1, n2, m1, m2, r2): blocks of m2 * r2 stay contiguous
+    table = table.reshape(T, n1, m1, n2, m2 * r2).transpose(2, 3)
+    return table.reshape(T * n1 * n2, m1 * m2, r2)
 
 
 def _right_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Contract the right cores of stacked trains over all their row indices.
+    """Contract the right half (1 or 2 cores) of stacked trains over all its row indices.
 
-    ``cores[k]: (T, r_{k-1}, n_k, m_k, r_k)``, ``r_K = 1`` ->
-    ``(T * N, r, M)`` with N, M over the right cores (row-major).
+    ``cores[k]: (T, r_{k-1}, n_k, m_k, r_k)``, ``r_K = 1`` -> ``(T * N, m_b, r, m_a)``
+    with N = n_a n_b (row-major), ``a`` the first and ``b`` the second core (``m_b = 1``
+    for one core). Each row's block is written contiguously by the GEMM itself, so no
+    permutation of the whole half is ever copied; the caller puts ``m_b`` after ``m_a``
+    on the few rows it keeps.
     """
-    T, r, n, m, _ = cores[-1].shape
-    table = cores[-1].reshape(T, r, n * m)  # (T, r, N*M)
-    N, M = n, m
-    for core in reversed(cores[:-1]):
-        _, r_prev, n, m, r = core.shape
-        table = torch.bmm(core.reshape(T, r_prev * n * m, r), table)  # (T, r_prev*n*m, N*M)
-        table = table.reshape(T, r_prev, n, m, N, M).permute(0, 1, 2, 4, 3, 5)  # (T, r', n, N, m, M)
-        N, M = n * N, m * M
-        table = table.reshape(T, r_prev, N * M)
-    r_bond = table.shape[1]
-    return table.reshape(T, r_bond, N, M).permute(0, 2, 1, 3).reshape(T * N, r_bond, M)
+    a = cores[0]
+    T, r, na, ma, ra = a.shape
+    if len(cores) == 1:
+        # (T, r, n, m, 1) -> (T, n, 1, r, m); a copy of one core, not of a table
+        return a.reshape(T, r, na, ma).transpose(1, 2).reshape(T * na, 1, r, ma)
+    b = cores[1]
+    _, _, nb, mb, _ = b.shape
+    b_t = b.reshape(T, ra, nb * mb).transpose(1, 2)  # (T, nb*mb, ra), a view
+    a_t = a.permute(0, 2, 1, 3, 4).reshape(T, na, r * ma, ra).transpose(2, 3)  # (T, na, ra, r*ma)
+    table = torch.matmul(b_t.unsqueeze(1), a_t)  # (T, na, nb*mb, r*ma): (T, na, nb, mb, r, ma)
+    return table.reshape(T * na * nb, mb, r, ma)
 
 
 def _half(
@@ -143,7 +144,8 @@ def _half(
     left: bool,
     strategy: str = "auto",
 ) -> torch.Tensor:
-    """Per-key matrices of one half: ``(K, M, r)`` (left) or ``(K, r, M)`` (right).
+    """Per-key matrices of one half: ``(K, M, r)`` (left) or ``(K, m_b, r, m_a)`` (right,
+    see :func:`_right_table`).
 
     ``keys`` are ``train * N_half + index``. Either the whole half is contracted for
     every index (one GEMM per core, no gathers) and the keys' rows selected, or only
@@ -152,26 +154,25 @@ def _half(
     ("gather" / "full").
     """
     table_fn = _left_table if left else _right_table
-    distinct, key_of = torch.unique(keys, return_inverse=True)
     T = cores[0].shape[0]
     n_half = math.prod(row_shape)
     out_elems = math.prod(c.shape[3] for c in cores) * (cores[-1].shape[-1] if left else cores[0].shape[1])
     full_cost = T * n_half * out_elems
-    gather_cost = distinct.numel() * (sum(c[0].numel() // c.shape[2] for c in cores) + out_elems)
+    # the number of keys bounds the number of distinct keys: no sort needed to decide
+    gather_cost = keys.numel() * (sum(c[0].numel() // c.shape[2] for c in cores) + out_elems)
     gather = gather_cost < full_cost if strategy == "auto" else strategy == "gather"
-    if len(cores) == 1 or gather:
-        # Gather the distinct keys' slices of each core, then contract them as one-row trains.
-        train, index = distinct // n_half, distinct % n_half
-        slices, stride = [], n_half
-        for core, n in zip(cores, row_shape):
-            stride //= n
-            flat = core.permute(0, 2, 1, 3, 4).reshape(core.shape[0] * n, -1)  # (T*n, r*m*r')
-            rows = flat.index_select(0, train * n + (index // stride) % n)
-            slices.append(rows.reshape(-1, core.shape[1], 1, core.shape[3], core.shape[4]))
-        per_key = table_fn(slices)  # (K_distinct, ...)
-    else:
-        per_key = table_fn(cores).index_select(0, distinct)
-    return per_key.index_select(0, key_of)
+    if len(cores) > 1 and not gather:
+        return table_fn(cores).index_select(0, keys)
+    # Gather the distinct keys' slices of each core, then contract them as one-row trains.
+    distinct, key_of = torch.unique(keys, return_inverse=True)
+    train, index = distinct // n_half, distinct % n_half
+    slices, stride = [], n_half
+    for core, n in zip(cores, row_shape):
+        stride //= n
+        flat = core.permute(0, 2, 1, 3, 4).reshape(core.shape[0] * n, -1)  # (T*n, r*m*r')
+        rows = flat.index_select(0, train * n + (index // stride) % n)
+        slices.append(rows.reshape(-1, core.shape[1], 1, core.shape[3], core.shape[4]))
+    return table_fn(slices).index_select(0, key_of)  # contracted once per distinct key
 
 
 def ttm_rows(
@@ -205,9 +206,11 @@ def ttm_rows(
     if trains is None:
         trains = torch.zeros_like(rows)
     prefix = _half(cores[:h], row_shape[:h], trains * left_rows + rows // right_rows, left=True)  # (U, M_l, r)
-    suffix = _half(cores[h:], row_shape[h:], trains * right_rows + rows % right_rows, left=False)  # (U, r, M_r)
-    out = torch.bmm(prefix, suffix)  # (U, M_l, M_r)
-    return out.reshape(rows.shape[0], prefix.shape[1] * suffix.shape[2])
+    suffix = _half(cores[h:], row_shape[h:], trains * right_rows + rows % right_rows, left=False)
+    U, m_b, r, m_a = suffix.shape  # (U, m_b, r, m_a)
+    # one GEMM per column digit of the last core: (U, M_l, r) @ (U, r, m_a), strided in U
+    out = torch.stack([torch.bmm(prefix, suffix[:, j]) for j in range(m_b)], dim=-1)  # (U, M_l, m_a, m_b)
+    return out.reshape(U, prefix.shape[1] * m_a * m_b)
 
 
 def pool_bags(

@@ -87,7 +87,7 @@ def test_stacked_tables_in_one_call() -> None:
 def test_prefix_and_suffix_are_computed_once(monkeypatch) -> None:
     from comera_rec.tensor import contract
 
-    bag = make_bag(shape=((4, 4, 4, 4), (1, 2, 2, 3)), num=256, dim=12)
+    bag = make_bag(shape=((16, 16, 4, 4), (1, 2, 2, 3)), num=4096, dim=12)
     produced = []
     for name in ("_left_table", "_right_table"):
         original = getattr(contract, name)
@@ -101,8 +101,9 @@ def test_prefix_and_suffix_are_computed_once(monkeypatch) -> None:
     # 48 ids, 16 distinct rows, all with the prefix (0, 0), 16 distinct suffixes
     ids = torch.arange(16).repeat(3)
     bag(ids, torch.tensor([0, 48]))
-    # one prefix is contracted (from its slices); the 16 suffixes are the whole right
-    # half (16 = 4 x 4 indices), contracted once by dense GEMMs; never one per id
+    # the one prefix is contracted once from its gathered slices (the left half has 256
+    # indices); the 16 suffixes are the whole right half (4 x 4 indices), contracted by
+    # dense GEMMs; never one contraction per id
     assert produced == [("_left_table", 1), ("_right_table", 16)]
 
 

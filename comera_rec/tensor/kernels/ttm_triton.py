@@ -499,7 +499,9 @@ def ttm_embedding_bag_triton(
     p_distinct, p_of_id = torch.unique(p_keys, return_inverse=True)  # (K_p,), (N,)
     s_distinct, s_of_id = torch.unique(s_keys, return_inverse=True)  # (K_s,), (N,)
     prefix = _half(cores[:h], row_shape[:h], p_distinct, left=True)  # (K_p, M_l, r)
-    suffix = _half(cores[h:], row_shape[h:], s_distinct, left=False)  # (K_s, r, M_r)
+    suffix = _half(cores[h:], row_shape[h:], s_distinct, left=False)  # (K_s, m_b, r, m_a)
+    k_s, m_b, r, m_a = suffix.shape
+    suffix = suffix.permute(0, 2, 3, 1).reshape(k_s, r, m_a * m_b)  # (K_s, r, M_r)
     return ttm_bag_triton(
         prefix, suffix, p_of_id, s_of_id, offsets, per_sample_weights, mode, embedding_dim,
         chunk=chunk, block_elems=block_elems,
