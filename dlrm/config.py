@@ -56,6 +56,8 @@ class DLRMConfig:
     """Tables with fewer rows stay dense (FBGEMM kernels, sharded by TorchRec)."""
     min_gain: float = 2.0
     """Compress a table or layer only if dense / TT parameters >= this."""
+    share_shapes: float = 4.0
+    """Tables within this factor in size share one TT shape and are looked up together (0: off)."""
     per_table: dict[str, TableRule] = field(default_factory=dict)
     """Per-table overrides by table name (``"t_cat_3"``): ``"dense"``, ``"compress"``, a rank or a TableOverride."""
     feature_names: list[str] | None = None
@@ -82,6 +84,7 @@ class DLRMConfig:
         return CompressionPolicy(
             rank=self.rank, min_rows_to_compress=self.min_rows_to_compress, min_gain=self.min_gain,
             per_table=dict(self.per_table), linear_rank=self.mlp_rank,
+            share_shapes=self.share_shapes,
         )
 
     @classmethod

@@ -14,7 +14,14 @@ from comera_rec.integration.distributed import (
     wrap_model,
 )
 from comera_rec.integration.mlp import TTLowRankCrossNet, tt_mlp
-from comera_rec.integration.policy import CompressionPolicy, TableOverride, TablePlan, linear_pays, plan_table
+from comera_rec.integration.policy import (
+    CompressionPolicy,
+    TableOverride,
+    TablePlan,
+    linear_pays,
+    plan_table,
+    plan_tables,
+)
 
 __all__ = [
     "CompressionPolicy",
@@ -34,6 +41,7 @@ __all__ = [
     "materialize_tensor_trains",
     "model_size",
     "plan_table",
+    "plan_tables",
     "replicated_parameter_groups",
     "rewrap_after_truncation",
     "tt_mlp",

@@ -24,7 +24,7 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_table
+from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tables
 from comera_rec.tensor.stacked import StackedTTMTables
 
 _POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
@@ -48,7 +48,8 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         device: where to allocate (``"meta"`` allocates nothing; call
             :meth:`reset_parameters` after materialising).
         validate_inputs: check every id against its table (an error names the feature
-            and the value); costs one vectorised comparison per batch.
+            and the value) and the KJT's layout (integer ids and lengths; lengths,
+            offsets and values that agree); a few vectorised ops per batch.
         allow_extra_keys: ignore KJT keys that no table reads (TorchRec's behaviour);
             when ``False`` they are an error.
         plans: explicit per-table decisions (``compress`` passes them); overrides ``policy``.
@@ -103,8 +104,9 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 )
 
         self.plans: dict[str, TablePlan] = {}
+        planned = plan_tables([(t.name, t.num_embeddings, t.embedding_dim) for t in tables], policy)
         for t in tables:
-            plan = (plans or {}).get(t.name) or plan_table(t.name, t.num_embeddings, t.embedding_dim, policy)
+            plan = (plans or {}).get(t.name) or planned[t.name]
             if plan.compressed and t.data_type != DataType.FP32:
                 raise ValueError(
                     f"TTMEmbeddingBagCollection: compressed table {t.name!r} must be FP32, got {t.data_type}"
@@ -254,6 +256,49 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 f"[0, {num}) of table {table!r}"
             )
 
+    def _check_layout(self, features: KeyedJaggedTensor, keys: Sequence[str], values: torch.Tensor,
+                      lengths: torch.Tensor) -> None:
+        """Integer ids and lengths, and lengths / offsets / values that agree (errors name the feature)."""
+        name = "TTMEmbeddingBagCollection"
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise TypeError(f"{name}: KeyedJaggedTensor values (ids) must be an integer tensor, got {values.dtype}")
+        if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+            raise TypeError(f"{name}: KeyedJaggedTensor lengths must be an integer tensor, got {lengths.dtype}")
+        batch = features.stride()
+        if values.dim() != 1 or lengths.dim() != 1:
+            raise ValueError(f"{name}: KeyedJaggedTensor values and lengths must be 1-D, got shapes "
+                             f"{tuple(values.shape)} and {tuple(lengths.shape)}")
+        if lengths.numel() != len(keys) * batch:
+            raise ValueError(f"{name}: KeyedJaggedTensor has {lengths.numel()} lengths, expected "
+                             f"{len(keys)} keys x batch {batch} = {len(keys) * batch}")
+
+        def where(pos: int) -> str:
+            return f"feature {keys[pos // batch]!r}, sample {pos % batch}" if batch else f"position {pos}"
+
+        if lengths.numel():
+            negative = (lengths < 0).nonzero()
+            if negative.numel():
+                pos = int(negative[0])
+                raise ValueError(f"{name}: negative bag length {int(lengths[pos])} at {where(pos)}")
+        total = int(lengths.sum()) if lengths.numel() else 0
+        if total != values.numel():
+            raise ValueError(f"{name}: KeyedJaggedTensor lengths sum to {total} but it holds {values.numel()} "
+                             f"values (ids); lengths and values disagree")
+        offsets = features.offsets_or_none()
+        if offsets is not None and features.lengths_or_none() is not None:
+            if offsets.numel() != lengths.numel() + 1 or (offsets.numel() and int(offsets[0]) != 0):
+                raise ValueError(f"{name}: KeyedJaggedTensor offsets (length {offsets.numel()}, first "
+                                 f"{int(offsets[0]) if offsets.numel() else None}) do not match its "
+                                 f"{lengths.numel()} lengths (need {lengths.numel() + 1} offsets starting at 0)")
+            differ = (offsets[1:] - offsets[:-1] != lengths).nonzero()
+            if differ.numel():
+                pos = int(differ[0])
+                raise ValueError(f"{name}: KeyedJaggedTensor offsets and lengths disagree at {where(pos)}: "
+                                 f"offsets give {int(offsets[pos + 1] - offsets[pos])}, lengths {int(lengths[pos])}")
+        weights = features.weights_or_none()
+        if weights is not None and weights.numel() != values.numel():
+            raise ValueError(f"{name}: KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values")
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature's bags with its tables.
 
@@ -273,6 +318,8 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         index, bounds = self._key_layout(keys)
         values = features.values()
         lengths = features.lengths()
+        if self._validate:
+            self._check_layout(features, keys, values, lengths)
         length_per_key = features.length_per_key()
         offset_per_key = features.offset_per_key()
         batch = features.stride()

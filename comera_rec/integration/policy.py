@@ -56,6 +56,10 @@ class CompressionPolicy:
     """Replace MLP linear layers by ``TTLinear`` where it pays."""
     compress_crossnet: bool = True
     """Replace DCN low-rank projections by ``TTLinear`` where it pays."""
+    share_shapes: float = 4.0
+    """A compressed table with at least 1/share_shapes the rows of a larger one (same dim
+    and rank, automatic shape) takes that table's TT shape, so they are stacked and looked
+    up in one call; 0 gives every table its own shape."""
 
     def override(self, table: str) -> TableOverride:
         """The normalised override of ``table`` (an empty one when there is none)."""
@@ -134,6 +138,46 @@ def plan_table(name: str, num_embeddings: int, embedding_dim: int, policy: Compr
     if gain < policy.min_gain:
         return TablePlan(name, compressed=False)
     return TablePlan(name, True, shape, ranks)
+
+
+def plan_tables(
+    tables: Sequence[tuple[str, int, int]], policy: CompressionPolicy
+) -> dict[str, TablePlan]:
+    """Plan every table, then give tables of similar size one shared TT shape.
+
+    Args:
+        tables: ``(name, num_embeddings, embedding_dim)`` of each table.
+        policy: the compression policy (``share_shapes`` sets how similar is similar).
+
+    Returns:
+        Plans by table name.
+
+    Example::
+
+        >>> plans = plan_tables([("a", 1_000_000, 16), ("b", 600_000, 16), ("c", 20_000, 16)],
+        ...                     CompressionPolicy(rank=8))
+        >>> plans["a"].shape == plans["b"].shape != plans["c"].shape
+        True
+    """
+    plans = {name: plan_table(name, rows, dim, policy) for name, rows, dim in tables}
+    if policy.share_shapes <= 0:
+        return plans
+    # largest first: each table joins the class of the first leader it fits under
+    shareable = sorted(
+        ((rows, dim, name) for name, rows, dim in tables
+         if plans[name].compressed and policy.override(name).shape is None),
+        reverse=True,
+    )
+    leaders: list[tuple[int, int, str]] = []
+    for rows, dim, name in shareable:
+        for lead_rows, lead_dim, lead in leaders:
+            same = lead_dim == dim and plans[lead].ranks == plans[name].ranks
+            if same and lead_rows <= policy.share_shapes * rows:
+                plans[name] = TablePlan(name, True, plans[lead].shape, plans[lead].ranks)
+                break
+        else:
+            leaders.append((rows, dim, name))
+    return plans
 
 
 def tt_linear_num_parameters(in_features: int, out_features: int, rank: int, bias: bool = True) -> int:
