@@ -191,12 +191,21 @@ def tt_linear_num_parameters(in_features: int, out_features: int, rank: int, bia
 
 
 def linear_pays(in_features: int, out_features: int, rank: int, min_gain: float, bias: bool = True) -> bool:
-    """Whether a TT layer at ``rank`` has ``min_gain`` times fewer parameters than the dense one.
+    """Whether a TT layer at ``rank`` pays: ``min_gain`` times fewer parameters than the dense
+    layer, and no more multiply-adds per row (``r (in + out)`` for the two skinny GEMMs,
+    ``r`` the middle rank, against ``in * out``). ``min_gain <= 0`` compresses every layer.
 
     Example::
 
-        >>> linear_pays(512, 256, 16, 2.0), linear_pays(13, 16, 16, 2.0)
-        (True, False)
+        >>> linear_pays(512, 256, 16, 2.0), linear_pays(13, 16, 16, 2.0), linear_pays(13, 512, 32, 2.0)
+        (True, False, False)
     """
+    if min_gain <= 0:
+        return True
     dense = in_features * out_features + (out_features if bias else 0)
-    return dense >= min_gain * tt_linear_num_parameters(in_features, out_features, rank, bias)
+    if dense < min_gain * tt_linear_num_parameters(in_features, out_features, rank, bias):
+        return False
+    in_shape, out_shape = tt_linear_shapes(in_features, out_features)
+    modes = list(in_shape) + list(out_shape)
+    middle = cap_ranks([rank] * (len(modes) - 1), modes)[len(in_shape) - 1]
+    return middle * (in_features + out_features) <= in_features * out_features
