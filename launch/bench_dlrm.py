@@ -15,7 +15,6 @@ process; validation AUC after the same number of steps.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import multiprocessing as mp
 import time
@@ -23,9 +22,10 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
-from comera_rec.integration.distributed import wrap_model
+from comera_rec.integration.distributed import EmbeddingOptimizerSpec, wrap_model
 from comera_rec.rank import model_num_parameters
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training.metrics import BinaryMetrics
@@ -67,8 +67,22 @@ def build(variant: str, setup: Setup, mlperf: bool):
     model = build_dlrm_train(model_config(variant, setup, mlperf), device="cpu")
     if variant == "tt_half":
         cut_ranks_to_half(model)
-    wrapped, bundle = wrap_model(model, device="cpu")
+    wrapped, bundle = wrap_model(
+        model, device="cpu", make_dense_optimizer=adamw,
+        embedding_optimizer=EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": EMBEDDING_LR, "eps": 1e-8}),
+    )
     return wrapped, bundle
+
+
+# The demo config's learning rates, the same for every variant.
+LEARNING_RATES = {"cores": 3e-3, "controllers": 1e-2, "other": 1e-3}
+EMBEDDING_LR = 0.05
+
+
+def adamw(groups: dict[str, list[nn.Parameter]]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [{"params": groups[k], "lr": LEARNING_RATES[k]} for k in LEARNING_RATES if groups[k]], weight_decay=0.0
+    )
 
 
 def batches(setup: Setup, mlperf: bool, stream: str, rows: int):
@@ -85,7 +99,7 @@ def train_step(wrapped, bundle, batch) -> float:
     loss.backward()
     bundle.step()
     bundle.zero_grad()
-    return float(loss)
+    return float(loss.detach())
 
 
 @torch.no_grad()
