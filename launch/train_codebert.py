@@ -1,0 +1,44 @@
+"""Pre-train a RoBERTa-style (CodeBERT) masked-LM on code, in two phases.
+
+    python launch/train_codebert.py --config configs/codebert_tiny.yaml
+    python launch/train_codebert.py --config configs/codebert_tiny.yaml data.source=/src/project method.name=dense
+    python launch/train_codebert.py --config configs/codebert_base.yaml data.source=/data/codesearchnet/python
+
+Phase 1 runs trainer.max_steps steps; phase 2 (phase2.*) starts by cutting ranks further
+and runs phase2.steps more. Fields: docs/transformer.md and docs/training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import yaml
+
+from comera_rec.config import load_config, to_dict
+from comera_rec.transformer.runs import MaskedLMRun, run_masked_lm
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML run config (configs/codebert_*.yaml)")
+    parser.add_argument("--resume", action="store_true", help="continue each phase from its newest checkpoint")
+    parser.add_argument("--help-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. phase2.rank_fraction=0.3")
+    args = parser.parse_args(argv)
+    config = load_config(MaskedLMRun, args.config, args.overrides + (["trainer.resume=true"] if args.resume else []))
+    if args.help_config:
+        print(yaml.safe_dump(to_dict(config), sort_keys=False))
+        return {}
+    out = run_masked_lm(config)
+    for phase in ("phase1", "phase2"):
+        s = out.get(phase)
+        if s:
+            print(f"{phase}: val MLM loss {s['val_log_loss']:.4f}, perplexity {s['val_perplexity']:.2f}, "
+                  f"accuracy {s['val_accuracy']:.4f}, compression {s['compression']:.1f}x, "
+                  f"{s['parameters']:,} parameters" + ("" if math.isfinite(s["val_log_loss"]) else " (no validation)"))
+    return out
+
+
+if __name__ == "__main__":
+    main()
