@@ -146,6 +146,10 @@ class DLRMTask:
         assert self.bundle is not None
         return [self.bundle.fused] if self.bundle.fused is not None else []
 
+    def checkpoint_config_keys(self) -> list[str]:
+        """Config keys a resumed run must share with its checkpoint: the whole model section."""
+        return ["model."]
+
     # ------------------------------------------------------------------ data
     def _data_config(self) -> DataConfig:
         data = self.config.data
@@ -172,5 +176,32 @@ class DLRMTask:
 
     # ------------------------------------------------------------------ loss
     def step_loss(self, wrapped: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.config.model.validate_inputs:
+            check_batch(batch, self.config.model.dense_in_features)
         loss, (_, logits, labels) = wrapped(batch.to(self.device))
         return loss, logits, labels
+
+
+def check_batch(batch: Batch, dense_in_features: int) -> None:
+    """Check a training batch's dense features and labels (the sparse ids are checked by the model).
+
+    Raises:
+        TypeError: a field of the wrong type or dtype.
+        ValueError: a wrong shape, or labels other than 0 / 1.
+    """
+    if not isinstance(batch, Batch):
+        raise TypeError(f"expected a torchrec Batch, got {type(batch).__name__}")
+    dense, labels = batch.dense_features, batch.labels
+    if dense.dtype != torch.float32:
+        raise TypeError(f"batch.dense_features must be float32, got {dense.dtype}")
+    if dense.dim() != 2 or dense.shape[1] != dense_in_features:
+        raise ValueError(f"batch.dense_features must have shape [B, {dense_in_features}] "
+                         f"(model.dense_in_features), got {list(dense.shape)}")
+    if not labels.dtype.is_floating_point:
+        raise TypeError(f"batch.labels must be floating point (0.0 / 1.0), got {labels.dtype}")
+    if labels.shape != (dense.shape[0],):
+        raise ValueError(f"batch.labels must have shape [{dense.shape[0]}] (one per row), got {list(labels.shape)}")
+    if labels.numel() and bool(((labels != 0) & (labels != 1)).any()):
+        bad = float(labels[(labels != 0) & (labels != 1)][0])
+        hint = " (a file without labels, e.g. Kaggle test.txt?)" if bad == -1 else ""
+        raise ValueError(f"batch.labels must be 0 or 1 for training, got {bad}{hint}")

@@ -2,19 +2,24 @@
 metrics, checkpoints and reports."""
 
 from comera_rec.training.checkpoint import (
+    CheckpointError,
+    NonFiniteStateError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from comera_rec.training.engine import Task, Trainer, TrainerConfig, peak_memory_mb
+from comera_rec.training.engine import IncompatibleCheckpointError, Task, Trainer, TrainerConfig, peak_memory_mb
 from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.training.optim import OptimConfig, build_optimizer, rebuild_optimizer
 from comera_rec.training.report import JsonlLog, plot_run, read_jsonl, summary_table
 
 __all__ = [
     "BinaryMetrics",
+    "CheckpointError",
+    "IncompatibleCheckpointError",
     "JsonlLog",
+    "NonFiniteStateError",
     "OptimConfig",
     "Task",
     "Trainer",

@@ -12,14 +12,20 @@ Every process writes its own file (model, optimisers, schedule, data position an
 RNG states) into a temporary folder; after a barrier rank 0 writes ``meta.json`` last
 and renames the folder into place (``os.replace``, atomic on one file system). A crash at
 any point leaves either the previous complete checkpoints or a ``.tmp-*`` folder that is
-never loaded (and is removed by the next save). Files are read with
-``torch.load(weights_only=True)``.
+never loaded (and is removed by the next save). ``meta.json`` records the size of every
+rank file, so a file cut short later (a full disk, a bad copy) also makes the checkpoint
+incomplete, and its SHA-256, which loading verifies (damaged bytes are a clear error). Files are read with ``torch.load(weights_only=True)``: no pickled code runs.
+Before anything is written every process checks its state for NaN / inf; a non-finite
+value anywhere makes every process refuse the save (:class:`NonFiniteStateError`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -28,8 +34,42 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from comera_rec.training import faults
+
 _NAME = re.compile(r"^step_(\d{9})$")
 TMP_PREFIX = ".tmp-"
+log = logging.getLogger(__name__)
+
+
+class NonFiniteStateError(FloatingPointError):
+    """A state about to be checkpointed holds NaN or inf (the save is refused)."""
+
+
+class CheckpointError(RuntimeError):
+    """A complete checkpoint cannot be read (corrupt file) or does not fit the run."""
+
+
+def nonfinite_entries(state: Any, prefix: str = "") -> list[str]:
+    """Paths (``model.lin.cores.0``) of floating tensors in ``state`` holding NaN or inf.
+
+    Walks dicts, lists and tuples; sharded tensors are checked shard by shard.
+    """
+    found: list[str] = []
+    if isinstance(state, dict):
+        for k, v in state.items():
+            found += nonfinite_entries(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            found += nonfinite_entries(v, f"{prefix}.{i}" if prefix else str(i))
+    elif hasattr(state, "local_shards"):  # torch.distributed ShardedTensor
+        if any(not bool(torch.isfinite(s.tensor).all()) for s in state.local_shards()
+               if s.tensor.is_floating_point()):
+            found.append(prefix)
+    elif isinstance(state, torch.Tensor) and (state.is_floating_point() or state.is_complex()):
+        values = state.coalesce().values() if state.is_sparse else state
+        if not bool(torch.isfinite(values).all()):
+            found.append(prefix)
+    return found
 
 
 def _distributed() -> bool:
@@ -39,6 +79,29 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+class _HashingWriter:
+    """A binary file wrapper that hashes what is written through it."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -70,7 +133,14 @@ def is_complete(path: Union[str, Path]) -> bool:
         return False
     if not isinstance(meta, dict) or meta.get("complete") is not True:
         return False
-    return all((path / f"rank{r}.pt").is_file() for r in range(int(meta.get("world_size", 1))))
+    sizes = meta.get("files") or {}
+    for r in range(int(meta.get("world_size", 1))):
+        file = path / f"rank{r}.pt"
+        if not file.is_file():
+            return False
+        if file.name in sizes and file.stat().st_size != int(sizes[file.name]):
+            return False  # cut short after it was written
+    return True
 
 
 def list_checkpoints(root: Union[str, Path]) -> list[Path]:
@@ -91,6 +161,14 @@ def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
         PosixPath('runs/demo/checkpoints/step_000000200')
     """
     found = list_checkpoints(root)
+    root = Path(root)
+    newest = int(_NAME.match(found[-1].name).group(1)) if found else -1  # type: ignore[union-attr]
+    if root.is_dir():
+        for p in root.iterdir():
+            m = _NAME.match(p.name)
+            if m and int(m.group(1)) > newest and not is_complete(p):
+                log.warning("ignoring incomplete checkpoint %s (no valid meta.json or a rank file "
+                            "missing / of the wrong size)", p)
     return found[-1] if found else None
 
 
@@ -115,6 +193,10 @@ def save_checkpoint(
     Returns:
         The checkpoint folder.
 
+    Raises:
+        NonFiniteStateError: some process's state holds NaN or inf (nothing is written,
+            on any process; the previous checkpoints stay as they are).
+
     Example::
 
         >>> save_checkpoint(tmp / "ckpt", 10, {"model": model.state_dict()}, {})  # doctest: +SKIP
@@ -124,6 +206,19 @@ def save_checkpoint(
     world = dist.get_world_size() if _distributed() else 1
     final = root / checkpoint_name(step)
     tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
+    bad = nonfinite_entries(state)
+    bad_anywhere = len(bad) > 0
+    if _distributed():
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        flag = torch.tensor([1.0 if bad else 0.0], device=device)
+        dist.all_reduce(flag)
+        bad_anywhere = float(flag) > 0
+    if bad_anywhere:
+        where = (f"rank {rank} has NaN/inf in {bad[:10]}" + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+                 if bad else "another process has NaN/inf in its state")
+        raise NonFiniteStateError(
+            f"refusing to write checkpoint {final}: {where}; the previous checkpoints are kept"
+        )
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{TMP_PREFIX}*"):
@@ -132,13 +227,22 @@ def save_checkpoint(
     _barrier()
     part = tmp / f"rank{rank}.pt.part"
     with part.open("wb") as f:
-        torch.save(state, f)
+        writer = _HashingWriter(f)
+        torch.save(state, writer)
         f.flush()
         os.fsync(f.fileno())
+    (tmp / f"rank{rank}.sha256").write_text(writer.sha.hexdigest())
     os.replace(part, tmp / f"rank{rank}.pt")
+    faults.maybe_kill(faults.KILL_IN_CHECKPOINT, step, rank, root)
     _barrier()
     if rank == 0:
-        meta = dict(meta, step=step, world_size=world, complete=True)
+        files = {f"rank{r}.pt": (tmp / f"rank{r}.pt").stat().st_size for r in range(world)}
+        sha256 = {}
+        for r in range(world):
+            sidecar = tmp / f"rank{r}.sha256"
+            sha256[f"rank{r}.pt"] = sidecar.read_text().strip()
+            sidecar.unlink()
+        meta = dict(meta, step=step, world_size=world, complete=True, files=files, sha256=sha256)
         meta_part = tmp / "meta.json.part"
         meta_part.write_text(json.dumps(meta, indent=1, sort_keys=True))
         os.replace(meta_part, tmp / "meta.json")
@@ -175,9 +279,17 @@ def load_checkpoint(path: Union[str, Path], rank: Optional[int] = None) -> tuple
     Raises:
         FileNotFoundError: not a complete checkpoint.
         ValueError: the checkpoint was written by a different number of processes.
+        pickle.UnpicklingError: the file holds an object other than tensors and plain
+            types (it is refused, never run).
+        CheckpointError: the file is corrupt.
     """
     path = Path(path)
-    meta = read_meta(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("complete") is not True:
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no valid meta.json)")
     world = dist.get_world_size() if _distributed() else 1
     if rank is None:
         rank = dist.get_rank() if _distributed() else 0
@@ -185,5 +297,21 @@ def load_checkpoint(path: Union[str, Path], rank: Optional[int] = None) -> tuple
             raise ValueError(
                 f"{path} was written by {meta['world_size']} processes; this run has {world}"
             )
-    state = torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=True)
+    file = path / f"rank{rank}.pt"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} is missing: {path} is not a complete checkpoint")
+    try:  # weights_only: safe to try before the checksum, no pickled code can run
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise  # weights_only refused a non-tensor object: its code never ran
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: cannot be read as a checkpoint file ({e})") from e
+    size = (meta.get("files") or {}).get(file.name)
+    if size is not None and file.stat().st_size != int(size):
+        raise CheckpointError(f"{file}: {file.stat().st_size} bytes, meta.json says {size} (cut short or replaced)")
+    expected = (meta.get("sha256") or {}).get(file.name)
+    if expected is not None and _sha256(file) != expected:
+        raise CheckpointError(f"{file}: damaged (its SHA-256 differs from the one in meta.json)")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file}: expected a dict of states, got {type(state).__name__}")
     return state, meta

@@ -14,6 +14,7 @@ Task protocol (see :class:`Task`)::
     step_loss(wrapped, batch) -> (loss, logits, labels)
     extra_optimizers(wrapped) -> list           # optional: e.g. TorchRec fused optimisers
     optimizer_parameters(wrapped) -> Iterable   # optional: what the torch optimiser updates
+    checkpoint_config_keys() -> list[str]       # optional: config key prefixes a resume may not change
 
 Batches must be deterministic given the epoch (so a resumed run can skip the consumed
 ones) and the wrapper must share its parameters with the model ``build_model`` returned
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import math
 import os
 import random
@@ -54,10 +56,19 @@ from comera_rec.rank.size import (
     total_live_rank,
 )
 from comera_rec.rank.truncation import resize_to_state_dict
-from comera_rec.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from comera_rec.tensor.train import tensor_train_modules
+from comera_rec.training import faults
+from comera_rec.training.checkpoint import (
+    NonFiniteStateError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.training.optim import OptimConfig, build_optimizer, rebuild_optimizer
 from comera_rec.training.report import JsonlLog, plot_run, read_jsonl, summary_table
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -112,11 +123,14 @@ class TrainerConfig:
     backend: str = "auto"
     """Process group backend when launched with torchrun: "gloo", "nccl" or "auto"."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in run_dir/checkpoints (fresh start if none)."""
+    """Continue from the newest complete checkpoint in run_dir/checkpoints (fresh start if none).
+    Workers restarted by torchrun (TORCHELASTIC_RESTART_COUNT > 0) always do this."""
     skip_nonfinite: bool = True
-    """Skip a batch whose loss is NaN or infinite (on any process) instead of failing."""
+    """Skip (and count) a batch whose loss or gradients are NaN / inf on any process instead of failing."""
     max_nonfinite: int = 100
-    """Fail after this many skipped batches."""
+    """Stop after more than this many skipped batches (the last good state is checkpointed first)."""
+    check_grads: bool = True
+    """Also check every gradient for NaN / inf before the optimiser step (one reduction per step)."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0."""
     plots: bool = True
@@ -136,8 +150,81 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.backend must be auto, gloo or nccl, got {self.backend!r}")
 
 
+class IncompatibleCheckpointError(ValueError):
+    """A checkpoint was written by a run whose model does not fit this one."""
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(config, dict):
+        out: dict[str, Any] = {}
+        for k, v in config.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: config}
+
+
+def _short(value: Any, width: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def config_differences(saved: Any, current: Any, ignore: tuple[str, ...] = ("trainer.",)) -> list[str]:
+    """``key (checkpoint X, now Y)`` for every config key whose value differs.
+
+    Args:
+        saved: the config dict stored in a checkpoint's meta.json.
+        current: this run's config dict.
+        ignore: key prefixes that may change between a run and its resumption.
+    """
+    a, b = _flatten(saved or {}), _flatten(current or {})
+    keys = sorted(set(a) | set(b))
+    return [f"{k} (checkpoint {_short(a.get(k, '<absent>'))}, now {_short(b.get(k, '<absent>'))})"
+            for k in keys if not k.startswith(ignore) and a.get(k, "<absent>") != b.get(k, "<absent>")]
+
+
+def _rank_dims(model: nn.Module) -> dict[str, set[int]]:
+    """State-dict key of every TT core / controller -> its dims that are TT ranks."""
+    out: dict[str, set[int]] = {}
+    for name, module in tensor_train_modules(model):
+        prefix = f"{name}." if name else ""
+        batch_dims = module.controllers[0].dim() - 1 if len(module.controllers) else 0
+        for k, core in enumerate(module.cores):
+            out[f"{prefix}cores.{k}"] = {batch_dims, core.dim() - 1}
+        for k, ctrl in enumerate(module.controllers):
+            out[f"{prefix}controllers.{k}"] = {ctrl.dim() - 1}
+    return out
+
+
+def state_dict_mismatches(model: nn.Module, saved: dict[str, Any]) -> list[str]:
+    """How ``saved`` fails to fit ``model``: missing / unexpected keys and shape mismatches.
+
+    TT cores and controllers may differ in their rank dimensions (a checkpoint taken
+    after truncation); every other dimension must match.
+    """
+    current = model.state_dict()
+    rank_dims = _rank_dims(model)
+    problems: list[str] = []
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if missing:
+        problems.append(f"missing from the checkpoint: {missing[:10]}" + (" ..." if len(missing) > 10 else ""))
+    if unexpected:
+        problems.append(f"not in the model: {unexpected[:10]}" + (" ..." if len(unexpected) > 10 else ""))
+    for key, tensor in current.items():
+        if key not in saved or not hasattr(tensor, "shape") or not hasattr(saved[key], "shape"):
+            continue
+        a, b = tuple(saved[key].shape), tuple(tensor.shape)
+        if a == b:
+            continue
+        dims = rank_dims.get(key)
+        if dims is not None and len(a) == len(b) and all(x == y for i, (x, y) in enumerate(zip(a, b)) if i not in dims):
+            continue
+        problems.append(f"{key}: shape {list(a)} in the checkpoint, {list(b)} in the model")
+    return problems
 
 
 def _rank() -> int:
@@ -230,7 +317,18 @@ class Trainer:
             backend = self.config.backend
             if backend == "auto":
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend)
+            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+            if restarts > 0 and "MASTER_ADDR" in os.environ:
+                # torchrun keeps one store across restarts; keys left by the killed attempt
+                # (peer addresses) would make the new group connect to dead processes
+                rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+                agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                      is_master=not agent_store and rank == 0)
+                dist.init_process_group(backend, store=dist.PrefixStore(f"comera_rec/attempt_{restarts}", store),
+                                        rank=rank, world_size=world)
+            else:
+                dist.init_process_group(backend)
             self._owns_group = True
 
     def _device(self) -> torch.device:
@@ -318,8 +416,25 @@ class Trainer:
         return save_checkpoint(self.run_dir / "checkpoints", self.step, self._state(), meta,
                                keep=self.config.keep_checkpoints)
 
+    def _check_compatible(self, path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        problems = state_dict_mismatches(self.model, state["model"])
+        diffs = config_differences(meta.get("config"), to_dict(self.run_config)) if self.run_config is not None else []
+        # config sections that define the model (the task says which): any change there is fatal
+        fixed = tuple(self.task.checkpoint_config_keys()) if hasattr(self.task, "checkpoint_config_keys") else ()
+        problems += [f"config {d}" for d in diffs if fixed and d.startswith(fixed)]
+        if problems:
+            shown = problems[:12] + ([f"... {len(problems) - 12} more"] if len(problems) > 12 else [])
+            hint = (f"; the run config differs from the checkpoint's in: {'; '.join(diffs[:10])}" if diffs else "")
+            raise IncompatibleCheckpointError(
+                f"checkpoint {path} does not fit this model: " + "; ".join(shown) + hint
+                + ". Resume with the configuration it was written with, or use another trainer.run_dir."
+            )
+        if diffs and _rank() == 0:
+            logger.warning("resuming from %s with config changes: %s", path, "; ".join(diffs))
+
     def _restore(self, path: Path) -> None:
-        state, _ = load_checkpoint(path)
+        state, meta = load_checkpoint(path)
+        self._check_compatible(path, state, meta)
         resize_to_state_dict(self.model, state["model"])
         self.model.load_state_dict(state["model"])
         self.wrapped = self.task.wrap(self.model)
@@ -376,6 +491,44 @@ class Trainer:
         dist.all_reduce(buf)
         return float(buf[0]) / _world(), float(buf[1]) == 0.0
 
+    def _grads_finite(self) -> bool:
+        """Whether every gradient is finite on every process (collective)."""
+        flags = []
+        for p in self.model.parameters():
+            g = p.grad
+            if g is not None:
+                flags.append(torch.isfinite(g.coalesce().values() if g.is_sparse else g).all())
+        finite = bool(torch.stack(flags).all()) if flags else True
+        if not _distributed():
+            return finite
+        buf = torch.tensor(0.0 if finite else 1.0, device=self.device)
+        dist.all_reduce(buf)
+        return float(buf) == 0.0
+
+    def _skip_nonfinite(self, what: str) -> None:
+        """Count a skipped batch; stop (after checkpointing the last good state) per the policy."""
+        cfg = self.config
+        self._zero_grad()
+        self.nonfinite += 1
+        self.step += 1
+        if not cfg.skip_nonfinite:
+            self._stop_nonfinite(f"non-finite {what} at step {self.step}")
+        if self.nonfinite > cfg.max_nonfinite:
+            self._stop_nonfinite(
+                f"{self.nonfinite} non-finite batches exceed max_nonfinite={cfg.max_nonfinite} "
+                f"(the last one: non-finite {what} at step {self.step})"
+            )
+
+    def _stop_nonfinite(self, message: str) -> None:
+        """Raise FloatingPointError; checkpoint first when checkpoints are on (collective)."""
+        if self.config.checkpoint_at_end or self.config.checkpoint_every:
+            try:
+                path = self.save()
+                message += f"; the last good state is saved in {path}"
+            except NonFiniteStateError as e:
+                message += f"; no checkpoint written: {e}"
+        raise FloatingPointError(message)
+
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, Any]:
         """Train to the end, then validate, checkpoint, plot and summarise.
@@ -384,9 +537,14 @@ class Trainer:
             The summary (also printed on rank 0 and saved as summary.txt / summary.json).
         """
         try:
-            return self._fit()
-        finally:
-            self.close()
+            summary = self._fit()
+        except BaseException:
+            # another process may be waiting in a collective: destroying the group could
+            # block forever, so leave it to the process exit (torchrun sees the failure)
+            self.close(destroy_group=False)
+            raise
+        self.close()
+        return summary
 
     def _fit(self) -> dict[str, Any]:
         import json
@@ -402,7 +560,11 @@ class Trainer:
         np.random.seed(cfg.seed)
         self.model = self.task.build_model(self.device)
         self._rng_to_restore: Optional[dict[str, Any]] = None
-        resume_from = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume else None
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        resume_from = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume or restarts > 0 else None
+        if restarts > 0 and rank == 0:
+            logger.warning("torchrun restart %d: %s", restarts,
+                        f"resuming from {resume_from}" if resume_from else "no checkpoint yet, starting afresh")
         if resume_from is not None:
             self._restore(resume_from)
         else:
@@ -431,23 +593,20 @@ class Trainer:
             global_loss, finite = self._reduce_loss(loss)
             self.batch_in_epoch += 1
             if not finite:
-                self._zero_grad()
-                self.nonfinite += 1
-                self.step += 1
-                if not cfg.skip_nonfinite:
-                    raise FloatingPointError(f"non-finite loss at step {self.step}")
-                if self.nonfinite > cfg.max_nonfinite:
-                    raise FloatingPointError(
-                        f"{self.nonfinite} non-finite losses exceed max_nonfinite={cfg.max_nonfinite}"
-                    )
+                self._skip_nonfinite("loss")
                 bar.update(1)
                 continue
             terms = self.schedule.objective(self.model, loss, self.step, global_task_loss=global_loss)
             terms.loss.backward()
+            if cfg.check_grads and not self._grads_finite():
+                self._skip_nonfinite("gradients")
+                bar.update(1)
+                continue
             for opt in self.optimizers:
                 opt.step()
             self._zero_grad()
             self.step += 1
+            faults.maybe_kill(faults.KILL_AT_STEP, self.step, rank, self.run_dir)
             n = int(labels.shape[0]) * _world()
             self.samples += n
             self.losses.append(global_loss)
@@ -522,16 +681,17 @@ class Trainer:
                 plot_run(read_jsonl(self.run_dir / "log.jsonl"), self.run_dir)
         return summary
 
-    def close(self) -> None:
+    def close(self, destroy_group: bool = True) -> None:
         """Release the wrapper and optimisers, then the process group if the engine made it.
 
         Deleting them and collecting garbage before ``destroy_process_group`` avoids the
-        gloo abort at exit (platform.md).
+        gloo abort at exit (platform.md). ``destroy_group=False`` (after an error) leaves
+        the group to the process exit.
         """
         self.wrapped = None
         self.optimizer = None
         self.extra = []
         gc.collect()
-        if self._owns_group and dist.is_initialized():
+        if destroy_group and self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False

@@ -1,0 +1,63 @@
+"""Shared pieces of the reliability tests: the tiny DLRM run and subprocess launchers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = str(ROOT / "configs/dlrm_demo.yaml")
+TRAIN = str(ROOT / "launch/train_dlrm.py")
+
+TABLE_SIZES = [20000, 15000, 300, 40, 12000, 7, 500, 60, 3, 900, 20, 11, 50, 4, 1000, 30000, 8, 100, 70, 4,
+               9000, 10, 12, 800, 90, 200]
+# Small tables and MLPs (tables 0, 1, 4, 15 are TT-compressed): a step takes milliseconds.
+TINY = [
+    f"model.table_sizes=[{','.join(map(str, TABLE_SIZES))}]",
+    "model.embedding_dim=8",
+    "model.bottom_mlp=[64,32,8]",
+    "model.top_mlp=[64,32,1]",
+    "model.rank=4",
+    "model.mlp_rank=4",
+    "model.min_rows_to_compress=10000",
+    "data.batch_size=256",
+    "data.synthetic_train_rows=65536",
+    "data.synthetic_val_rows=4096",
+    "trainer.progress=false",
+    "trainer.log_every=1",
+    "trainer.plots=false",
+    "trainer.eval_max_batches=2",
+]
+
+
+def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """Environment of a training subprocess: the repo importable, torchrun's files in tmp_path."""
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def run_train(tmp_path: Path, args: list[str], nproc: int = 1, max_restarts: Optional[int] = None,
+              timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
+    """Run launch/train_dlrm.py in a subprocess (under torchrun when nproc > 1 or restarts are asked)."""
+    if nproc > 1 or max_restarts is not None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if max_restarts is not None:
+            cmd.append(f"--max-restarts={max_restarts}")
+        cmd.append(TRAIN)
+    else:
+        cmd = [sys.executable, TRAIN]
+    return subprocess.run(cmd + ["--config", DEMO, *args], env=child_env(tmp_path, **env), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """Global train loss per step from a run's log.jsonl."""
+    with open(run_dir / "log.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
