@@ -81,7 +81,8 @@ EMBEDDING_LR = 0.05
 
 def adamw(groups: dict[str, list[nn.Parameter]]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
-        [{"params": groups[k], "lr": LEARNING_RATES[k]} for k in LEARNING_RATES if groups[k]], weight_decay=0.0
+        [{"params": groups[k], "lr": LEARNING_RATES[k]} for k in LEARNING_RATES if groups[k]],
+        weight_decay=0.0, foreach=True,
     )
 
 

@@ -56,7 +56,7 @@ def default_dense_optimizer(groups: ParamGroups) -> torch.optim.Optimizer:
     rates = {"cores": 1e-4, "controllers": 1e-3, "other": 5e-5}
     return torch.optim.AdamW(
         [{"params": groups[k], "lr": rates[k], "name": k} for k in ("cores", "controllers", "other") if groups[k]],
-        weight_decay=0.0,
+        weight_decay=0.0, foreach=True,
     )
 
 

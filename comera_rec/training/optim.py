@@ -66,7 +66,9 @@ class OptimConfig:
 
     def kwargs(self) -> dict[str, object]:
         """Constructor arguments shared by all groups (learning rates are per group)."""
-        kw: dict[str, object] = {"weight_decay": self.weight_decay}
+        # foreach: one multi-tensor kernel per state instead of a Python loop over the many
+        # small TT cores (torch only picks it by default on GPUs)
+        kw: dict[str, object] = {"weight_decay": self.weight_decay, "foreach": True}
         if self.name in ("Adam", "AdamW"):
             kw.update(betas=self.betas, eps=self.eps)
         elif self.name == "Adagrad":
