@@ -115,6 +115,23 @@ def _left_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
     return table.reshape(T * n1 * n2, m1 * m2, r2)
 
 
+def _left_rows(cores: Sequence[torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
+    """Rows ``(K, m_1 m_2, r_2)`` of the whole 2-core left half for ``keys``.
+
+    One GEMM per train gives the half in the layout ``(n_1, m_1, n_2, m_2 r_2)``; each
+    key's ``m_1`` blocks of ``m_2 r_2`` contiguous values are gathered from it directly,
+    so the half is never transposed (forward or backward).
+    """
+    T, _, n1, m1, r1 = cores[0].shape
+    _, _, n2, m2, r2 = cores[1].shape
+    raw = torch.bmm(cores[0].reshape(T, n1 * m1, r1), cores[1].reshape(T, r1, n2 * m2 * r2))
+    raw = raw.reshape(T * n1 * m1 * n2, m2 * r2)  # rows (t, i1, a, i2)
+    t_i1, i2 = keys // n2, keys % n2  # keys = (t * n1 + i1) * n2 + i2
+    a = torch.arange(m1, device=keys.device)
+    rows = ((t_i1 * m1).unsqueeze(1) + a) * n2 + i2.unsqueeze(1)  # (K, m1)
+    return raw.index_select(0, rows.reshape(-1)).reshape(keys.numel(), m1 * m2, r2)
+
+
 def _right_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
     """Contract the right half (1 or 2 cores) of stacked trains over all its row indices.
 
@@ -162,6 +179,8 @@ def _half(
     gather_cost = keys.numel() * (sum(c[0].numel() // c.shape[2] for c in cores) + out_elems)
     gather = gather_cost < full_cost if strategy == "auto" else strategy == "gather"
     if len(cores) > 1 and not gather:
+        if left:
+            return _left_rows(cores, keys)
         return table_fn(cores).index_select(0, keys)
     # Gather the distinct keys' slices of each core, then contract them as one-row trains.
     distinct, key_of = torch.unique(keys, return_inverse=True)
