@@ -227,8 +227,9 @@ def ttm_rows(
     prefix = _half(cores[:h], row_shape[:h], trains * left_rows + rows // right_rows, left=True)  # (U, M_l, r)
     suffix = _half(cores[h:], row_shape[h:], trains * right_rows + rows % right_rows, left=False)
     U, m_b, r, m_a = suffix.shape  # (U, m_b, r, m_a)
-    # one GEMM per column digit of the last core: (U, M_l, r) @ (U, r, m_a), strided in U
-    out = torch.stack([torch.bmm(prefix, suffix[:, j]) for j in range(m_b)], dim=-1)  # (U, M_l, m_a, m_b)
+    # per row: prefix (M_l, r) x suffix (r, m_a, m_b); einsum's own plan was measured ~2x
+    # faster here than batched GEMMs of these tiny matrices
+    out = torch.einsum("uxr,ubra->uxab", prefix, suffix)  # (U, M_l, m_a, m_b)
     return out.reshape(U, prefix.shape[1] * m_a * m_b)
 
 
