@@ -60,6 +60,8 @@ from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training import faults
 from comera_rec.training.checkpoint import (
     NonFiniteStateError,
+    localize,
+    restore_local,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -393,9 +395,9 @@ class Trainer:
     def _state(self) -> dict[str, Any]:
         assert self.model is not None and self.optimizer is not None
         return {
-            "model": self.model.state_dict(),
+            "model": localize(self.model.state_dict()),
             "optimizer": self.optimizer.state_dict(),
-            "extra_optimizers": [o.state_dict() for o in self.extra],
+            "extra_optimizers": [localize(o.state_dict()) for o in self.extra],
             "schedule": self.schedule.state_dict(),
             "trainer": {
                 "step": self.step,
@@ -436,8 +438,9 @@ class Trainer:
         state, meta = load_checkpoint(path)
         self._check_compatible(path, state, meta)
         resize_to_state_dict(self.model, state["model"])
-        self.model.load_state_dict(state["model"])
+        # wrap first: sharded tables exist only once the model is sharded again
         self.wrapped = self.task.wrap(self.model)
+        self.model.load_state_dict(restore_local(self.model.state_dict(), state["model"], "model"))
         self._build_optimizers()
         self.optimizer.load_state_dict(state["optimizer"])
         if len(state["extra_optimizers"]) != len(self.extra):
@@ -445,7 +448,7 @@ class Trainer:
                 f"{path}: checkpoint has {len(state['extra_optimizers'])} extra optimizers, the task {len(self.extra)}"
             )
         for opt, sd in zip(self.extra, state["extra_optimizers"]):
-            opt.load_state_dict(sd)
+            opt.load_state_dict(restore_local(opt.state_dict(), sd, "extra_optimizers"))
         self.schedule.load_state_dict(state["schedule"])
         t = state["trainer"]
         self.step, self.epoch, self.batch_in_epoch = int(t["step"]), int(t["epoch"]), int(t["batch_in_epoch"])
