@@ -23,14 +23,12 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
 import numpy as np
 import pandas as pd
 
 from comera_rec.data import (
-    CAT_NAMES,
-    INT_NAMES,
     KAGGLE_NUM_EMBEDDINGS,
     CriteoNpyReader,
     CriteoParquetReader,

@@ -41,7 +41,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
 

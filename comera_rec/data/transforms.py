@@ -21,7 +21,7 @@ Categorical features: 32-bit hex -> int (missing -> raw 0, as TorchRec does), th
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import math
 import os
 import random
 import resource
@@ -466,8 +465,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Validation AUC, accuracy and log loss over all processes (collective)."""
-        metrics = BinaryMetrics(self.device)
+        """Validation metrics over all processes (collective): the task's own
+        ``metrics(device)`` when it has one, else AUC, accuracy and log loss."""
+        metrics = self.task.metrics(self.device) if hasattr(self.task, "metrics") else BinaryMetrics(self.device)
         self.wrapped.eval()
         try:
             batches = self.task.val_batches()

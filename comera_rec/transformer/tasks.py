@@ -9,7 +9,6 @@ task's :meth:`metrics` (accuracy, cross-entropy and perplexity).
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any, Iterator, Optional, Sequence
 
@@ -84,32 +83,11 @@ class TokenMetrics:
 
 
 class TransformerTrainer(Trainer):
-    """The training engine, validating with the task's ``metrics(device)`` when it has one.
+    """The training engine, unchanged: it validates with the task's ``metrics(device)``.
 
-    Everything else (loop, rank schedule, truncation, checkpoints, reports) is the
-    engine's. ``last_eval`` then holds accuracy, log_loss (mean cross-entropy) and
-    perplexity; the plateau switch of the rank schedule watches log_loss as usual.
+    ``last_eval`` then holds accuracy, log_loss (mean cross-entropy) and perplexity; the
+    plateau switch of the rank schedule watches log_loss as usual.
     """
-
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        if not hasattr(self.task, "metrics"):
-            return super().evaluate()
-        metrics = self.task.metrics(self.device)
-        self.wrapped.eval()
-        try:
-            batches = self.task.val_batches()
-            if self.config.eval_max_batches:
-                batches = itertools.islice(batches, self.config.eval_max_batches)
-            for batch in batches:
-                _, logits, labels = self.task.step_loss(self.wrapped, batch)
-                metrics.update(logits, labels)
-            result = metrics.compute()
-        finally:
-            self.wrapped.train()
-        self.last_eval = result
-        self.schedule.observe_validation(self.step, result["log_loss"], self.model)
-        return result
 
 
 class _EncoderTask:

@@ -4,7 +4,6 @@ tokenizers, the code-corpus reader and the synthetic task."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
