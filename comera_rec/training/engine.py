@@ -658,9 +658,8 @@ class Trainer:
             "samples": self.samples,
             "world_size": _world(),
             "final_train_loss": self.losses[-1] if self.losses else float("nan"),
-            "val_auc": self.last_eval.get("auc", float("nan")),
-            "val_accuracy": self.last_eval.get("accuracy", float("nan")),
-            "val_log_loss": self.last_eval.get("log_loss", float("nan")),
+            # every validation metric the task reports (auc / accuracy / log_loss for DLRM)
+            **{f"val_{k}": v for k, v in self.last_eval.items() if k != "count"},
             "samples_per_s": float(np.mean(throughputs)) if throughputs else float("nan"),
             "peak_mem_mb": peak_memory_mb(self.device),
             "live_rank": size["live_rank"],
