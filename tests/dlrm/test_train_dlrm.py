@@ -13,24 +13,10 @@ import pytest
 from comera_rec.config import ConfigError
 from dlrm.task import load_run_config
 from launch.train_dlrm import main
+from tests.dlrm.tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Small tables and MLPs: a step takes milliseconds, yet two tables are TT-compressed.
-TINY = [
-    "model.table_sizes=[20000,15000,300,40,12000,7,500,60,3,900,20,11,50,4,1000,30000,8,100,70,4,9000,10,12,800,90,200]",
-    "model.embedding_dim=8",
-    "model.bottom_mlp=[64,32,8]",
-    "model.top_mlp=[64,32,1]",
-    "model.rank=4",
-    "model.mlp_rank=4",
-    "model.min_rows_to_compress=10000",
-    "data.batch_size=256",
-    "data.synthetic_train_rows=65536",
-    "data.synthetic_val_rows=4096",
-    "trainer.progress=false",
-    "trainer.log_every=1",
-]
 
 
 def read_log(run_dir: Path) -> list[dict]:

@@ -9,29 +9,14 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from tests.dlrm.tiny import TABLE_SIZES, TINY as BASE_TINY  # noqa: F401 (TABLE_SIZES re-exported)
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "configs/dlrm_demo.yaml")
 TRAIN = str(ROOT / "launch/train_dlrm.py")
 
-TABLE_SIZES = [20000, 15000, 300, 40, 12000, 7, 500, 60, 3, 900, 20, 11, 50, 4, 1000, 30000, 8, 100, 70, 4,
-               9000, 10, 12, 800, 90, 200]
-# Small tables and MLPs (tables 0, 1, 4, 15 are TT-compressed): a step takes milliseconds.
-TINY = [
-    f"model.table_sizes=[{','.join(map(str, TABLE_SIZES))}]",
-    "model.embedding_dim=8",
-    "model.bottom_mlp=[64,32,8]",
-    "model.top_mlp=[64,32,1]",
-    "model.rank=4",
-    "model.mlp_rank=4",
-    "model.min_rows_to_compress=10000",
-    "data.batch_size=256",
-    "data.synthetic_train_rows=65536",
-    "data.synthetic_val_rows=4096",
-    "trainer.progress=false",
-    "trainer.log_every=1",
-    "trainer.plots=false",
-    "trainer.eval_max_batches=2",
-]
+# The trainer tests' tiny run, without plots and with a short validation.
+TINY = BASE_TINY + ["trainer.plots=false", "trainer.eval_max_batches=2"]
 
 
 def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
