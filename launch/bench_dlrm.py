@@ -30,6 +30,7 @@ from comera_rec.rank import model_num_parameters
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.utils.benchmark import current_rss_bytes, fmt_bytes, peak_rss_bytes
+from comera_rec.utils.host import keep_freed_memory
 from dlrm.config import DLRMConfig
 from dlrm.model import build_dlrm_train
 
@@ -42,6 +43,7 @@ class Setup:
     zipf: float = 1.1
     rank: int = 32
     memory_steps: int = 20
+    keep_freed_memory: bool = True  # glibc malloc reuses freed activations (the trainer's default)
 
 
 VARIANTS = ("dense", "tt", "tt_half")
@@ -122,6 +124,8 @@ def model_bytes(model: nn.Module) -> int:
 
 
 def memory_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # runs in a fresh process
+    if setup.keep_freed_memory:
+        keep_freed_memory()
     data = list(itertools.islice(iter(batches(setup, mlperf, "train", setup.batch_size * 4)), 4))
     base = current_rss_bytes()
     wrapped, bundle = build(variant, setup, mlperf)
@@ -147,7 +151,10 @@ def measure_memory(variant: str, setup: Setup, mlperf: bool) -> dict:
 
 def kaggle(setup: Setup) -> None:
     print(f"Criteo Kaggle shapes, batch {setup.batch_size}, Zipf({setup.zipf}) ids, rank {setup.rank}; "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads; malloc keeps freed memory: {setup.keep_freed_memory} "
+          f"(every variant alike)")
+    if setup.keep_freed_memory:
+        keep_freed_memory()
     models = {v: build(v, setup, mlperf=False) for v in VARIANTS}
     params = {v: model_num_parameters(m[0]) if v != "dense" else sum(p.numel() for p in m[0].parameters())
               for v, m in models.items()}
@@ -195,8 +202,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per variant")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--malloc-default", action="store_true",
+                        help="leave glibc malloc as it is (returns freed activations to the kernel: page faults)")
     args = parser.parse_args()
-    setup = Setup(batch_size=args.batch_size, rank=args.rank)
+    setup = Setup(batch_size=args.batch_size, rank=args.rank, keep_freed_memory=not args.malloc_default)
     if args.quick:
         setup = replace(setup, train_steps=10, val_rows=8192, memory_steps=3)
     if args.steps:

@@ -100,20 +100,25 @@ def bench_reference(batches: list[int], repeats: int, warmup: int, args: argpars
         steps = {name: make_step(name, batch, **kw) for name in METHODS}
         times = time_interleaved(steps, repeats=repeats, warmup=warmup)
         del steps
-        mem = {}
+        mem, train_mem = {}, {}
         for name in METHODS:
             base, peak = peak_rss_of(functools.partial(memory_probe, name, batch, **kw))
-            mem[name] = peak
+            mem[name], train_mem[name] = peak, peak - base
         print(f"\nbatch {batch} x {SEQ} tokens: median of {repeats} steps after {warmup} warm-up "
               f"({time.perf_counter() - t0:.0f} s for this batch size)")
-        print(f"  {'method':10s} {'step':>10s} {'peak RSS':>10s} {'speed-up':>9s} {'vs GaLore':>9s} "
-              f"{'memory':>7s} {'vs GaLore':>9s}")
+        print(f"  {'method':10s} {'step':>10s} {'speed-up':>9s} {'vs GaLore':>9s} {'peak RSS':>10s} "
+              f"{'vs GaLore':>9s} {'training':>10s} {'vs dense':>9s} {'vs GaLore':>9s}")
         for name in METHODS:
-            print(f"  {name:10s} {times[name] * 1e3:8.1f}ms {fmt_bytes(mem[name]):>10s} "
+            print(f"  {name:10s} {times[name] * 1e3:8.1f}ms "
                   f"{times['dense'] / times[name]:8.2f}x {times['galore'] / times[name]:8.2f}x "
-                  f"{mem['dense'] / mem[name]:6.2f}x {mem['galore'] / mem[name]:8.2f}x")
-        print("  (speed-up and memory columns: dense / method and GaLore / method; >1 means the method is "
-              "faster / smaller. Peak RSS: a fresh process building the model and running one step.)")
+                  f"{fmt_bytes(mem[name]):>10s} {mem['galore'] / mem[name]:8.2f}x "
+                  f"{fmt_bytes(train_mem[name]):>10s} {train_mem['dense'] / train_mem[name]:8.2f}x "
+                  f"{train_mem['galore'] / train_mem[name]:8.2f}x")
+        print("  (ratios: dense or GaLore / method; >1 means the method is faster / smaller. Peak RSS: the "
+              "whole fresh process building the model and running one step, runtime and libraries "
+              f"included ({fmt_bytes(min(mem[n] - train_mem[n] for n in METHODS))} or more before the "
+              "model). Training: peak RSS minus that warmed process's RSS before the model, i.e. parameters, "
+              "gradients, optimiser state and activations, what a GPU's allocator would count.)")
 
 
 def train_small(config: str, steps: int) -> None:

@@ -66,8 +66,9 @@ from comera_rec.training.checkpoint import (
     save_checkpoint,
 )
 from comera_rec.training.metrics import BinaryMetrics
-from comera_rec.training.optim import OptimConfig, build_optimizer, rebuild_optimizer
+from comera_rec.training.optim import OptimConfig, build_optimizer, lr_factor, rebuild_optimizer, set_lr_factor
 from comera_rec.training.report import JsonlLog, plot_run, read_jsonl, summary_table
+from comera_rec.utils.host import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,9 @@ class TrainerConfig:
     """Write PNG plots into run_dir at the end."""
     eval_max_batches: int = 0
     """Validate on at most this many batches per process (0: all)."""
+    keep_freed_memory: bool = True
+    """On CPU, let glibc malloc reuse freed activation buffers instead of returning them to the
+    kernel every step (page faults; see comera_rec.utils.host). Process-wide."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "epochs", "log_every", "eval_every", "checkpoint_every",
@@ -494,6 +498,17 @@ class Trainer:
         dist.all_reduce(buf)
         return float(buf[0]) / _world(), float(buf[1]) == 0.0
 
+    def _clip_and_schedule(self, total_steps: Optional[int]) -> None:
+        """Clip the gradient norm (gradients are already all-reduced, so every process
+        clips alike) and set this step's learning rates (warm-up / decay)."""
+        oc = self.optim_config
+        if oc.clip_grad_norm > 0:
+            grads = [p for p in self.model.parameters() if p.grad is not None]
+            if grads:
+                torch.nn.utils.clip_grad_norm_(grads, oc.clip_grad_norm)
+        if oc.warmup_steps or oc.decay != "none":
+            set_lr_factor(self.optimizers, lr_factor(oc, self.step, total_steps))
+
     def _grads_finite(self) -> bool:
         """Whether every gradient is finite on every process (collective)."""
         flags = []
@@ -557,6 +572,8 @@ class Trainer:
         cfg = self.config
         self._init_distributed()
         self.device = self._device()
+        if cfg.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()
         rank = _rank()
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
@@ -605,6 +622,7 @@ class Trainer:
                 self._skip_nonfinite("gradients")
                 bar.update(1)
                 continue
+            self._clip_and_schedule(total)
             for opt in self.optimizers:
                 opt.step()
             self._zero_grad()

@@ -28,6 +28,7 @@ OPTIMIZERS = {
     "Adagrad": torch.optim.Adagrad,
 }
 GROUPS = ("cores", "controllers", "other")
+DECAYS = ("none", "linear", "cosine")
 
 
 @dataclass
@@ -50,10 +51,22 @@ class OptimConfig:
     """Adam / AdamW / Adagrad epsilon."""
     momentum: float = 0.0
     """SGD momentum."""
+    warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up from 0 to each group's rate (0: none)."""
+    decay: str = "none"
+    """After the warm-up, "none" (constant), "linear" or "cosine" decay to 0 at the last step."""
+    clip_grad_norm: float = 0.0
+    """Clip the global norm of the engine-optimised gradients to this before each step (0: off)."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
             raise ValueError(f"OptimConfig.name must be one of {sorted(OPTIMIZERS)}, got {self.name!r}")
+        if self.decay not in DECAYS:
+            raise ValueError(f"OptimConfig.decay must be one of {DECAYS}, got {self.decay!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"OptimConfig.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not isinstance(self.clip_grad_norm, (int, float)) or not 0 <= self.clip_grad_norm < math.inf:
+            raise ValueError(f"OptimConfig.clip_grad_norm must be a finite number >= 0, got {self.clip_grad_norm!r}")
         for field_name in ("lr_cores", "lr_controllers", "lr_other", "weight_decay", "eps", "momentum"):
             value = getattr(self, field_name)
             if not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
@@ -76,6 +89,43 @@ class OptimConfig:
         elif self.name == "SGD":
             kw.update(momentum=self.momentum)
         return kw
+
+
+def lr_factor(config: OptimConfig, step: int, total_steps: Optional[int]) -> float:
+    """Multiplier of every base learning rate at optimiser step ``step`` (0-based).
+
+    Linear warm-up over ``warmup_steps`` (the first step already moves: factor
+    ``1 / warmup_steps``), then the ``decay`` to 0 at ``total_steps``; without a known
+    ``total_steps`` the rate stays constant after the warm-up.
+
+    Example::
+
+        >>> cfg = OptimConfig(warmup_steps=2, decay="linear")
+        >>> [round(lr_factor(cfg, s, 6), 2) for s in range(6)]
+        [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    """
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.decay == "none" or not total_steps or total_steps <= config.warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - config.warmup_steps) / (total_steps - config.warmup_steps))
+    if config.decay == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr_factor(optimizers: Iterable[object], factor: float) -> None:
+    """Set every param group's ``lr`` to ``factor`` times its base rate.
+
+    The base rate is the group's ``lr`` when first seen, kept in the group as
+    ``"base_lr"`` (so it survives ``state_dict`` round trips and optimiser rebuilds
+    start again from the configured rates). Objects without ``param_groups`` are
+    left alone.
+    """
+    for opt in optimizers:
+        for group in getattr(opt, "param_groups", ()):
+            group.setdefault("base_lr", group["lr"])
+            group["lr"] = group["base_lr"] * factor
 
 
 def build_optimizer(

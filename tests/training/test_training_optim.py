@@ -89,3 +89,60 @@ def test_rebuild_after_truncation_moves_state(name):
     losses = train_steps(model, new, gen, 15)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert model.lin.cores[1].grad is None and new.state[model.lin.cores[1]]
+
+
+def test_lr_factor_warmup_then_decay():
+    from comera_rec.training.optim import lr_factor
+
+    cosine = OptimConfig(warmup_steps=4, decay="cosine")
+    assert [lr_factor(cosine, s, 12) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(cosine, 8, 12) == pytest.approx(0.5)  # half-way through the decay: cos(pi/2)
+    assert lr_factor(cosine, 12, 12) == pytest.approx(0.0)
+    assert lr_factor(OptimConfig(warmup_steps=2, decay="linear"), 5, None) == 1.0  # no known end: constant
+    assert lr_factor(OptimConfig(), 7, 10) == 1.0
+    with pytest.raises(ValueError, match="decay"):
+        OptimConfig(decay="step")
+    with pytest.raises(ValueError, match="warmup_steps"):
+        OptimConfig(warmup_steps=-1)
+
+
+def test_set_lr_factor_scales_from_the_configured_rates_and_survives_rebuild():
+    from comera_rec.training.optim import set_lr_factor
+
+    model = ToyModel()
+    cfg = OptimConfig(lr_cores=1e-2, lr_other=1e-3)
+    opt = build_optimizer(model, cfg)
+    set_lr_factor([opt], 0.5)
+    set_lr_factor([opt], 0.5)  # from the base rate, not compounding
+    lrs = {g["name"]: g["lr"] for g in opt.param_groups}
+    assert lrs["cores"] == pytest.approx(5e-3) and lrs["other"] == pytest.approx(5e-4)
+    sched = RankSchedule(RankScheduleConfig(threshold=0.999))
+    train_steps(model, opt, torch.Generator().manual_seed(0), 3, sched)
+    sched.truncate(model)
+    rebuilt = rebuild_optimizer(opt, model, cfg, sched.last_truncation)
+    set_lr_factor([rebuilt], 1.0)
+    assert {g["name"]: g["lr"] for g in rebuilt.param_groups}["cores"] == pytest.approx(1e-2)
+
+
+def test_engine_warms_up_learning_rates_with_clipping_on(tmp_path):
+    from comera_rec.training import Trainer, TrainerConfig
+
+    from toy_task import ToyTask
+
+    seen = []
+
+    class Watching(ToyTask):
+        def step_loss(self, wrapped, batch):
+            if trainer.optimizers and wrapped.training:  # not the validation forwards
+                seen.append(trainer.optimizers[0].param_groups[0]["lr"])
+            return super().step_loss(wrapped, batch)
+
+    trainer = Trainer(
+        Watching(batches_per_epoch=8),
+        TrainerConfig(run_dir=str(tmp_path), max_steps=4, progress=False, plots=False, checkpoint_at_end=False),
+        RankScheduleConfig(enabled=False),
+        OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2, warmup_steps=4, clip_grad_norm=1e-3),
+    )
+    trainer.fit()
+    # the rate a step used is visible at the next step's forward: 1/4, 2/4, 3/4 of the base
+    assert seen[1:] == pytest.approx([2.5e-3, 5e-3, 7.5e-3])

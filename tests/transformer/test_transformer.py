@@ -308,3 +308,33 @@ def test_synthetic_task_is_learnable(tmp_path):
             losses.append(float(loss))
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.2, (first, last)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_run_keeps_replicas_equal_through_truncation(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), env.get("PYTHONPATH", "")])
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(here / "ddp_run.py"), str(run_dir)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    p0 = torch.load(run_dir / "params_rank0.pt", weights_only=True)
+    p1 = torch.load(run_dir / "params_rank1.pt", weights_only=True)
+    assert p0.keys() == p1.keys()
+    for k in p0:  # a replica that missed a gradient all-reduce after the truncation would differ
+        assert torch.equal(p0[k], p1[k]), k
+    r0 = json.loads((run_dir / "record_rank0.json").read_text())
+    r1 = json.loads((run_dir / "record_rank1.json").read_text())
+    assert r0 == r1 and r0["world"] == 2
+    assert r0["truncations"] >= 1  # ranks were cut and the DDP wrapper rebuilt mid-run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and 0.0 <= summary["val_accuracy"] <= 1.0

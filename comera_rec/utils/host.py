@@ -1,0 +1,75 @@
+"""Host (CPU process) settings that the training step's speed depends on.
+
+A CPU training step allocates and frees the same few-megabyte activation buffers every
+step (a ``2048 x 512`` float activation is 4 MiB). glibc's malloc serves blocks of that
+size with ``mmap`` and returns them to the kernel on ``free``, so every step touches
+fresh pages and pays a page fault per 4 KiB: an element-wise op on such a tensor then
+costs about ten times what it costs on reused memory. :func:`keep_freed_memory` asks
+malloc to keep freed blocks in its heap for reuse, which is what an allocator such as
+jemalloc or tcmalloc (``LD_PRELOAD``) does by default.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import resource
+
+logger = logging.getLogger(__name__)
+
+# mallopt parameters of glibc's malloc.h
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+
+# glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit hosts)
+_MAX_MMAP_THRESHOLD = 32 * 1024 * 1024
+
+
+def keep_freed_memory(top_pad_bytes: int = 64 * 1024 * 1024, trim_threshold_bytes: int = 1 << 30) -> bool:
+    """Make glibc malloc keep freed blocks up to 32 MiB for reuse (process-wide).
+
+    Blocks up to 32 MiB then come from the heap instead of fresh ``mmap`` pages, and the
+    heap is not trimmed back to the kernel until ``trim_threshold_bytes`` lie free at its
+    top. Peak RSS is unchanged (the same blocks are reused); steady-state RSS stays at
+    the peak instead of falling between steps.
+
+    Args:
+        top_pad_bytes: extra bytes requested whenever the heap grows.
+        trim_threshold_bytes: free bytes at the heap top before malloc returns them.
+
+    Returns:
+        ``True`` when the settings were applied; ``False`` on a C library without
+        ``mallopt`` (musl, macOS, Windows), where nothing changes.
+
+    Example::
+
+        >>> keep_freed_memory() in (True, False)
+        True
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        logger.info("keep_freed_memory: no glibc mallopt here; allocator left as it is")
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = all(
+        mallopt(param, value)
+        for param, value in (
+            (_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD),
+            (_M_TRIM_THRESHOLD, min(trim_threshold_bytes, 2**31 - 1)),
+            (_M_TOP_PAD, min(top_pad_bytes, 2**31 - 1)),
+        )
+    )
+    if not ok:
+        logger.warning("keep_freed_memory: mallopt refused a setting; allocator partly unchanged")
+    return ok
+
+
+def minor_page_faults() -> int:
+    """Minor page faults of this process so far (``getrusage``), to check the above."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
