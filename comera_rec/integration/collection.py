@@ -54,6 +54,15 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             when ``False`` they are an error.
         plans: explicit per-table decisions (``compress`` passes them); overrides ``policy``.
 
+    Attributes:
+        static_shapes: capturable forward for CUDA graphs (``False`` by default; set by
+            :func:`comera_rec.tensor.set_static_shapes`, which also switches the groups):
+            no host synchronisation and shapes fixed by the input's shapes and its
+            (host) ``length_per_key``. Validation is skipped whatever
+            ``validate_inputs`` says (it reads ids on the host). The input KJT should
+            carry ``length_per_key`` / ``offset_per_key`` already computed, or they are
+            computed here with a synchronisation.
+
     Example::
 
         >>> tables = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=50_000,
@@ -87,6 +96,10 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._is_weighted = is_weighted
         self._validate = validate_inputs
         self._allow_extra_keys = allow_extra_keys
+        self.static_shapes = False
+        # static shapes: per group, (table index, is mean) of each stream as device tensors,
+        # made once per device (eagerly, before any capture)
+        self._stream_constants: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._embedding_bag_configs = tables
 
@@ -299,6 +312,21 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if weights is not None and weights.numel() != values.numel():
             raise ValueError(f"{name}: KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values")
 
+    def _static_stream_constants(self, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(table index (S,), is mean (S,))`` of the group's streams on ``device``.
+
+        Made on first use and kept, so a captured forward reads tensors that outlive it
+        and does no host-to-device copy.
+        """
+        key = (group, device)
+        hit = self._stream_constants.get(key)
+        if hit is None:
+            streams = self._group_streams[group]
+            hit = (torch.tensor([t for _, t, _ in streams], device=device),
+                   torch.tensor([m for _, _, m in streams], device=device))
+            self._stream_constants[key] = hit
+        return hit
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool every feature's bags with its tables.
 
@@ -318,7 +346,9 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         index, bounds = self._key_layout(keys)
         values = features.values()
         lengths = features.lengths()
-        if self._validate:
+        static = self.static_shapes
+        validate = self._validate and not static  # validation reads ids on the host
+        if validate:
             self._check_layout(features, keys, values, lengths)
         length_per_key = features.length_per_key()
         offset_per_key = features.offset_per_key()
@@ -326,7 +356,7 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         weights = features.weights_or_none() if self._is_weighted else None
         if self._is_weighted and weights is None:
             raise ValueError("TTMEmbeddingBagCollection: is_weighted=True but the KeyedJaggedTensor has no weights")
-        if self._validate:
+        if validate:
             self._check_ids(keys, values, length_per_key, bounds)
 
         def stream(feature: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -336,19 +366,28 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             return values[lo:hi], lengths[i * batch : (i + 1) * batch], w
 
         pooled_tt: list[torch.Tensor] = []  # per group: (F_g, B, D)
-        for group, streams in zip(self.groups, self._group_streams):
+        for g, (group, streams) in enumerate(zip(self.groups, self._group_streams)):
             parts = [stream(f) for f, _, _ in streams]
             ids = torch.cat([p[0] for p in parts]).long()
             lens = torch.cat([p[1] for p in parts]).long()
             w = torch.cat([p[2] for p in parts]) if weights is not None else None  # type: ignore[misc]
-            trains = torch.repeat_interleave(
-                torch.tensor([t for _, t, _ in streams], device=ids.device),
-                torch.tensor([length_per_key[index[f]] for f, _, _ in streams], device=ids.device),
-            )
+            if static:
+                stream_train, stream_mean = self._static_stream_constants(g, ids.device)
+                trains = torch.repeat_interleave(  # (N_g,): each id's table, via its bag's stream
+                    stream_train.unsqueeze(1).expand(-1, batch).reshape(-1), lens, output_size=ids.numel()
+                )
+            else:
+                trains = torch.repeat_interleave(
+                    torch.tensor([t for _, t, _ in streams], device=ids.device),
+                    torch.tensor([length_per_key[index[f]] for f, _, _ in streams], device=ids.device),
+                )
             offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
             out = group(ids, offsets, trains, w)  # (F_g * B, D)
             if any(mean for _, _, mean in streams):
-                is_mean = torch.tensor([m for _, _, m in streams], device=ids.device).repeat_interleave(batch)
+                if static:
+                    is_mean = stream_mean.unsqueeze(1).expand(-1, batch).reshape(-1)  # (F_g * B,)
+                else:
+                    is_mean = torch.tensor([m for _, _, m in streams], device=ids.device).repeat_interleave(batch)
                 divisor = torch.where(is_mean, lens.clamp_min(1), torch.ones_like(lens)).to(out.dtype)
                 out = out / divisor.unsqueeze(1)
             pooled_tt.append(out.view(len(streams), batch, -1))
@@ -356,12 +395,15 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         dense_parts: list[torch.Tensor] = []
         if self.dense is not None:
             parts = [stream(f) for f in self._dense_features]
+            # static shapes: hand the (host) lengths per key on, or TorchRec computes them with a sync
+            known = {"length_per_key": [length_per_key[index[f]] for f in self._dense_features]} if static else {}
             sub = KeyedJaggedTensor(
                 keys=self._dense_features,
                 values=torch.cat([p[0] for p in parts]),
                 lengths=torch.cat([p[1] for p in parts]),
                 weights=torch.cat([p[2] for p in parts]) if weights is not None else None,  # type: ignore[misc]
                 stride=batch,
+                **known,
             )
             kt = self.dense(sub)
             if not isinstance(kt, KeyedTensor) and hasattr(kt, "wait"):

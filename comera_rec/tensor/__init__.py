@@ -8,9 +8,10 @@ from comera_rec.tensor.contract import (
     tt_linear,
     ttm_dense_table,
     ttm_embedding_bag,
+    ttm_embedding_bag_static,
     ttm_rows,
 )
-from comera_rec.tensor.embedding import TTMEmbeddingBag, ttm_shape
+from comera_rec.tensor.embedding import TTMEmbeddingBag, set_static_shapes, ttm_shape
 from comera_rec.tensor.linear import TTLinear
 from comera_rec.tensor.shapes import factorize, tt_linear_shapes, ttm_row_shape
 from comera_rec.tensor.svd import tt_svd
@@ -27,12 +28,14 @@ __all__ = [
     "merge_output_chain",
     "parameter_groups",
     "pool_bags",
+    "set_static_shapes",
     "tensor_train_modules",
     "tt_linear",
     "tt_linear_shapes",
     "tt_svd",
     "ttm_dense_table",
     "ttm_embedding_bag",
+    "ttm_embedding_bag_static",
     "ttm_row_shape",
     "ttm_rows",
     "ttm_shape",

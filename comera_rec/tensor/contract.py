@@ -274,12 +274,19 @@ def ttm_embedding_bag(
     mode: str = "sum",
     per_sample_weights: torch.Tensor | None = None,
     trains: torch.Tensor | None = None,
+    *,
+    static_shapes: bool = False,
 ) -> torch.Tensor:
     """De-duplicated TTM embedding-bag lookup.
 
     Unique ``(train, id)`` pairs are looked up once (row level), their prefixes and
     suffixes once each (tensor-index level, see :func:`ttm_rows`); the bags are then
     pooled. Nothing of the size of the table is formed, forward or backward.
+
+    With ``static_shapes`` nothing is de-duplicated (no ``torch.unique``, no host
+    synchronisation, every shape a function of the input shapes, so the lookup can be
+    captured in a CUDA graph): both halves are contracted whole and each id takes its
+    own prefix and suffix by key (see :func:`ttm_embedding_bag_static`).
 
     Args:
         cores: ``(T, r_{k-1}, n_k, m_k, r_k)`` stacked cores, controllers folded in.
@@ -290,12 +297,22 @@ def ttm_embedding_bag(
         mode: ``"sum"`` or ``"mean"``.
         per_sample_weights: optional ``(N,)``.
         trains: optional ``(N,)`` stacked-table index of each id.
+        static_shapes: the capturable variant, no de-duplication (see above).
 
     Returns:
         ``(B, D)`` pooled embeddings.
     """
     if ids.is_cuda and kernels.triton_enabled():  # fused Triton lookup (docs/gpu.md)
+        if static_shapes:
+            return kernels.ttm_embedding_bag_triton(
+                cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains,
+                static_shapes=True,
+            )
         return kernels.ttm_embedding_bag_triton(
+            cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains
+        )
+    if static_shapes:
+        return ttm_embedding_bag_static(
             cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains
         )
     if trains is None:
@@ -307,6 +324,148 @@ def ttm_embedding_bag(
         unique_trains, unique_ids = keys // num_rows, keys % num_rows
     rows = ttm_rows(cores, row_shape, unique_ids, unique_trains)[:, :embedding_dim]  # (U, D)
     return pool_bags(rows, row_of_id, offsets, mode, per_sample_weights)
+
+
+# ---------------------------------------------------------------------------- static shapes
+
+
+def half_keys(
+    row_shape: Sequence[int],
+    ids: torch.Tensor,
+    trains: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefix and suffix key of every id: ``train * N_half + index`` into each whole half.
+
+    The left half holds the first ``h = ceil(d / 2)`` cores. Shapes follow ``ids``; no
+    host synchronisation.
+
+    Args:
+        row_shape: ``(n_1..n_d)``.
+        ids: ``(N,)`` row ids.
+        trains: optional ``(N,)`` stacked-table index of each id.
+
+    Returns:
+        ``(prefix_keys (N,), suffix_keys (N,))``, int64.
+
+    Example::
+
+        >>> half_keys((3, 4), torch.tensor([0, 5, 11]), torch.tensor([0, 1, 1]))
+        (tensor([0, 4, 5]), tensor([0, 5, 7]))
+    """
+    h = (len(row_shape) + 1) // 2
+    left_rows, right_rows = math.prod(row_shape[:h]), math.prod(row_shape[h:])
+    ids = ids.long()
+    prefix_keys, suffix_keys = ids // right_rows, ids % right_rows  # (N,)
+    if trains is not None:
+        trains = trains.long()
+        prefix_keys = trains * left_rows + prefix_keys
+        suffix_keys = trains * right_rows + suffix_keys
+    return prefix_keys, suffix_keys
+
+
+def _half_rows(cores: Sequence[torch.Tensor], keys: torch.Tensor, left: bool) -> torch.Tensor:
+    """Rows of one whole half for ``keys`` (repeats allowed): ``(K, M, r)`` left,
+    ``(K, m_b, r, m_a)`` right. Always the dense contraction of :func:`_half`'s "full"
+    strategy, also for a one-core half, so no ``torch.unique`` is ever called."""
+    if left and len(cores) > 1:
+        return _left_rows(cores, keys)
+    table = _left_table(cores) if left else _right_table(cores)
+    return table.index_select(0, keys)
+
+
+def pool_bags_static(
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str,
+    per_sample_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pool one row per id into bags by a scatter-add: :func:`pool_bags` with
+    ``row_of_id = arange(N)``, without host synchronisation.
+
+    ``offsets`` must be well formed (start at 0, end at N, non-decreasing): nothing is
+    checked, as a check would read values on the host.
+
+    Args:
+        rows: ``(N, D)``, row ``i`` for id ``i``.
+        offsets: ``(B + 1,)`` bag boundaries.
+        mode: ``"sum"`` or ``"mean"`` (mean divides the weighted sum by the bag length).
+        per_sample_weights: optional ``(N,)``.
+
+    Returns:
+        ``(B, D)``; empty bags give zeros.
+
+    Example::
+
+        >>> pool_bags_static(torch.ones(3, 2), torch.tensor([0, 1, 1, 3]), "mean")
+        tensor([[1., 1.],
+                [0., 0.],
+                [1., 1.]])
+    """
+    n, dim = rows.shape
+    lengths = offsets[1:] - offsets[:-1]  # (B,)
+    bags = torch.arange(lengths.numel(), device=rows.device)
+    # output_size: the length is known from the shape, so no sync to count the ids
+    bag_of_id = torch.repeat_interleave(bags, lengths, output_size=n)  # (N,)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.to(rows.dtype).unsqueeze(1)
+    out = rows.new_zeros(lengths.numel(), dim).index_add(0, bag_of_id, rows)  # (B, D)
+    if mode == "mean":
+        out = out / lengths.clamp_min(1).to(out.dtype).unsqueeze(1)
+    return out
+
+
+def ttm_embedding_bag_static(
+    cores: Sequence[torch.Tensor],
+    row_shape: Sequence[int],
+    embedding_dim: int,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+    trains: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """TTM embedding-bag lookup whose every shape depends on the input shapes only.
+
+    The capturable counterpart of :func:`ttm_embedding_bag` (the PyTorch path; CUDA ids
+    with Triton go to the fused kernels instead): no ``torch.unique``, no host
+    synchronisation. Each half is contracted for all its indices (one GEMM per train,
+    see :func:`_left_rows` / :func:`_right_table`), every id gathers its own prefix
+    ``(M_l, r)`` and suffix by key, one batched contraction gives one row per id, and
+    the rows are scatter-added into their bags. It costs a row per id instead of per
+    distinct id; the values equal the de-duplicated lookup's up to rounding.
+
+    Args:
+        cores: ``d >= 2`` cores ``(T, r_{k-1}, n_k, m_k, r_k)``, controllers folded in.
+        row_shape: ``(n_1..n_d)``.
+        embedding_dim: D (<= m_1...m_d).
+        ids: ``(N,)`` row ids (not range-checked).
+        offsets: ``(B + 1,)`` bag offsets.
+        mode: ``"sum"`` or ``"mean"``.
+        per_sample_weights: optional ``(N,)``.
+        trains: optional ``(N,)`` stacked-table index of each id.
+
+    Returns:
+        ``(B, D)`` pooled embeddings.
+
+    Example::
+
+        >>> cores = [torch.randn(1, 1, 3, 2, 2), torch.randn(1, 2, 4, 2, 1)]
+        >>> ids, offsets = torch.tensor([1, 5, 5]), torch.tensor([0, 2, 3])
+        >>> out = ttm_embedding_bag_static(cores, (3, 4), 4, ids, offsets)
+        >>> torch.allclose(out, ttm_embedding_bag(cores, (3, 4), 4, ids, offsets), atol=1e-6)
+        True
+    """
+    d = len(cores)
+    if d < 2:
+        raise ValueError(f"ttm_embedding_bag_static: need at least 2 cores, got {d}")
+    h = (d + 1) // 2
+    prefix_keys, suffix_keys = half_keys(row_shape, ids, trains)  # (N,), (N,)
+    prefix = _half_rows(cores[:h], prefix_keys, left=True)  # (N, M_l, r)
+    suffix = _half_rows(cores[h:], suffix_keys, left=False)  # (N, m_b, r, m_a)
+    n, m_b, _, m_a = suffix.shape
+    rows = torch.einsum("uxr,ubra->uxab", prefix, suffix)  # (N, M_l, m_a, m_b)
+    rows = rows.reshape(n, prefix.shape[1] * m_a * m_b)[:, :embedding_dim]  # (N, D)
+    return pool_bags_static(rows, offsets, mode, per_sample_weights)
 
 
 def ttm_dense_table(cores: Sequence[torch.Tensor], train: int = 0) -> torch.Tensor:

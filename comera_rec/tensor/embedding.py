@@ -36,6 +36,41 @@ def ttm_shape(
     return ttm_row_shape(num_embeddings, cols, rank), cols
 
 
+def set_static_shapes(model: nn.Module, enabled: bool = True) -> int:
+    """Switch every TTM lookup in ``model`` to (or back from) static shapes.
+
+    Static shapes make a lookup capturable in a CUDA graph: no ``torch.unique``, no host
+    synchronisation, output shapes that depend on the input shapes only (see
+    :func:`~comera_rec.tensor.contract.ttm_embedding_bag_static`). They also turn off
+    the input checks, which read ids on the host: :class:`TTMEmbeddingBag` skips
+    ``check_bags`` and ``TTMEmbeddingBagCollection`` its id and layout validation, so
+    out-of-range ids are not reported. Every submodule with a ``static_shapes``
+    attribute is switched (:class:`TTMEmbeddingBag`, ``StackedTTMTables``,
+    ``TTMEmbeddingBagCollection``); the attribute is not part of the state dict.
+
+    Args:
+        model: any module.
+        enabled: the value to set.
+
+    Returns:
+        The number of modules switched.
+
+    Example::
+
+        >>> model = nn.Sequential(TTMEmbeddingBag(100, 8, rank=4), nn.Linear(8, 1))
+        >>> set_static_shapes(model)
+        1
+        >>> model[0].static_shapes
+        True
+    """
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "static_shapes"):
+            module.static_shapes = bool(enabled)
+            count += 1
+    return count
+
+
 class TTMEmbeddingBag(TensorTrainModule):
     """``nn.EmbeddingBag`` (``include_last_offset=True``) with a TTM table.
 
@@ -54,6 +89,11 @@ class TTMEmbeddingBag(TensorTrainModule):
             by :func:`ttm_shape` when ``None``.
         device: where to allocate (``"meta"`` allocates nothing).
         dtype: floating point dtype.
+
+    Attributes:
+        static_shapes: look up with :func:`~comera_rec.tensor.contract.ttm_embedding_bag_static`
+            semantics (no de-duplication, no host synchronisation, no id checks), for
+            CUDA-graph capture; ``False`` by default. Set it with :func:`set_static_shapes`.
 
     Example::
 
@@ -95,6 +135,7 @@ class TTMEmbeddingBag(TensorTrainModule):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.mode = mode
+        self.static_shapes = False
         self.row_shape: tuple[int, ...] = tuple(row_shape)
         self.col_shape: tuple[int, ...] = tuple(col_shape)
         modes = [n * m for n, m in zip(self.row_shape, self.col_shape)]
@@ -135,11 +176,12 @@ class TTMEmbeddingBag(TensorTrainModule):
         Returns:
             ``(B, embedding_dim)``.
         """
-        check_bags("TTMEmbeddingBag", input, offsets, self.num_embeddings, per_sample_weights)
+        if not self.static_shapes:  # the checks read ids on the host: not under static shapes
+            check_bags("TTMEmbeddingBag", input, offsets, self.num_embeddings, per_sample_weights)
         cores = [c.unsqueeze(0) for c in self.scaled_cores()]  # (1, r, n, m, r')
         return ttm_embedding_bag(
             cores, self.row_shape, self.embedding_dim, input.long(), offsets.long(),
-            self.mode, per_sample_weights,
+            self.mode, per_sample_weights, static_shapes=self.static_shapes,
         )
 
     def dense_weight(self) -> torch.Tensor:

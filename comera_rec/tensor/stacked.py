@@ -35,6 +35,11 @@ class StackedTTMTables(TensorTrainModule):
         device: where to allocate (``"meta"`` allocates nothing).
         dtype: floating point dtype.
 
+    Attributes:
+        static_shapes: look up without de-duplication or host synchronisation, for
+            CUDA-graph capture (see :func:`~comera_rec.tensor.embedding.set_static_shapes`);
+            ``False`` by default.
+
     Example::
 
         >>> tables = StackedTTMTables([1000, 900], 16, 8, row_shape=(10, 10, 10), col_shape=(2, 2, 4))
@@ -71,6 +76,7 @@ class StackedTTMTables(TensorTrainModule):
             )
         self.num_embeddings: list[int] = sizes
         self.embedding_dim = embedding_dim
+        self.static_shapes = False
         self.row_shape: tuple[int, ...] = tuple(rows)
         self.col_shape: tuple[int, ...] = tuple(cols)
         modes = [n * m for n, m in zip(rows, cols)]
@@ -130,7 +136,7 @@ class StackedTTMTables(TensorTrainModule):
         """
         return ttm_embedding_bag(
             self.scaled_cores(), self.row_shape, self.embedding_dim, ids, offsets,
-            "sum", per_sample_weights, trains,
+            "sum", per_sample_weights, trains, static_shapes=self.static_shapes,
         )
 
     def dense_weight(self, table: int) -> torch.Tensor:

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from comera_rec.config import to_dict
-from comera_rec.rank.schedule import RankSchedule, RankScheduleConfig
+from comera_rec.rank.schedule import ObjectiveTerms, RankSchedule, RankScheduleConfig
 from comera_rec.rank.size import (
     model_compression_ratio,
     model_live_ranks,
@@ -55,8 +55,10 @@ from comera_rec.rank.size import (
     total_live_rank,
 )
 from comera_rec.rank.truncation import resize_to_state_dict
+from comera_rec.tensor.embedding import set_static_shapes
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training import faults
+from comera_rec.training.cuda_graph import CaptureBackend, CudaGraphCapture, StepGraphs, capturable_objective
 from comera_rec.training.checkpoint import (
     NonFiniteStateError,
     localize,
@@ -133,6 +135,11 @@ class TrainerConfig:
     """Stop after more than this many skipped batches (the last good state is checkpointed first)."""
     check_grads: bool = True
     """Also check every gradient for NaN / inf before the optimiser step (one reduction per step)."""
+    cuda_graphs: bool = False
+    """Run each training step as captured CUDA graphs (forward + objective + backward, then clip +
+    optimiser steps), re-captured after every truncation; TTM lookups switch to static shapes and
+    input validation is off. CUDA only (a ValueError on CPU), one process, fixed batch shapes;
+    the late rank stage runs eagerly. Never run on a GPU yet: see docs/gpu.md, "CUDA graphs"."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0."""
     plots: bool = True
@@ -281,6 +288,9 @@ class Trainer:
         optim: the torch optimiser settings.
         run_config: the whole run's config (any dataclass), saved into checkpoints'
             meta.json for the record.
+        graph_capture: with ``config.cuda_graphs``, the capture backend (for tests:
+            ``cuda_graph.EagerCapture`` runs the graphed step eagerly, on any device);
+            ``None`` captures CUDA graphs.
 
     Attributes:
         model: the unwrapped model; ``wrapped`` the wrapper; ``optimizers`` all optimisers
@@ -295,9 +305,16 @@ class Trainer:
         schedule: Optional[RankScheduleConfig] = None,
         optim: Optional[OptimConfig] = None,
         run_config: Any = None,
+        *,
+        graph_capture: Optional[CaptureBackend] = None,
     ) -> None:
         self.task = task
         self.config = config
+        # cuda_graphs: a capture backend other than CUDA's (tests pass EagerCapture to run the
+        # graphed step on a CPU); None captures with torch.cuda.graph
+        self._graph_capture = graph_capture
+        self._graphs: Optional[StepGraphs] = None
+        self._capturable = False
         self.schedule = RankSchedule(schedule or RankScheduleConfig())
         self.optim_config = optim or OptimConfig()
         self.run_config = run_config
@@ -356,12 +373,15 @@ class Trainer:
         if hasattr(self.task, "optimizer_parameters"):
             include = list(self.task.optimizer_parameters(self.wrapped))
         if self.optimizer is None:
-            self.optimizer = build_optimizer(self.model, self.optim_config, include)
+            self.optimizer = build_optimizer(self.model, self.optim_config, include, self._capturable)
         else:
-            self.optimizer = rebuild_optimizer(self.optimizer, self.model, self.optim_config, truncation, include)
+            self.optimizer = rebuild_optimizer(self.optimizer, self.model, self.optim_config, truncation, include,
+                                               self._capturable)
         self.extra = list(self.task.extra_optimizers(self.wrapped)) if hasattr(self.task, "extra_optimizers") else []
 
     def _zero_grad(self) -> None:
+        if self._graphs is not None and self._graphs.holds_grads:
+            return  # the captured backward writes the gradients in place; the graph zeroes them
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True) if isinstance(opt, torch.optim.Optimizer) else opt.zero_grad()
         if self.model is not None:
@@ -369,12 +389,72 @@ class Trainer:
                 p.grad = None
 
     def _rebuild_after_truncation(self) -> None:
+        if self._graphs is not None:
+            self._graphs.invalidate()  # new parameter shapes and optimiser: capture again
         self._zero_grad()
         old_wrapped = self.wrapped
         self.wrapped = None
         del old_wrapped
         self.wrapped = self.task.wrap(self.model)
         self._build_optimizers(self.schedule.last_truncation)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _check_cuda_graphs(self) -> None:
+        """Refuse ``cuda_graphs`` where it cannot run; decide on capturable optimisers."""
+        oc = self.optim_config
+        if self._graph_capture is None and self.device.type != "cuda":
+            raise ValueError(
+                f"TrainerConfig.cuda_graphs=True needs a CUDA device, but the device is {self.device} "
+                f"(trainer.device={self.config.device!r}); CUDA graphs do not exist on CPU: set cuda_graphs=false"
+            )
+        if _distributed():
+            raise ValueError("TrainerConfig.cuda_graphs=True supports one process only (collectives inside a "
+                             f"captured backward are not handled); this run has {_world()} processes")
+        scheduled = getattr(oc, "warmup_steps", 0) or getattr(oc, "decay", "none") != "none"
+        if self.device.type == "cuda" and scheduled and oc.name not in ("Adam", "AdamW"):
+            raise ValueError(f"TrainerConfig.cuda_graphs=True with a learning-rate schedule needs Adam or AdamW "
+                             f"(their rate can be a device tensor); {oc.name} would bake each step's rate into "
+                             f"the graph")
+        self._capturable = self.device.type == "cuda"
+
+    def _start_graphs(self) -> None:
+        set_static_shapes(self.model, True)  # capturable lookups; id validation off
+        capture = self._graph_capture if self._graph_capture is not None else CudaGraphCapture(self.device)
+        self._graphs = StepGraphs(self._graph_forward_backward, self._graph_update, capture=capture)
+
+    def _graphs_usable(self) -> bool:
+        """Whether this step runs as graphs. The late rank stage picks its term on the host
+        every step: from its start on, the graphs are dropped and steps run eagerly."""
+        self.schedule.maybe_switch(self.step, self.model)  # what objective() would do first
+        if self.schedule.stage == "early":
+            return True
+        assert self._graphs is not None
+        self._graphs.invalidate()
+        self._graphs = None
+        self._zero_grad()
+        logger.warning("cuda_graphs: the late rank stage is not capturable; training on eagerly")
+        return False
+
+    def _graph_forward_backward(self, batch: Any) -> tuple[torch.Tensor, ...]:
+        """Captured part 1: zero the gradients, forward, objective, backward (static outputs)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+        loss, _, labels = self.task.step_loss(self.wrapped, batch)
+        objective, surrogate = capturable_objective(self.schedule, self.model, loss)
+        objective.backward()
+        return loss.detach(), labels.detach(), objective.detach(), surrogate.detach()
+
+    def _graph_update(self) -> None:
+        """Captured part 2: the clip of ``_clip_and_schedule`` and the optimiser steps (the
+        rates are set on the host before, see ``StepGraphs``)."""
+        oc = self.optim_config
+        if getattr(oc, "clip_grad_norm", 0) > 0:
+            grads = [p for p in self.model.parameters() if p.grad is not None]
+            if grads:
+                torch.nn.utils.clip_grad_norm_(grads, oc.clip_grad_norm)
+        for opt in self.optimizers:
+            opt.step()
 
     # ------------------------------------------------------------------ data
     def _batches(self) -> Iterator[Any]:
@@ -572,6 +652,8 @@ class Trainer:
         cfg = self.config
         self._init_distributed()
         self.device = self._device()
+        if cfg.cuda_graphs:
+            self._check_cuda_graphs()
         if cfg.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
         rank = _rank()
@@ -603,28 +685,43 @@ class Trainer:
         wall0 = time.perf_counter()
         self.wrapped.train()
         self._zero_grad()
+        if cfg.cuda_graphs:
+            self._start_graphs()
         while total is None or self.step < total:
             t0 = time.perf_counter()
             try:
                 batch = next(batches)
             except StopIteration:
                 break
-            loss, _, labels = self.task.step_loss(self.wrapped, batch)
+            graphed = self._graphs is not None and self._graphs_usable()
+            if graphed:  # replays (after warm-up) forward, objective and backward
+                loss, labels, objective, surrogate = self._graphs.forward_backward(batch)
+            else:
+                loss, _, labels = self.task.step_loss(self.wrapped, batch)
             global_loss, finite = self._reduce_loss(loss)
             self.batch_in_epoch += 1
             if not finite:
                 self._skip_nonfinite("loss")
                 bar.update(1)
                 continue
-            terms = self.schedule.objective(self.model, loss, self.step, global_task_loss=global_loss)
-            terms.loss.backward()
+            if graphed:  # size S is not read by the loop: not computed (a host sync per module)
+                terms = ObjectiveTerms(objective, float(loss), float(surrogate), 0, self.schedule.stage)
+            else:
+                terms = self.schedule.objective(self.model, loss, self.step, global_task_loss=global_loss)
+                terms.loss.backward()
             if cfg.check_grads and not self._grads_finite():
                 self._skip_nonfinite("gradients")
                 bar.update(1)
                 continue
-            self._clip_and_schedule(total)
-            for opt in self.optimizers:
-                opt.step()
+            if graphed:  # the rates on the host, then the captured clip and optimiser steps
+                oc = self.optim_config
+                if oc.warmup_steps or oc.decay != "none":
+                    set_lr_factor(self.optimizers, lr_factor(oc, self.step, total))
+                self._graphs.update(self.optimizers)
+            else:
+                self._clip_and_schedule(total)
+                for opt in self.optimizers:
+                    opt.step()
             self._zero_grad()
             self.step += 1
             faults.maybe_kill(faults.KILL_AT_STEP, self.step, rank, self.run_dir)
@@ -708,6 +805,7 @@ class Trainer:
         gloo abort at exit (platform.md). ``destroy_group=False`` (after an error) leaves
         the group to the process exit.
         """
+        self._graphs = None  # frees the graphs' memory pools
         self.wrapped = None
         self.optimizer = None
         self.extra = []

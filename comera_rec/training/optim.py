@@ -77,13 +77,29 @@ class OptimConfig:
         """Learning rate of a named group ("cores", "controllers" or "other")."""
         return {"cores": self.lr_cores, "controllers": self.lr_controllers, "other": self.lr_other}[group]
 
-    def kwargs(self) -> dict[str, object]:
-        """Constructor arguments shared by all groups (learning rates are per group)."""
+    def kwargs(self, capturable: bool = False) -> dict[str, object]:
+        """Constructor arguments shared by all groups (learning rates are per group).
+
+        Args:
+            capturable: for a step captured in a CUDA graph: Adam / AdamW get
+                ``capturable=True`` (step count and bias corrections on the device);
+                SGD needs nothing; Adagrad cannot be captured (a ``ValueError``).
+
+        Example::
+
+            >>> OptimConfig(name="AdamW").kwargs(capturable=True)["capturable"]
+            True
+        """
         # foreach: one multi-tensor kernel per state instead of a Python loop over the many
         # small TT cores (torch only picks it by default on GPUs)
         kw: dict[str, object] = {"weight_decay": self.weight_decay, "foreach": True}
+        if capturable and self.name == "Adagrad":
+            raise ValueError("OptimConfig: Adagrad has no capturable mode (its step count is read on the "
+                             "host); use Adam, AdamW or SGD with CUDA graphs")
         if self.name in ("Adam", "AdamW"):
             kw.update(betas=self.betas, eps=self.eps)
+            if capturable:
+                kw.update(capturable=True)
         elif self.name == "Adagrad":
             kw.update(eps=self.eps)
         elif self.name == "SGD":
@@ -132,6 +148,7 @@ def build_optimizer(
     model: nn.Module,
     config: OptimConfig,
     include: Optional[Iterable[nn.Parameter]] = None,
+    capturable: bool = False,
 ) -> torch.optim.Optimizer:
     """One optimiser with a named param group per kind: cores, controllers, other.
 
@@ -140,6 +157,8 @@ def build_optimizer(
         config: optimiser settings.
         include: if given, only these parameters are optimised (e.g. leave out tables
             that TorchRec updates with a fused optimiser).
+        capturable: build it for CUDA-graph capture (see :meth:`OptimConfig.kwargs`);
+            torch requires the parameters on a GPU then.
 
     Returns:
         The optimiser; each group carries ``"name"``. Empty groups are left out.
@@ -158,7 +177,7 @@ def build_optimizer(
             groups.append({"params": params, "lr": config.group_lr(name), "name": name})
     if not groups:
         raise ValueError("build_optimizer: the model has no trainable parameters to optimise")
-    return OPTIMIZERS[config.name](groups, lr=config.lr_other, **config.kwargs())
+    return OPTIMIZERS[config.name](groups, lr=config.lr_other, **config.kwargs(capturable))
 
 
 def _move_state(
@@ -181,6 +200,7 @@ def rebuild_optimizer(
     config: OptimConfig,
     truncation: Optional[TruncationResult] = None,
     include: Optional[Iterable[nn.Parameter]] = None,
+    capturable: bool = False,
 ) -> torch.optim.Optimizer:
     """A new optimiser over ``model``'s current parameters, carrying ``old``'s state.
 
@@ -195,13 +215,14 @@ def rebuild_optimizer(
         config: optimiser settings.
         truncation: what the truncation replaced (``RankSchedule.last_truncation``).
         include: as in :func:`build_optimizer`.
+        capturable: as in :func:`build_optimizer`.
 
     Example::
 
         >>> if schedule.truncate(model):  # doctest: +SKIP
         ...     opt = rebuild_optimizer(opt, model, cfg, schedule.last_truncation)
     """
-    new = build_optimizer(model, config, include)
+    new = build_optimizer(model, config, include, capturable)
     old_groups = {g.get("name"): g for g in old.param_groups}
     for group in new.param_groups:
         source = old_groups.get(group["name"])

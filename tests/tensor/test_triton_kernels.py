@@ -61,8 +61,10 @@ def _close(name: str, a: torch.Tensor, b: torch.Tensor, tol: float) -> float:
 
 
 def _bag_case(mode: str, weighted: bool, chunk: int, block_elems: int, n_ids: int = 14,
-              dtype: torch.dtype = torch.float32) -> float:
-    """``ttm_bag_triton`` against gathered rows pooled by ``pool_bags``: output and grads."""
+              dtype: torch.dtype = torch.float32, static: bool = False) -> float:
+    """``ttm_bag_triton`` against gathered rows pooled by ``pool_bags``: output and grads.
+
+    ``static``: the backward's work items without host synchronisation (one per id)."""
     from comera_rec.tensor.contract import pool_bags
     from comera_rec.tensor.kernels.ttm_triton import ttm_bag_triton
 
@@ -77,7 +79,7 @@ def _bag_case(mode: str, weighted: bool, chunk: int, block_elems: int, n_ids: in
     offsets = _bags(n_ids, 7, seed=2)
     weights = torch.rand(n_ids, generator=g, dtype=dtype).requires_grad_() if weighted else None
     out = ttm_bag_triton(prefix, suffix, p_of_id, s_of_id, offsets, weights, mode, dim,
-                         chunk=chunk, block_elems=block_elems)
+                         chunk=chunk, block_elems=block_elems, static_shapes=static)
     rows = torch.bmm(prefix[p_of_id], suffix[s_of_id]).reshape(n_ids, m_l * m_r)[:, :dim]  # (N, D)
     ref = pool_bags(rows, torch.arange(n_ids), offsets, mode, weights)
     err = _close("forward", out, ref, 1e-5)
@@ -100,11 +102,13 @@ def _cores(d: int, tables: int, rank: int, rows: tuple, cols: tuple, dtype: torc
 
 
 def _lookup_case(d: int, tables: int, rank: int, mode: str, weighted: bool,
-                 dtype: torch.dtype = torch.float32, chunk: int = 3, dispatch: bool = False) -> float:
+                 dtype: torch.dtype = torch.float32, chunk: int = 3, dispatch: bool = False,
+                 static: bool = False) -> float:
     """The fused lookup against ``ttm_embedding_bag`` on the same cores: output and core grads.
 
     ``dispatch``: go through ``contract.ttm_embedding_bag`` with ids that claim to be on
-    CUDA, so the dispatch line itself picks the fused path.
+    CUDA, so the dispatch line itself picks the fused path. ``static``: the fused lookup
+    with static shapes (whole halves, per-id keys), against the de-duplicated reference.
     """
     from comera_rec.tensor import contract, kernels
     from comera_rec.tensor.kernels.ttm_triton import ttm_embedding_bag_triton
@@ -124,22 +128,23 @@ def _lookup_case(d: int, tables: int, rank: int, mode: str, weighted: bool,
         calls = []
         real = kernels.ttm_embedding_bag_triton
 
-        def fused(*args):
-            calls.append(1)
+        def fused(*args, **kw):
+            calls.append(kw.get("static_shapes", False))
             ids_arg = args[3].as_subclass(torch.Tensor)
-            return ttm_embedding_bag_triton(*args[:3], ids_arg, *args[4:], chunk=chunk)
+            return ttm_embedding_bag_triton(*args[:3], ids_arg, *args[4:], chunk=chunk, **kw)
 
         kernels.ttm_embedding_bag_triton = fused
         try:
             out = contract.ttm_embedding_bag(cores, rows, dim, ids.as_subclass(_FakeCuda), offsets, mode,
-                                             weights, trains)
+                                             weights, trains, static_shapes=static)
         finally:
             kernels.ttm_embedding_bag_triton = real
-        if calls != [1]:
-            raise AssertionError("contract.ttm_embedding_bag did not dispatch to the fused path")
+        if calls != [static]:
+            raise AssertionError(f"contract.ttm_embedding_bag did not dispatch to the fused path: {calls}")
         out = out.as_subclass(torch.Tensor)
     else:
-        out = ttm_embedding_bag_triton(cores, rows, dim, ids, offsets, mode, weights, trains, chunk=chunk)
+        out = ttm_embedding_bag_triton(cores, rows, dim, ids, offsets, mode, weights, trains, chunk=chunk,
+                                       static_shapes=static)
     ref = contract.ttm_embedding_bag(cores, rows, dim, ids, offsets, mode, weights, trains)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     err = _close("forward", out, ref, tol)
@@ -165,6 +170,13 @@ CASES: dict[str, Callable[[], float]] = {
     "lookup_d4_stacked_mean_weighted": lambda: _lookup_case(4, 2, 2, "mean", True),
     "lookup_d3_stacked_float64": lambda: _lookup_case(3, 2, 3, "sum", True, dtype=torch.float64),
     "dispatch_from_contract": lambda: _lookup_case(3, 2, 2, "sum", True, dispatch=True),
+    # static shapes (CUDA-graph capturable): whole halves, per-id keys, one backward item per id
+    "static_bag_mean_weighted": lambda: _bag_case("mean", True, chunk=2, block_elems=4, static=True),
+    "static_bag_no_ids": lambda: _bag_case("sum", False, chunk=2, block_elems=4, n_ids=0, static=True),
+    "static_lookup_d2_sum": lambda: _lookup_case(2, 1, 3, "sum", False, chunk=2, static=True),
+    "static_lookup_d4_stacked_mean_weighted_float64": lambda: _lookup_case(
+        4, 2, 2, "mean", True, dtype=torch.float64, chunk=2, static=True),
+    "static_dispatch_from_contract": lambda: _lookup_case(3, 2, 2, "sum", True, dispatch=True, static=True),
 }
 
 
@@ -238,6 +250,21 @@ def test_dispatch_can_be_disabled(monkeypatch: pytest.MonkeyPatch, how: str) -> 
     assert not kernels.triton_enabled()
     out = contract.ttm_embedding_bag(*_lookup_args(torch.tensor([1, 5, 11]).as_subclass(_FakeCuda)))
     assert calls == [] and out.shape == (2, 4)
+
+
+def test_static_segments_are_the_same_work_items() -> None:
+    """``_segments_static`` (one slot per id, empty ones skipped) cuts the same items as ``_segments``."""
+    from comera_rec.tensor.kernels.ttm_triton import _segments, _segments_static
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.cat([torch.full((7,), 3), torch.randint(0, 6, (20,), generator=g)])  # a hot key
+    keys = keys[torch.randperm(keys.numel(), generator=g)]
+    for chunk in (1, 2, 3, 64):
+        items = []
+        for order, key, lo, hi in (_segments(keys, 6, chunk), _segments_static(keys, chunk)):
+            items.append(sorted((int(k), tuple(order[a:b].tolist())) for k, a, b in zip(key, lo, hi) if b > a))
+        assert items[0] == items[1], chunk
+        assert all(0 < len(ids) <= chunk and all(int(keys[i]) == k for i in ids) for k, ids in items[1])
 
 
 # ---------------------------------------------------------------------------- ahead-of-time compile

@@ -32,7 +32,8 @@ def test_keep_freed_memory_stops_page_faults_on_reused_buffers():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout.split()
     applied, before, after = out[0] == "True", float(out[1]), float(out[2])
     assert applied
-    # 32 MiB of fresh pages is 8192 faults a round; reused heap memory needs next to none
-    assert before > 4000, f"expected page faults before tuning, got {before}"
+    # 32 MiB of fresh pages is 8192 faults a round (glibc's own adaptive threshold sometimes
+    # keeps part of it: ~1700 seen); reused heap memory needs next to none
+    assert before > 1000, f"expected page faults before tuning, got {before}"
     assert after < before / 4, f"page faults per round: {before} before, {after} after"
 

@@ -63,6 +63,8 @@ def ttm_embedding_bag_triton(
     mode: str = "sum",
     per_sample_weights: torch.Tensor | None = None,
     trains: torch.Tensor | None = None,
+    *,
+    static_shapes: bool = False,
 ) -> torch.Tensor:
     """The fused Triton lookup with the signature of ``contract.ttm_embedding_bag``.
 
@@ -71,7 +73,8 @@ def ttm_embedding_bag_triton(
     """
     from comera_rec.tensor.kernels.ttm_triton import ttm_embedding_bag_triton as fused
 
-    return fused(cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains)
+    return fused(cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains,
+                 static_shapes=static_shapes)
 
 
 __all__ = [

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from comera_rec.tensor.contract import _half
+from comera_rec.tensor.contract import _half, _left_table, _right_table, half_keys
 
 try:
     import triton
@@ -115,7 +115,8 @@ def _ttm_bag_bwd_prefix_kernel(
         g = g * tl.load(coef_ptr + i).to(ACC)
         sv = tl.load(suffix_ptr + s * (R * M_R) + kk[:, None] * M_R + b[None, :], mask=s_mask, other=0.0)
         acc += tl.sum(g[:, None, :] * sv.to(ACC)[None, :, :], axis=2)  # (ML, R): g @ suffix^T
-    p_mask = (a[:, None] < M_L) & k_mask[None, :]
+    # static segments have empty items (lo == hi): no add (broadcast: a scalar mask upsets the interpreter)
+    p_mask = (a[:, None] < M_L) & (k_mask & (kk * 0 + hi > lo))[None, :]
     tl.atomic_add(grad_prefix_ptr + key * (M_L * R) + a[:, None] * R + kk[None, :], acc, mask=p_mask)
 
 
@@ -145,7 +146,7 @@ def _ttm_bag_bwd_suffix_kernel(
         g = g * tl.load(coef_ptr + i).to(ACC)
         pv = tl.load(prefix_ptr + p * (M_L * R) + a[:, None] * R + kk[None, :], mask=p_mask, other=0.0)
         acc += tl.sum(pv.to(ACC)[:, :, None] * g[:, None, :], axis=0)  # (R, MR): prefix^T @ g
-    s_mask = k_mask[:, None] & (b[None, :] < M_R)
+    s_mask = (k_mask & (kk * 0 + hi > lo))[:, None] & (b[None, :] < M_R)  # no add for an empty item
     tl.atomic_add(grad_suffix_ptr + key * (R * M_R) + kk[:, None] * M_R + b[None, :], acc, mask=s_mask)
 
 
@@ -235,6 +236,38 @@ def _segments(
     return order, item_key, lo, hi
 
 
+def _segments_static(
+    key_of_id: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_segments` with one (possibly empty) item per id: shapes depend on N only.
+
+    Ids sorted by key; position ``j`` of the sorted order starts an item when it is a
+    multiple of ``chunk`` past the first position of its key, the item then covering
+    ``order[j : min(j + chunk, end of the key)]``; any other position is an empty item
+    (``lo == hi``), which the kernels skip. No ``bincount`` or ``repeat_interleave`` of
+    data-dependent length, hence no host synchronisation (capturable in a CUDA graph);
+    the price is ``N`` programs instead of about ``K + N / chunk``.
+
+    Returns:
+        ``order (N,)`` and per item ``key, lo, hi (N,)``.
+
+    Example::
+
+        >>> order, key, lo, hi = _segments_static(torch.tensor([2, 0, 2, 2]), chunk=2)
+        >>> key.tolist(), lo.tolist(), hi.tolist()
+        ([0, 2, 2, 2], [0, 1, 2, 3], [1, 3, 2, 4])
+    """
+    n = key_of_id.numel()
+    order = torch.argsort(key_of_id, stable=True)  # (N,)
+    sorted_keys = key_of_id.index_select(0, order)  # (N,)
+    first = torch.searchsorted(sorted_keys, sorted_keys)  # (N,) first position of each key
+    end = torch.searchsorted(sorted_keys, sorted_keys, right=True)  # (N,) one past its last
+    pos = torch.arange(n, device=key_of_id.device)
+    starts = (pos - first) % chunk == 0
+    hi = torch.where(starts, torch.minimum(pos + chunk, end), pos)
+    return order, sorted_keys, pos, hi
+
+
 def _forward(
     prefix: torch.Tensor,
     suffix: torch.Tensor,
@@ -277,6 +310,7 @@ def _backward_halves(
     need_suffix: bool,
     chunk: int,
     block_elems: int,
+    static: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     k_p, m_l, r = prefix.shape
     k_s, _, m_r = suffix.shape
@@ -288,7 +322,7 @@ def _backward_halves(
     grad_prefix = grad_suffix = None
     if need_prefix:
         buf = torch.zeros(k_p, m_l, r, device=prefix.device, dtype=acc_torch)  # (K_p, M_l, r)
-        order, key, lo, hi = _segments(p_of_id, k_p, chunk)
+        order, key, lo, hi = _segments_static(p_of_id, chunk) if static else _segments(p_of_id, k_p, chunk)
         if key.numel():
             _jit(_ttm_bag_bwd_prefix_kernel)[(key.numel(), triton.cdiv(r, block_r))](
                 grad_out, suffix, s_of_id, bag_of_id, coef, order, key, lo, hi, buf,
@@ -298,7 +332,7 @@ def _backward_halves(
         grad_prefix = buf.to(prefix.dtype)
     if need_suffix:
         buf = torch.zeros(k_s, r, m_r, device=suffix.device, dtype=acc_torch)  # (K_s, r, M_r)
-        order, key, lo, hi = _segments(s_of_id, k_s, chunk)
+        order, key, lo, hi = _segments_static(s_of_id, chunk) if static else _segments(s_of_id, k_s, chunk)
         if key.numel():
             _jit(_ttm_bag_bwd_suffix_kernel)[(key.numel(), triton.cdiv(r, block_r))](
                 grad_out, prefix, p_of_id, bag_of_id, coef, order, key, lo, hi, buf,
@@ -341,7 +375,8 @@ class TTMBagFunction(torch.autograd.Function):
     """Pooled bags of ``prefix[p] @ suffix[s]`` rows, with the fused kernels both ways.
 
     Saves only the halves and the index tensors; the backward returns gradients for
-    ``prefix``, ``suffix`` and the per-sample weights (each only when needed).
+    ``prefix``, ``suffix`` and the per-sample weights (each only when needed). With
+    ``static`` the backward's work items come from :func:`_segments_static`.
     """
 
     @staticmethod
@@ -357,9 +392,10 @@ class TTMBagFunction(torch.autograd.Function):
         dim: int,
         chunk: int,
         block_elems: int,
+        static: bool = False,
     ) -> torch.Tensor:
         ctx.save_for_backward(prefix, suffix, p_of_id, s_of_id, offsets, weights)
-        ctx.mean, ctx.chunk, ctx.block_elems = mean, chunk, block_elems
+        ctx.mean, ctx.chunk, ctx.block_elems, ctx.static = mean, chunk, block_elems, static
         return _forward(prefix, suffix, p_of_id, s_of_id, offsets, weights, mean, dim, block_elems)
 
     @staticmethod
@@ -380,7 +416,7 @@ class TTMBagFunction(torch.autograd.Function):
         coef = scale * weights.to(scale.dtype) if weights is not None else scale  # (N,)
         grad_p, grad_s = _backward_halves(
             grad_out, prefix, suffix, p_of_id, s_of_id, bag_of_id, coef.contiguous(),
-            need_p, need_s, ctx.chunk, ctx.block_elems,
+            need_p, need_s, ctx.chunk, ctx.block_elems, ctx.static,
         )
         grad_w = None
         if need_w and weights is not None:
@@ -388,7 +424,7 @@ class TTMBagFunction(torch.autograd.Function):
                 grad_out, prefix, suffix, p_of_id, s_of_id, bag_of_id, scale.contiguous(),
                 weights.dtype, ctx.block_elems,
             )
-        return grad_p, grad_s, None, None, None, grad_w, None, None, None, None
+        return grad_p, grad_s, None, None, None, grad_w, None, None, None, None, None
 
 
 def ttm_bag_triton(
@@ -403,6 +439,7 @@ def ttm_bag_triton(
     *,
     chunk: int = DEFAULT_CHUNK,
     block_elems: int = DEFAULT_BLOCK_ELEMS,
+    static_shapes: bool = False,
 ) -> torch.Tensor:
     """Pool bags of TTM rows ``prefix[p(id)] @ suffix[s(id)]`` with the fused kernels.
 
@@ -420,6 +457,9 @@ def ttm_bag_triton(
         embedding_dim: D, the leading columns kept of each ``M_l * M_r`` row; all when ``None``.
         chunk: most ids of one key summed by one backward program before its atomic add.
         block_elems: bound on a program's tile; tests lower it to exercise the loops.
+        static_shapes: cut the backward's work items without host synchronisation
+            (:func:`_segments_static`), so that forward and backward can be captured
+            in a CUDA graph.
 
     Returns:
         ``(B, D)`` pooled rows; empty bags give zeros.
@@ -447,7 +487,7 @@ def ttm_bag_triton(
     return TTMBagFunction.apply(
         prefix.contiguous(), suffix.contiguous(), prefix_of_id.long().contiguous(),
         suffix_of_id.long().contiguous(), offsets.long().contiguous(), weights,
-        mode == "mean", dim, int(chunk), int(block_elems),
+        mode == "mean", dim, int(chunk), int(block_elems), bool(static_shapes),
     )
 
 
@@ -463,6 +503,7 @@ def ttm_embedding_bag_triton(
     *,
     chunk: int = DEFAULT_CHUNK,
     block_elems: int = DEFAULT_BLOCK_ELEMS,
+    static_shapes: bool = False,
 ) -> torch.Tensor:
     """:func:`comera_rec.tensor.contract.ttm_embedding_bag` with the fused kernels.
 
@@ -482,6 +523,9 @@ def ttm_embedding_bag_triton(
         trains: optional ``(N,)`` stacked-table index of each id.
         chunk: see :func:`ttm_bag_triton`.
         block_elems: see :func:`ttm_bag_triton`.
+        static_shapes: no ``torch.unique`` and no host synchronisation: both halves are
+            contracted whole and each id's own keys index them directly (capturable in
+            a CUDA graph; shapes depend on the input shapes only).
 
     Returns:
         ``(B, D)`` pooled embeddings.
@@ -490,6 +534,16 @@ def ttm_embedding_bag_triton(
     if d < 2:
         raise ValueError(f"ttm_embedding_bag_triton: need at least 2 cores, got {d}")
     h = (d + 1) // 2
+    if static_shapes:
+        p_keys, s_keys = half_keys(row_shape, ids, trains)  # (N,) keys into the whole halves
+        prefix = _left_table(cores[:h])  # (T * N_l, M_l, r)
+        suffix = _right_table(cores[h:])  # (T * N_r, m_b, r, m_a)
+        k_s, m_b, r, m_a = suffix.shape
+        suffix = suffix.permute(0, 2, 3, 1).reshape(k_s, r, m_a * m_b)  # (K_s, r, M_r)
+        return ttm_bag_triton(
+            prefix, suffix, p_keys, s_keys, offsets, per_sample_weights, mode, embedding_dim,
+            chunk=chunk, block_elems=block_elems, static_shapes=True,
+        )
     left_rows, right_rows = math.prod(row_shape[:h]), math.prod(row_shape[h:])
     ids = ids.long()
     p_keys, s_keys = ids // right_rows, ids % right_rows  # (N,)
