@@ -10,6 +10,7 @@ process; validation AUC after the same number of steps.
     python launch/bench_dlrm.py                 # Kaggle shapes, batch 2048
     python launch/bench_dlrm.py --mlperf        # MLPerf DLRM-DCNv2 shapes, compressed only
     python launch/bench_dlrm.py --quick         # a smoke run
+    python launch/bench_dlrm.py --parts         # where the step goes, per part
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Setup:
     zipf: float = 1.1
     rank: int = 32
     memory_steps: int = 20
-    keep_freed_memory: bool = True  # glibc malloc reuses freed activations (the trainer's default)
+    keep_freed_memory: bool = False  # glibc malloc reuses freed activations (trainer.keep_freed_memory)
 
 
 VARIANTS = ("dense", "tt", "tt_half")
@@ -146,6 +147,63 @@ def measure_memory(variant: str, setup: Setup, mlperf: bool) -> dict:
     return result
 
 
+# ------------------------------------------------------------------------------ parts
+
+
+def _dlrm(wrapped: nn.Module) -> nn.Module:
+    """TorchRec's ``DLRM`` inside ``DLRMTrain`` (single process: not wrapped further)."""
+    return getattr(wrapped, "module", wrapped).model
+
+
+def part_times(wrapped: nn.Module, batch) -> dict[str, float]:
+    """Seconds of forward + backward of each part of one step, run one after the other on
+    the batch (the sparse arch includes the fused table update in its backward)."""
+    dlrm, out = _dlrm(wrapped), {}
+    t = time.perf_counter()
+    emb = dlrm.sparse_arch(batch.sparse_features)  # (B, F, D)
+    emb.backward(torch.ones_like(emb))
+    out["lookups"] = time.perf_counter() - t
+    t = time.perf_counter()
+    dense = dlrm.dense_arch(batch.dense_features)  # (B, D)
+    dense.backward(torch.ones_like(dense))
+    out["bottom MLP"] = time.perf_counter() - t
+    emb, dense = emb.detach().requires_grad_(), dense.detach().requires_grad_()
+    t = time.perf_counter()
+    inter = dlrm.inter_arch(dense_features=dense, sparse_features=emb)  # (B, D + F(F+1)/2)
+    inter.backward(torch.ones_like(inter))
+    out["interaction"] = time.perf_counter() - t
+    inter = inter.detach().requires_grad_()
+    t = time.perf_counter()
+    logits = dlrm.over_arch(inter)
+    logits.backward(torch.ones_like(logits))
+    out["top MLP"] = time.perf_counter() - t
+    wrapped.zero_grad(set_to_none=True)
+    return out
+
+
+def parts(setup: Setup, repeats: int = 20) -> None:
+    """Where the step goes: each part's forward + backward, variants interleaved."""
+    if setup.keep_freed_memory:
+        keep_freed_memory()
+    models = {v: build(v, setup, mlperf=False) for v in VARIANTS}
+    data = list(itertools.islice(iter(batches(setup, False, "train", setup.batch_size * 4)), 4))
+    samples: dict[str, dict[str, list[float]]] = {v: {} for v in VARIANTS}
+    for i in range(repeats + 2):
+        for v in VARIANTS:
+            times = part_times(models[v][0], data[i % len(data)])
+            t = time.perf_counter()
+            train_step(*models[v], data[i % len(data)])
+            times["whole step"] = time.perf_counter() - t
+            if i >= 2:  # warm-up
+                for k, sec in times.items():
+                    samples[v].setdefault(k, []).append(sec)
+    names = list(samples["dense"])
+    print(f"forward + backward per part, median of {repeats} interleaved rounds (ms), batch {setup.batch_size}")
+    print(f"{'variant':10s}" + "".join(f"{n:>13s}" for n in names))
+    for v in VARIANTS:
+        print(f"{v:10s}" + "".join(f"{sorted(samples[v][n])[repeats // 2] * 1e3:13.1f}" for n in names))
+
+
 # ------------------------------------------------------------------------------ main
 
 
@@ -198,19 +256,23 @@ def mlperf(setup: Setup) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mlperf", action="store_true", help="MLPerf DLRM-DCNv2 shapes, compressed only")
+    parser.add_argument("--parts", action="store_true", help="time each part of the step (lookups, MLPs, interaction)")
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
     parser.add_argument("--steps", type=int, default=None, help="training steps per variant")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--malloc-default", action="store_true",
-                        help="leave glibc malloc as it is (returns freed activations to the kernel: page faults)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="glibc malloc keeps freed activations for reuse, for every variant (no page faults)")
     args = parser.parse_args()
-    setup = Setup(batch_size=args.batch_size, rank=args.rank, keep_freed_memory=not args.malloc_default)
+    setup = Setup(batch_size=args.batch_size, rank=args.rank, keep_freed_memory=args.keep_freed_memory)
     if args.quick:
         setup = replace(setup, train_steps=10, val_rows=8192, memory_steps=3)
     if args.steps:
         setup = replace(setup, train_steps=args.steps)
-    mlperf(setup) if args.mlperf else kaggle(setup)
+    if args.parts:
+        parts(setup)
+    else:
+        mlperf(setup) if args.mlperf else kaggle(setup)
 
 
 if __name__ == "__main__":

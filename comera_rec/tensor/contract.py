@@ -10,7 +10,6 @@ import math
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from comera_rec.tensor import kernels
 
@@ -242,27 +241,31 @@ def pool_bags(
 ) -> torch.Tensor:
     """Pool looked-up rows into bags (``include_last_offset=True`` layout).
 
+    Each id's row is gathered (``index_select``) and added into its bag (``index_add``,
+    see :func:`pool_bags_static`): both backward passes are plain scatters / gathers,
+    which on CPU made the compressed DLRM step ~4% faster than ``F.embedding_bag``,
+    whose backward sorts the ids (docs/performance.md).
+
     Args:
         rows: ``(U, D)`` distinct rows.
         row_of_id: ``(N,)`` which row each id of the input uses.
-        offsets: ``(B + 1,)`` bag boundaries into the N ids.
+        offsets: ``(B + 1,)`` bag boundaries into the N ids (well formed: from 0 to N,
+            non-decreasing; the callers build or check them).
         mode: ``"sum"`` or ``"mean"`` (mean divides the weighted sum by the bag length).
         per_sample_weights: optional ``(N,)``.
 
     Returns:
         ``(B, D)``; empty bags give zeros.
+
+    Example::
+
+        >>> rows = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+        >>> pool_bags(rows, torch.tensor([0, 1, 1]), torch.tensor([0, 1, 1, 3]), "sum")
+        tensor([[1., 0.],
+                [0., 0.],
+                [0., 4.]])
     """
-    if mode == "sum" or per_sample_weights is None:
-        return F.embedding_bag(
-            row_of_id, rows, offsets, mode=mode, per_sample_weights=per_sample_weights,
-            include_last_offset=True,
-        )
-    pooled = F.embedding_bag(
-        row_of_id, rows, offsets, mode="sum", per_sample_weights=per_sample_weights,
-        include_last_offset=True,
-    )
-    lengths = (offsets[1:] - offsets[:-1]).clamp_min(1).to(pooled.dtype)
-    return pooled / lengths.unsqueeze(1)
+    return pool_bags_static(rows.index_select(0, row_of_id), offsets, mode, per_sample_weights)
 
 
 def ttm_embedding_bag(

@@ -1,12 +1,13 @@
-"""Host (CPU process) settings that the training step's speed depends on.
+"""Host (CPU process) settings for the training step.
 
 A CPU training step allocates and frees the same few-megabyte activation buffers every
-step (a ``2048 x 512`` float activation is 4 MiB). glibc's malloc serves blocks of that
-size with ``mmap`` and returns them to the kernel on ``free``, so every step touches
-fresh pages and pays a page fault per 4 KiB: an element-wise op on such a tensor then
-costs about ten times what it costs on reused memory. :func:`keep_freed_memory` asks
-malloc to keep freed blocks in its heap for reuse, which is what an allocator such as
-jemalloc or tcmalloc (``LD_PRELOAD``) does by default.
+step (a ``2048 x 512`` float activation is 4 MiB). glibc's malloc may serve blocks of
+that size with ``mmap``, or trim them off its heap, and return them to the kernel on
+``free``, so the next step touches fresh pages and pays a page fault per 4 KiB.
+:func:`keep_freed_memory` asks malloc to keep freed blocks for reuse, as jemalloc or
+tcmalloc (``LD_PRELOAD``) do by default. It removes those faults (tested); on the Kaggle
+DLRM step of docs/performance.md it made no difference beyond the machine's noise, so
+the trainer leaves it off unless ``trainer.keep_freed_memory`` is set.
 """
 
 from __future__ import annotations

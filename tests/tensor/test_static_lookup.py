@@ -47,14 +47,29 @@ def test_static_equals_deduplicated(d: int, tables: int, mode: str, weighted: bo
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-def test_static_pooling_equals_pool_bags() -> None:
+def _embedding_bag_reference(rows, row_of_id, offsets, mode, weights):
+    """torch's own ``F.embedding_bag`` (weighted sum, then / length for mean)."""
+    out = torch.nn.functional.embedding_bag(row_of_id, rows, offsets, mode="sum", per_sample_weights=weights,
+                                            include_last_offset=True)
+    if mode == "mean":
+        out = out / (offsets[1:] - offsets[:-1]).clamp_min(1).to(out.dtype).unsqueeze(1)
+    return out
+
+
+def test_pooling_equals_torch_embedding_bag() -> None:
     g = torch.Generator().manual_seed(0)
-    rows = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    rows = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    row_of_id = torch.tensor([4, 0, 0, 2, 4, 1, 4])  # repeats, an unused row (3)
     offsets, w = torch.tensor([0, 2, 2, 7]), torch.rand(7, generator=g, dtype=torch.float64)
+    grad = torch.randn(3, 3, generator=g, dtype=torch.float64)
     for mode in ("sum", "mean"):
         for weights in (None, w):
-            torch.testing.assert_close(pool_bags_static(rows, offsets, mode, weights),
-                                       pool_bags(rows, torch.arange(7), offsets, mode, weights))
+            ref = _embedding_bag_reference(rows, row_of_id, offsets, mode, weights)
+            ref_grad = torch.autograd.grad(ref, rows, grad)[0]
+            for out in (pool_bags(rows, row_of_id, offsets, mode, weights),
+                        pool_bags_static(rows.index_select(0, row_of_id), offsets, mode, weights)):
+                torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+                torch.testing.assert_close(torch.autograd.grad(out, rows, grad)[0], ref_grad, rtol=0, atol=1e-12)
 
 
 class _Shapes(TorchDispatchMode):
