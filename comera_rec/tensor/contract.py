@@ -306,13 +306,9 @@ def ttm_embedding_bag(
         ``(B, D)`` pooled embeddings.
     """
     if ids.is_cuda and kernels.triton_enabled():  # fused Triton lookup (docs/gpu.md)
-        if static_shapes:
-            return kernels.ttm_embedding_bag_triton(
-                cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains,
-                static_shapes=True,
-            )
         return kernels.ttm_embedding_bag_triton(
-            cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains
+            cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains,
+            static_shapes=static_shapes,
         )
     if static_shapes:
         return ttm_embedding_bag_static(

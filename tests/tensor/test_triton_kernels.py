@@ -219,7 +219,8 @@ def test_kernel_matches_torch_path(interpreted: dict[str, dict], case: str) -> N
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list:
     calls: list = []
-    monkeypatch.setattr(kernels, "ttm_embedding_bag_triton", lambda *args: calls.append(args) or "fused")
+    monkeypatch.setattr(kernels, "ttm_embedding_bag_triton",
+                        lambda *args, **kwargs: calls.append((args, kwargs)) or "fused")
     return calls
 
 
