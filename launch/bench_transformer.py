@@ -10,7 +10,7 @@ against GaLore.
 Part 2 trains the small synthetic-task configuration (configs/transformer_synthetic.yaml)
 with the compressed and the dense model and reports both validation accuracies.
 
-    python launch/bench_transformer.py              # both parts (about 5 minutes here)
+    python launch/bench_transformer.py              # both parts (about 7 minutes here)
     python launch/bench_transformer.py --quick      # fewer repeats, batch 32 timed once, shorter training
     python launch/bench_transformer.py --skip-train # part 1 only
 """
