@@ -256,3 +256,48 @@ def save_config(config: Any, path: Union[str, Path]) -> None:
     """Write a dataclass config as YAML (loadable by :func:`load_config`)."""
     with Path(path).open("w") as f:
         yaml.safe_dump(to_dict(config), f, sort_keys=False)
+
+
+def run_config_from_args(
+    cls: type[T],
+    argv: Optional[Sequence[str]],
+    description: Optional[str],
+    config_help: str = "YAML run config (configs/*.yaml); defaults apply without one",
+    resume_help: str = "continue from the newest checkpoint in trainer.run_dir",
+    overrides_help: str = "section.key=value, e.g. trainer.max_steps=200",
+) -> Optional[T]:
+    """The command line every training entry point shares: ``--config``, ``--resume``,
+    ``--help-config`` and ``section.key=value`` overrides.
+
+    ``--resume`` becomes the override ``trainer.resume=true``. With ``--help-config`` the
+    resolved config is printed as YAML and ``None`` returned (the caller stops).
+
+    Args:
+        cls: the run config dataclass (it needs a ``trainer`` section for ``--resume``).
+        argv: the arguments (``None``: ``sys.argv[1:]``).
+        description: the entry point's help text (its module docstring).
+        config_help, resume_help, overrides_help: the help of those arguments.
+
+    Returns:
+        The run config, or ``None`` after ``--help-config``.
+
+    Example::
+
+        >>> from comera_rec.transformer.runs import ClassificationRun
+        >>> cfg = run_config_from_args(ClassificationRun, ["--resume", "trainer.max_steps=5"], None)
+        >>> cfg.trainer.max_steps, cfg.trainer.resume
+        (5, True)
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help=config_help)
+    parser.add_argument("--resume", action="store_true", help=resume_help)
+    parser.add_argument("--help-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", help=overrides_help)
+    args = parser.parse_args(argv)
+    config = load_config(cls, args.config, args.overrides + (["trainer.resume=true"] if args.resume else []))
+    if args.help_config:
+        print(yaml.safe_dump(to_dict(config), sort_keys=False))
+        return None
+    return config

@@ -73,7 +73,7 @@ def main() -> None:
         tsv = gen.write_tsv(tmp / "synth.tsv", args.rows)
         t_write = time.perf_counter() - t0
         t0 = time.perf_counter()
-        meta = preprocess_tsv_to_parquet([str(tsv)], str(tmp / "pq"), progress=False)
+        preprocess_tsv_to_parquet([str(tsv)], str(tmp / "pq"), progress=False)
         t_pre = time.perf_counter() - t0
         pq_path = tmp / "pq" / "synth.parquet"
         # npy in TorchRec's layout: dense already log-transformed, raw sparse ids, labels [N, 1]

@@ -10,25 +10,19 @@ and runs phase2.steps more. Fields: docs/transformer.md and docs/training.md.
 
 from __future__ import annotations
 
-import argparse
 import math
 
-import yaml
-
-from comera_rec.config import load_config, to_dict
+from comera_rec.config import run_config_from_args
 from comera_rec.transformer.runs import MaskedLMRun, run_masked_lm
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML run config (configs/codebert_*.yaml)")
-    parser.add_argument("--resume", action="store_true", help="continue each phase from its newest checkpoint")
-    parser.add_argument("--help-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. phase2.rank_fraction=0.3")
-    args = parser.parse_args(argv)
-    config = load_config(MaskedLMRun, args.config, args.overrides + (["trainer.resume=true"] if args.resume else []))
-    if args.help_config:
-        print(yaml.safe_dump(to_dict(config), sort_keys=False))
+    config = run_config_from_args(
+        MaskedLMRun, argv, __doc__, config_help="YAML run config (configs/codebert_*.yaml)",
+        resume_help="continue each phase from its newest checkpoint",
+        overrides_help="section.key=value, e.g. phase2.rank_fraction=0.3",
+    )
+    if config is None:  # --help-config
         return {}
     out = run_masked_lm(config)
     for phase in ("phase1", "phase2"):

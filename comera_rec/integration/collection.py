@@ -97,8 +97,8 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._validate = validate_inputs
         self._allow_extra_keys = allow_extra_keys
         self.static_shapes = False
-        # static shapes: per group, (table index, is mean) of each stream as device tensors,
-        # made once per device (eagerly, before any capture)
+        # per group, (table index, is mean) of each stream as device tensors, made once per
+        # device: no per-step host-to-device copy, and nothing a captured graph could not read
         self._stream_constants: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._embedding_bag_configs = tables
@@ -312,11 +312,11 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if weights is not None and weights.numel() != values.numel():
             raise ValueError(f"{name}: KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values")
 
-    def _static_stream_constants(self, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stream_constants_on(self, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(table index (S,), is mean (S,))`` of the group's streams on ``device``.
 
-        Made on first use and kept, so a captured forward reads tensors that outlive it
-        and does no host-to-device copy.
+        Made on first use and kept, so a forward (captured or not) reads tensors that
+        outlive it and does no host-to-device copy.
         """
         key = (group, device)
         hit = self._stream_constants.get(key)
@@ -346,8 +346,7 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         index, bounds = self._key_layout(keys)
         values = features.values()
         lengths = features.lengths()
-        static = self.static_shapes
-        validate = self._validate and not static  # validation reads ids on the host
+        validate = self._validate and not self.static_shapes  # validation reads ids on the host
         if validate:
             self._check_layout(features, keys, values, lengths)
         length_per_key = features.length_per_key()
@@ -371,23 +370,14 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             ids = torch.cat([p[0] for p in parts]).long()
             lens = torch.cat([p[1] for p in parts]).long()
             w = torch.cat([p[2] for p in parts]) if weights is not None else None  # type: ignore[misc]
-            if static:
-                stream_train, stream_mean = self._static_stream_constants(g, ids.device)
-                trains = torch.repeat_interleave(  # (N_g,): each id's table, via its bag's stream
-                    stream_train.unsqueeze(1).expand(-1, batch).reshape(-1), lens, output_size=ids.numel()
-                )
-            else:
-                trains = torch.repeat_interleave(
-                    torch.tensor([t for _, t, _ in streams], device=ids.device),
-                    torch.tensor([length_per_key[index[f]] for f, _, _ in streams], device=ids.device),
-                )
+            stream_train, stream_mean = self._stream_constants_on(g, ids.device)
+            trains = torch.repeat_interleave(  # (N_g,): each id's table, via its bag's stream
+                stream_train.unsqueeze(1).expand(-1, batch).reshape(-1), lens, output_size=ids.numel()
+            )
             offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
             out = group(ids, offsets, trains, w)  # (F_g * B, D)
             if any(mean for _, _, mean in streams):
-                if static:
-                    is_mean = stream_mean.unsqueeze(1).expand(-1, batch).reshape(-1)  # (F_g * B,)
-                else:
-                    is_mean = torch.tensor([m for _, _, m in streams], device=ids.device).repeat_interleave(batch)
+                is_mean = stream_mean.unsqueeze(1).expand(-1, batch).reshape(-1)  # (F_g * B,)
                 divisor = torch.where(is_mean, lens.clamp_min(1), torch.ones_like(lens)).to(out.dtype)
                 out = out / divisor.unsqueeze(1)
             pooled_tt.append(out.view(len(streams), batch, -1))
@@ -395,15 +385,14 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         dense_parts: list[torch.Tensor] = []
         if self.dense is not None:
             parts = [stream(f) for f in self._dense_features]
-            # static shapes: hand the (host) lengths per key on, or TorchRec computes them with a sync
-            known = {"length_per_key": [length_per_key[index[f]] for f in self._dense_features]} if static else {}
+            # hand the (host) lengths per key on, or TorchRec computes them again (a sync on GPU)
             sub = KeyedJaggedTensor(
                 keys=self._dense_features,
                 values=torch.cat([p[0] for p in parts]),
                 lengths=torch.cat([p[1] for p in parts]),
                 weights=torch.cat([p[2] for p in parts]) if weights is not None else None,  # type: ignore[misc]
                 stride=batch,
-                **known,
+                length_per_key=[length_per_key[index[f]] for f in self._dense_features],
             )
             kt = self.dense(sub)
             if not isinstance(kt, KeyedTensor) and hasattr(kt, "wait"):

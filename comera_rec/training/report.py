@@ -62,6 +62,30 @@ def _series(records: Iterable[dict[str, Any]], kind: str, key: str) -> tuple[lis
     return xs, ys
 
 
+# one line style per curve: (kind, key, legend label, matplotlib format, colour)
+Curve = tuple[str, str, str, str, Optional[str]]
+
+
+def _plot_two_axes(plt: Any, records: list[dict[str, Any]], left: list[Curve], right: list[Curve],
+                   ylabels: tuple[str, str], title: str, path: Path) -> Path:
+    """One PNG: ``left`` curves on the left axis, ``right`` ones on a twin axis, one legend."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax2 = ax.twinx()
+    for axis, curves in ((ax, left), (ax2, right)):
+        for kind, key, label, fmt, color in curves:
+            axis.plot(*_series(records, kind, key), fmt, color=color, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabels[0])
+    ax2.set_ylabel(ylabels[1])
+    lines, lines2 = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="best")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_run(records: list[dict[str, Any]], run_dir: Union[str, Path]) -> list[Path]:
     """Write ``loss_auc.png`` and ``ranks_compression.png`` into ``run_dir``.
 
@@ -79,43 +103,21 @@ def plot_run(records: list[dict[str, Any]], run_dir: Union[str, Path]) -> list[P
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    out = []
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*_series(records, "train", "loss"), label="train loss")
-    ax.plot(*_series(records, "eval", "log_loss"), "o-", label="validation log loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax2 = ax.twinx()
-    ax2.plot(*_series(records, "eval", "auc"), "s-", color="tab:green", label="validation AUC")
-    ax2.set_ylabel("AUC")
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="best")
-    ax.set_title("loss and AUC")
-    fig.tight_layout()
-    path = run_dir / "loss_auc.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    out.append(path)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*_series(records, "train", "live_rank"), label="sum of live ranks")
-    ax.set_xlabel("step")
-    ax.set_ylabel("live ranks")
-    ax2 = ax.twinx()
-    ax2.plot(*_series(records, "train", "compression"), color="tab:red", label="compression ratio")
-    ax2.set_ylabel("compression ratio (dense / live parameters)")
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="best")
-    ax.set_title("ranks and compression")
-    fig.tight_layout()
-    path = run_dir / "ranks_compression.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    out.append(path)
-    return out
+    return [
+        _plot_two_axes(
+            plt, records,
+            [("train", "loss", "train loss", "-", None), ("eval", "log_loss", "validation log loss", "o-", None)],
+            [("eval", "auc", "validation AUC", "s-", "tab:green")],
+            ("loss", "AUC"), "loss and AUC", run_dir / "loss_auc.png",
+        ),
+        _plot_two_axes(
+            plt, records,
+            [("train", "live_rank", "sum of live ranks", "-", None)],
+            [("train", "compression", "compression ratio", "-", "tab:red")],
+            ("live ranks", "compression ratio (dense / live parameters)"), "ranks and compression",
+            run_dir / "ranks_compression.png",
+        ),
+    ]
 
 
 def _fmt(value: Any) -> str:

@@ -27,6 +27,14 @@ def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def run_torchrun(script: Path, args: list[str], tmp_path: Path, nproc: int = 2,
+                 timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run a test worker script under ``torchrun --standalone`` with :func:`child_env`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *args]
+    return subprocess.run(cmd, env=child_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 def run_train(tmp_path: Path, args: list[str], nproc: int = 1, max_restarts: Optional[int] = None,
               timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
     """Run launch/train_dlrm.py in a subprocess (under torchrun when nproc > 1 or restarts are asked)."""

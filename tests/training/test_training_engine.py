@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -99,14 +96,10 @@ def test_nonfinite_batches_are_skipped(tmp_path):
 
 @pytest.mark.slow
 def test_two_process_ddp_run(tmp_path):
-    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
+    from tests.reliability.helpers import run_torchrun
+
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(HERE / "ddp_run.py"), str(run_dir)],
-        env=env, capture_output=True, text=True, timeout=240,
-    )
+    proc = run_torchrun(HERE / "ddp_run.py", [str(run_dir)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
     p0 = torch.load(run_dir / "params_rank0.pt", weights_only=True)
