@@ -296,7 +296,9 @@ class Trainer:
     Attributes:
         model: the unwrapped model; ``wrapped`` the wrapper; ``optimizers`` all optimisers
             (the torch one first); ``step`` optimiser steps taken (skipped batches count);
-            ``losses`` the global task loss of every step run in this process's life.
+            ``losses`` the global task loss of every step run in this process's life;
+            ``process_rank`` this process's rank in the run (0 alone), set by ``fit()``: the
+            summary files are rank 0's.
     """
 
     def __init__(
@@ -327,6 +329,7 @@ class Trainer:
         self.truncations = 0
         self.samples = 0
         self.losses: list[float] = []
+        self.process_rank = 0
         self.last_eval: dict[str, float] = {}
         self._owns_group = False
         self.model: Optional[nn.Module] = None
@@ -657,7 +660,7 @@ class Trainer:
             self._check_cuda_graphs()
         if cfg.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
-        rank = _rank()
+        rank = self.process_rank = _rank()
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)

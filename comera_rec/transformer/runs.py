@@ -35,6 +35,7 @@ from comera_rec.transformer.tasks import ClassificationTask, MaskedLMTask, Trans
 from comera_rec.transformer.tokenizer import (
     load_tokenizer,
     load_wordpiece,
+    save_tokenizer,
     special_id,
     train_code_bpe,
     train_wordpiece,
@@ -122,8 +123,7 @@ def build_pair_datasets(data: PairDataConfig, run_dir: Optional[Path] = None):
             data.tokenizer_vocab_size, lowercase=data.lowercase,
         )
     if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tok.save(str(run_dir / "tokenizer.json"))
+        save_tokenizer(tok, run_dir)
     return tok, PairDataset.from_examples(tok, train, data.max_len), PairDataset.from_examples(tok, val, data.max_len)
 
 
@@ -159,8 +159,10 @@ def _finish(trainer: TransformerTrainer, summary: dict[str, Any], method: Method
                "val_log_loss": ev.get("log_loss", float("nan")), "val_perplexity": ev.get("perplexity", float("nan")),
                "parameters": sum(p.numel() for p in trainer.model.parameters())}
     summary.pop("val_auc", None)
-    if (run_dir / "summary.json").exists():
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    path = run_dir / "summary.json"
+    if trainer.process_rank == 0 and path.exists():  # the engine's file: rank 0's alone
+        saved = {k: v for k, v in json.loads(path.read_text()).items() if k != "val_auc"}
+        path.write_text(json.dumps({**saved, **summary}, indent=1, default=str))
     return summary
 
 
@@ -251,8 +253,7 @@ def build_code_blocks(data: CodeDataConfig, block_len: int, run_dir: Optional[Pa
     tok = load_tokenizer(data.tokenizer_file) if data.tokenizer_file else train_code_bpe(
         corpus.texts, data.tokenizer_vocab_size)
     if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tok.save(str(run_dir / "tokenizer.json"))
+        save_tokenizer(tok, run_dir)
     streams = [e.ids for e in tok.encode_batch(corpus.texts)]
     blocks = pack_blocks(streams, block_len, special_id(tok, "<s>"), special_id(tok, "</s>"))
     if len(blocks) < 2:

@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -107,6 +108,24 @@ def train_code_bpe(texts: Iterable[str], vocab_size: int = 8000, *, min_frequenc
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
+
+
+def save_tokenizer(tok: Tokenizer, run_dir: str | Path) -> Path:
+    """Write ``run_dir/tokenizer.json`` atomically (a private part file, then a rename).
+
+    Every process of a torchrun job trains the same tokenizer and saves it: each writes
+    its own part file, so the file a reader finds is always one complete copy.
+
+    Returns:
+        The path written.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "tokenizer.json"
+    part = run_dir / f".tokenizer.json.{os.getpid()}.part"
+    tok.save(str(part))
+    os.replace(part, path)
+    return path
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

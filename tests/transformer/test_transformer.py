@@ -24,7 +24,13 @@ from comera_rec.transformer.data import (
 )
 from comera_rec.transformer.model import MaskedLM, SequenceClassifier, TTMEmbedding, dense_twin
 from comera_rec.transformer.tasks import ClassificationTask, MaskedLMTask, TransformerTrainer, shrink_ranks
-from comera_rec.transformer.tokenizer import encode_pairs, train_code_bpe, train_wordpiece
+from comera_rec.transformer.tokenizer import (
+    encode_pairs,
+    load_tokenizer,
+    save_tokenizer,
+    train_code_bpe,
+    train_wordpiece,
+)
 
 TINY = EncoderConfig(vocab_size=120, max_len=16, num_layers=2, d_model=32, num_heads=4, d_ff=64,
                      rank=64, embedding_rank=64, dropout=0.0)
@@ -211,7 +217,9 @@ def test_wordpiece_round_trip_and_pairs(tmp_path):
     tok = train_wordpiece(texts, vocab_size=200)
     for text in ("the lazy fox sleeps.", "a quick dog jumps over the cat."):
         assert tok.decode(tok.encode(text).ids) == text
-    tok.save(str(tmp_path / "tok.json"))
+    saved = save_tokenizer(tok, tmp_path / "run")
+    assert [f.name for f in saved.parent.iterdir()] == ["tokenizer.json"]  # no part file left
+    assert load_tokenizer(saved).encode("the lazy fox").ids == tok.encode("the lazy fox").ids
     enc = encode_pairs(tok, ["the fox ."], ["a cat ."], max_len=12)
     toks = [tok.id_to_token(i) for i in enc["ids"][0, : int(enc["lengths"][0])]]
     assert toks == ["[CLS]", "the", "fox", ".", "[SEP]", "a", "cat", ".", "[SEP]"]
@@ -313,19 +321,12 @@ def test_synthetic_task_is_learnable(tmp_path):
 @pytest.mark.slow
 def test_two_process_ddp_run_keeps_replicas_equal_through_truncation(tmp_path):
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), env.get("PYTHONPATH", "")])
+    from tests.reliability.helpers import run_torchrun
+
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(here / "ddp_run.py"), str(run_dir)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = run_torchrun(Path(__file__).resolve().parent / "ddp_run.py", [str(run_dir)], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     p0 = torch.load(run_dir / "params_rank0.pt", weights_only=True)
     p1 = torch.load(run_dir / "params_rank1.pt", weights_only=True)
