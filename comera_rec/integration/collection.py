@@ -364,7 +364,7 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             w = weights[lo:hi] if weights is not None else None
             return values[lo:hi], lengths[i * batch : (i + 1) * batch], w
 
-        pooled_tt: list[torch.Tensor] = []  # per group: (F_g, B, D)
+        pooled_tt: list[tuple[torch.Tensor, ...]] = []  # per group: F_g tensors (B, D)
         for g, (group, streams) in enumerate(zip(self.groups, self._group_streams)):
             parts = [stream(f) for f, _, _ in streams]
             ids = torch.cat([p[0] for p in parts]).long()
@@ -380,7 +380,9 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 is_mean = stream_mean.unsqueeze(1).expand(-1, batch).reshape(-1)  # (F_g * B,)
                 divisor = torch.where(is_mean, lens.clamp_min(1), torch.ones_like(lens)).to(out.dtype)
                 out = out / divisor.unsqueeze(1)
-            pooled_tt.append(out.view(len(streams), batch, -1))
+            # unbind, not one select per stream: its backward is one stack per group, where
+            # each select would zero-fill a group-sized gradient
+            pooled_tt.append(out.view(len(streams), batch, -1).unbind(0))
 
         dense_parts: list[torch.Tensor] = []
         if self.dense is not None:
