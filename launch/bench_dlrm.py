@@ -11,17 +11,11 @@ process; validation AUC after the same number of steps.
     python launch/bench_dlrm.py --mlperf        # MLPerf DLRM-DCNv2 shapes, compressed only
     python launch/bench_dlrm.py --quick         # a smoke run
     python launch/bench_dlrm.py --parts         # where the step goes, per part
-    python launch/bench_dlrm.py --lookup-paths  # also the compressed models on the PyTorch lookup path
-
-The compressed variants look their tables up with the fused CPU kernel (Numba) unless
-``COMERA_DISABLE_CPU_KERNEL=1``; ``--lookup-paths`` adds ``tt/pt`` and ``tt_half/pt``, the
-same models on the PyTorch lookup path, interleaved with the others.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import multiprocessing as mp
 import time
@@ -34,7 +28,6 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
 from comera_rec.integration.distributed import EmbeddingOptimizerSpec, wrap_model
 from comera_rec.rank import model_num_parameters
-from comera_rec.tensor import kernels
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.utils.benchmark import current_rss_bytes, fmt_bytes, peak_rss_bytes
@@ -52,26 +45,9 @@ class Setup:
     rank: int = 32
     memory_steps: int = 20
     keep_freed_memory: bool = False  # glibc malloc reuses freed activations (trainer.keep_freed_memory)
-    lookup_paths: bool = False  # add the compressed models on the PyTorch lookup path ("/pt")
 
 
 VARIANTS = ("dense", "tt", "tt_half")
-PYTORCH_LOOKUP = "/pt"  # variant suffix: the same model, TTM lookups on the PyTorch path
-
-
-def variants(setup: Setup) -> tuple[str, ...]:
-    extra = tuple(v + PYTORCH_LOOKUP for v in VARIANTS if v != "dense") if setup.lookup_paths else ()
-    return VARIANTS + extra
-
-
-@contextlib.contextmanager
-def lookup_path(variant: str):
-    """Run a variant's work with the fused CPU lookup on, or off for a ``/pt`` variant."""
-    kernels.set_cpu_kernel_enabled(not variant.endswith(PYTORCH_LOOKUP))
-    try:
-        yield
-    finally:
-        kernels.set_cpu_kernel_enabled(True)
 
 
 def model_config(variant: str, setup: Setup, mlperf: bool) -> DLRMConfig:
@@ -90,7 +66,6 @@ def cut_ranks_to_half(model: nn.Module) -> None:
 
 
 def build(variant: str, setup: Setup, mlperf: bool):
-    variant = variant.removesuffix(PYTORCH_LOOKUP)
     torch.manual_seed(0)
     model = build_dlrm_train(model_config(variant, setup, mlperf), device="cpu")
     if variant == "tt_half":
@@ -156,9 +131,8 @@ def memory_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # ru
     base = current_rss_bytes()
     wrapped, bundle = build(variant, setup, mlperf)
     start = time.perf_counter()
-    with lookup_path(variant):
-        for step in range(setup.memory_steps):
-            train_step(wrapped, bundle, data[step % len(data)])
+    for step in range(setup.memory_steps):
+        train_step(wrapped, bundle, data[step % len(data)])
     seconds = (time.perf_counter() - start) / setup.memory_steps
     queue.put({"base": base, "peak": peak_rss_bytes(), "step_s": seconds})
 
@@ -211,25 +185,23 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     """Where the step goes: each part's forward + backward, variants interleaved."""
     if setup.keep_freed_memory:
         keep_freed_memory()
-    names = variants(setup)
-    models = {v: build(v, setup, mlperf=False) for v in names}
+    models = {v: build(v, setup, mlperf=False) for v in VARIANTS}
     data = list(itertools.islice(iter(batches(setup, False, "train", setup.batch_size * 4)), 4))
-    samples: dict[str, dict[str, list[float]]] = {v: {} for v in names}
+    samples: dict[str, dict[str, list[float]]] = {v: {} for v in VARIANTS}
     for i in range(repeats + 2):
-        for v in names:
-            with lookup_path(v):
-                times = part_times(models[v][0], data[i % len(data)])
-                t = time.perf_counter()
-                train_step(*models[v], data[i % len(data)])
-                times["whole step"] = time.perf_counter() - t
+        for v in VARIANTS:
+            times = part_times(models[v][0], data[i % len(data)])
+            t = time.perf_counter()
+            train_step(*models[v], data[i % len(data)])
+            times["whole step"] = time.perf_counter() - t
             if i >= 2:  # warm-up
                 for k, sec in times.items():
                     samples[v].setdefault(k, []).append(sec)
-    parts_ = list(samples["dense"])
+    names = list(samples["dense"])
     print(f"forward + backward per part, median of {repeats} interleaved rounds (ms), batch {setup.batch_size}")
-    print(f"{'variant':13s}" + "".join(f"{n:>13s}" for n in parts_))
-    for v in names:
-        print(f"{v:13s}" + "".join(f"{sorted(samples[v][n])[repeats // 2] * 1e3:13.1f}" for n in parts_))
+    print(f"{'variant':10s}" + "".join(f"{n:>13s}" for n in names))
+    for v in VARIANTS:
+        print(f"{v:10s}" + "".join(f"{sorted(samples[v][n])[repeats // 2] * 1e3:13.1f}" for n in names))
 
 
 # ------------------------------------------------------------------------------ main
@@ -241,33 +213,28 @@ def kaggle(setup: Setup) -> None:
           f"(every variant alike)")
     if setup.keep_freed_memory:
         keep_freed_memory()
-    names = variants(setup)
-    models = {v: build(v, setup, mlperf=False) for v in names}
+    models = {v: build(v, setup, mlperf=False) for v in VARIANTS}
     params = {v: model_num_parameters(m[0]) if v != "dense" else sum(p.numel() for p in m[0].parameters())
               for v, m in models.items()}
     sizes = {v: model_bytes(m[0]) for v, m in models.items()}
-    times: dict[str, list[float]] = {v: [] for v in names}
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     stream = iter(batches(Setup(**{**setup.__dict__}), False, "train", setup.batch_size * setup.train_steps))
     for step in range(setup.train_steps):
         batch = next(stream)
-        for v in names:  # interleaved: every variant sees the machine in the same state
-            with lookup_path(v):
-                t0 = time.perf_counter()
-                train_step(*models[v], batch)
-                times[v].append(time.perf_counter() - t0)
+        for v in VARIANTS:  # interleaved: every variant sees the machine in the same state
+            t0 = time.perf_counter()
+            train_step(*models[v], batch)
+            times[v].append(time.perf_counter() - t0)
     median = {v: sorted(t[3:])[len(t[3:]) // 2] for v, t in times.items()}
-    aucs = {}
-    for v in names:
-        with lookup_path(v):
-            aucs[v] = auc(models[v][0], setup, False)
+    aucs = {v: auc(models[v][0], setup, False) for v in VARIANTS}
     del models
-    memory = {v: measure_memory(v, setup, False) for v in names}
+    memory = {v: measure_memory(v, setup, False) for v in VARIANTS}
 
-    print(f"\n{'variant':13s} {'step ms':>9s} {'speed-up':>9s} {'samples/s':>10s} {'params':>13s} "
+    print(f"\n{'variant':10s} {'step ms':>9s} {'speed-up':>9s} {'samples/s':>10s} {'params':>13s} "
           f"{'model bytes':>12s} {'smaller':>8s} {'peak RSS':>10s} {'RSS ratio':>9s} {'val AUC':>8s}")
-    for v in names:
+    for v in VARIANTS:
         peak = memory[v]["peak"]
-        print(f"{v:13s} {median[v] * 1e3:9.2f} {median['dense'] / median[v]:8.2f}x "
+        print(f"{v:10s} {median[v] * 1e3:9.2f} {median['dense'] / median[v]:8.2f}x "
               f"{setup.batch_size / median[v]:10.0f} {params[v]:13,d} {fmt_bytes(sizes[v]):>12s} "
               f"{sizes['dense'] / sizes[v]:7.0f}x {fmt_bytes(peak):>10s} {memory['dense']['peak'] / peak:8.1f}x "
               f"{aucs[v]:8.4f}")
@@ -294,13 +261,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per variant")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--lookup-paths", action="store_true",
-                        help="also run the compressed models with the PyTorch lookup path (fused CPU kernel off)")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="glibc malloc keeps freed activations for reuse, for every variant (no page faults)")
     args = parser.parse_args()
-    setup = Setup(batch_size=args.batch_size, rank=args.rank, keep_freed_memory=args.keep_freed_memory,
-                  lookup_paths=args.lookup_paths)
+    setup = Setup(batch_size=args.batch_size, rank=args.rank, keep_freed_memory=args.keep_freed_memory)
     if args.quick:
         setup = replace(setup, train_steps=10, val_rows=8192, memory_steps=3)
     if args.steps:

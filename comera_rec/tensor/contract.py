@@ -153,37 +153,6 @@ def _right_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
     return table.reshape(T * na * nb, mb, r, ma)
 
 
-def _gathers(cores: Sequence[torch.Tensor], row_shape: Sequence[int], keys: torch.Tensor, left: bool,
-             strategy: str) -> bool:
-    """Whether a half is contracted for its distinct keys only ("gather") rather than whole.
-
-    "auto" takes the cheaper one counted in elements touched; the number of keys bounds
-    the number of distinct keys, so no sort is needed to decide.
-    """
-    if strategy != "auto":
-        return strategy == "gather"
-    T, n_half = cores[0].shape[0], math.prod(row_shape)
-    out_elems = math.prod(c.shape[3] for c in cores) * (cores[-1].shape[-1] if left else cores[0].shape[1])
-    gather_cost = keys.numel() * (sum(c[0].numel() // c.shape[2] for c in cores) + out_elems)
-    return gather_cost < T * n_half * out_elems
-
-
-def _distinct_slices(cores: Sequence[torch.Tensor], row_shape: Sequence[int],
-                     keys: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The distinct keys' slices of each core, as one-index trains ``(K, r, 1, m, r')``, and
-    each key's position among the distinct ones."""
-    distinct, key_of = torch.unique(keys, return_inverse=True)
-    n_half = math.prod(row_shape)
-    train, index = distinct // n_half, distinct % n_half
-    slices, stride = [], n_half
-    for core, n in zip(cores, row_shape):
-        stride //= n
-        flat = core.permute(0, 2, 1, 3, 4).reshape(core.shape[0] * n, -1)  # (T*n, r*m*r')
-        rows = flat.index_select(0, train * n + (index // stride) % n)
-        slices.append(rows.reshape(-1, core.shape[1], 1, core.shape[3], core.shape[4]))
-    return slices, key_of
-
-
 def _half(
     cores: Sequence[torch.Tensor],
     row_shape: Sequence[int],
@@ -196,16 +165,32 @@ def _half(
 
     ``keys`` are ``train * N_half + index``. Either the whole half is contracted for
     every index (one GEMM per core, no gathers) and the keys' rows selected, or only
-    the distinct keys are contracted from their gathered core slices (see
-    :func:`_gathers`; ``strategy`` "auto", "gather" or "full").
+    the distinct keys are contracted from their gathered core slices; the cheaper
+    one, counted in elements touched, is taken (``strategy`` "auto"), or the one named
+    ("gather" / "full").
     """
-    if len(cores) > 1 and not _gathers(cores, row_shape, keys, left, strategy):
+    table_fn = _left_table if left else _right_table
+    T = cores[0].shape[0]
+    n_half = math.prod(row_shape)
+    out_elems = math.prod(c.shape[3] for c in cores) * (cores[-1].shape[-1] if left else cores[0].shape[1])
+    full_cost = T * n_half * out_elems
+    # the number of keys bounds the number of distinct keys: no sort needed to decide
+    gather_cost = keys.numel() * (sum(c[0].numel() // c.shape[2] for c in cores) + out_elems)
+    gather = gather_cost < full_cost if strategy == "auto" else strategy == "gather"
+    if len(cores) > 1 and not gather:
         if left:
             return _left_rows(cores, keys)
-        return _right_table(cores).index_select(0, keys)
-    slices, key_of = _distinct_slices(cores, row_shape, keys)
-    table = _left_table(slices) if left else _right_table(slices)
-    return table.index_select(0, key_of)  # contracted once per distinct key
+        return table_fn(cores).index_select(0, keys)
+    # Gather the distinct keys' slices of each core, then contract them as one-row trains.
+    distinct, key_of = torch.unique(keys, return_inverse=True)
+    train, index = distinct // n_half, distinct % n_half
+    slices, stride = [], n_half
+    for core, n in zip(cores, row_shape):
+        stride //= n
+        flat = core.permute(0, 2, 1, 3, 4).reshape(core.shape[0] * n, -1)  # (T*n, r*m*r')
+        rows = flat.index_select(0, train * n + (index // stride) % n)
+        slices.append(rows.reshape(-1, core.shape[1], 1, core.shape[3], core.shape[4]))
+    return table_fn(slices).index_select(0, key_of)  # contracted once per distinct key
 
 
 def ttm_rows(
@@ -329,10 +314,6 @@ def ttm_embedding_bag(
         return ttm_embedding_bag_static(
             cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains
         )
-    if _fused_cpu_applies(cores, ids, per_sample_weights):  # fused Numba kernel (docs/performance.md)
-        return kernels.ttm_embedding_bag_cpu(
-            cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains
-        )
     if trains is None:
         unique_ids, row_of_id = torch.unique(ids, return_inverse=True)
         unique_trains = None
@@ -342,21 +323,6 @@ def ttm_embedding_bag(
         unique_trains, unique_ids = keys // num_rows, keys % num_rows
     rows = ttm_rows(cores, row_shape, unique_ids, unique_trains)[:, :embedding_dim]  # (U, D)
     return pool_bags(rows, row_of_id, offsets, mode, per_sample_weights)
-
-
-def _fused_cpu_applies(
-    cores: Sequence[torch.Tensor], ids: torch.Tensor, per_sample_weights: torch.Tensor | None
-) -> bool:
-    """The fused CPU kernel serves CPU float32/float64 lookups of 2-4 cores whose weights
-    need no gradient; anything else (and a disabled kernel) takes the PyTorch path."""
-    return (
-        ids.device.type == "cpu"
-        and 2 <= len(cores) <= 4
-        and cores[0].dtype in (torch.float32, torch.float64)
-        and all(c.dtype == cores[0].dtype and c.device.type == "cpu" for c in cores)
-        and not (per_sample_weights is not None and per_sample_weights.requires_grad)
-        and kernels.cpu_kernel_enabled()
-    )
 
 
 # ---------------------------------------------------------------------------- static shapes

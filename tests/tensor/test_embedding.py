@@ -85,9 +85,7 @@ def test_stacked_tables_in_one_call() -> None:
 
 
 def test_prefix_and_suffix_are_computed_once(monkeypatch) -> None:
-    from comera_rec.tensor import contract, kernels
-
-    monkeypatch.setenv(kernels.DISABLE_CPU_ENV, "1")  # the PyTorch path (the fused one: test_cpu_kernel.py)
+    from comera_rec.tensor import contract
 
     bag = make_bag(shape=((16, 16, 4, 4), (1, 2, 2, 3)), num=4096, dim=12)
     produced = []
