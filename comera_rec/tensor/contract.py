@@ -153,6 +153,30 @@ def _right_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
     return table.reshape(T * na * nb, mb, r, ma)
 
 
+def _right_rows(cores: Sequence[torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
+    """Rows ``(K, m_b, r, m_a)`` of the whole 2-core right half for ``keys`` (as
+    :func:`_right_table`), from one GEMM per train.
+
+    The GEMM ``G_b^T (n_b m_b, r_a) @ G_a (r_a, n_a r m_a)`` writes the half as
+    ``(n_b, m_b, n_a, r m_a)``; each key's ``m_b`` blocks of ``r m_a`` contiguous values are
+    gathered from it directly. Only the first core (small) is permuted, never the half,
+    and the backward is two GEMMs, where the batched form (a GEMM per ``(train, i_a)``,
+    broadcast over ``i_a``) reduced a half-sized product over ``i_a``.
+    """
+    a, b = cores
+    T, r, na, ma, ra = a.shape
+    _, _, nb, mb, _ = b.shape
+    a_t = a.permute(0, 4, 2, 1, 3).reshape(T, ra, na * r * ma)  # (T, r_a, n_a r m_a)
+    b_t = b.reshape(T, ra, nb * mb).transpose(1, 2)  # (T, n_b m_b, r_a), a view
+    raw = torch.bmm(b_t, a_t).reshape(T * nb * mb * na, r * ma)  # rows (t, i_b, b, i_a)
+    t_ia, ib = keys // nb, keys % nb  # keys = (t * n_a + i_a) * n_b + i_b
+    t, ia = t_ia // na, t_ia % na
+    blocks = torch.arange(mb, device=keys.device)
+    rows = ((t * nb + ib) * mb).unsqueeze(1) + blocks  # (K, m_b): row (t, i_b, b) ...
+    rows = rows * na + ia.unsqueeze(1)  # ... at i_a
+    return raw.index_select(0, rows.reshape(-1)).reshape(keys.numel(), mb, r, ma)
+
+
 def _half(
     cores: Sequence[torch.Tensor],
     row_shape: Sequence[int],
@@ -178,9 +202,7 @@ def _half(
     gather_cost = keys.numel() * (sum(c[0].numel() // c.shape[2] for c in cores) + out_elems)
     gather = gather_cost < full_cost if strategy == "auto" else strategy == "gather"
     if len(cores) > 1 and not gather:
-        if left:
-            return _left_rows(cores, keys)
-        return table_fn(cores).index_select(0, keys)
+        return _left_rows(cores, keys) if left else _right_rows(cores, keys)
     # Gather the distinct keys' slices of each core, then contract them as one-row trains.
     distinct, key_of = torch.unique(keys, return_inverse=True)
     train, index = distinct // n_half, distinct % n_half
@@ -366,8 +388,8 @@ def _half_rows(cores: Sequence[torch.Tensor], keys: torch.Tensor, left: bool) ->
     """Rows of one whole half for ``keys`` (repeats allowed): ``(K, M, r)`` left,
     ``(K, m_b, r, m_a)`` right. Always the dense contraction of :func:`_half`'s "full"
     strategy, also for a one-core half, so no ``torch.unique`` is ever called."""
-    if left and len(cores) > 1:
-        return _left_rows(cores, keys)
+    if len(cores) > 1:
+        return _left_rows(cores, keys) if left else _right_rows(cores, keys)
     table = _left_table(cores) if left else _right_table(cores)
     return table.index_select(0, keys)
 

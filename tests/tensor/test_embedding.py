@@ -89,11 +89,11 @@ def test_prefix_and_suffix_are_computed_once(monkeypatch) -> None:
 
     bag = make_bag(shape=((16, 16, 4, 4), (1, 2, 2, 3)), num=4096, dim=12)
     produced = []
-    for name in ("_left_table", "_right_table"):
+    for name in ("_left_table", "_right_table", "_right_rows"):
         original = getattr(contract, name)
 
-        def recording(cores, _original=original, _name=name):
-            out = _original(cores)
+        def recording(cores, *keys, _original=original, _name=name):
+            out = _original(cores, *keys)
             produced.append((_name, out.shape[0]))
             return out
 
@@ -102,9 +102,25 @@ def test_prefix_and_suffix_are_computed_once(monkeypatch) -> None:
     ids = torch.arange(16).repeat(3)
     bag(ids, torch.tensor([0, 48]))
     # the one prefix is contracted once from its gathered slices (the left half has 256
-    # indices); the 16 suffixes are the whole right half (4 x 4 indices), contracted by
-    # dense GEMMs; never one contraction per id
-    assert produced == [("_left_table", 1), ("_right_table", 16)]
+    # indices); the 16 suffixes are read from the whole right half (4 x 4 indices),
+    # contracted by one GEMM; never one contraction per id
+    assert produced == [("_left_table", 1), ("_right_rows", 16)]
+
+
+def test_right_rows_equal_the_right_table_rows() -> None:
+    """The one-GEMM right half read by key equals the batched table, values and gradients."""
+    from comera_rec.tensor.contract import _right_rows, _right_table
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 4, 5, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)  # (T, r, n_a, m_a, r_a)
+    b = torch.randn(3, 3, 6, 3, 1, generator=g, dtype=torch.float64, requires_grad=True)  # (T, r_a, n_b, m_b, 1)
+    keys = torch.tensor([0, 89, 17, 17, 45, 60])  # (t * 5 + i_a) * 6 + i_b, repeats included
+    expected = _right_table([a, b]).index_select(0, keys)  # (K, m_b, r, m_a)
+    out = _right_rows([a, b], keys)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for x, y in zip(torch.autograd.grad(out, [a, b], grad), torch.autograd.grad(expected, [a, b], grad)):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
 
 
 def test_half_tables_agree_between_gather_and_full_paths() -> None:
