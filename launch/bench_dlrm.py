@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
@@ -155,34 +156,59 @@ def _dlrm(wrapped: nn.Module) -> nn.Module:
     return getattr(wrapped, "module", wrapped).model
 
 
-def part_times(wrapped: nn.Module, batch) -> dict[str, float]:
-    """Seconds of forward + backward of each part of one step, run one after the other on
-    the batch (the sparse arch includes the fused table update in its backward)."""
-    dlrm, out = _dlrm(wrapped), {}
-    t = time.perf_counter()
-    emb = dlrm.sparse_arch(batch.sparse_features)  # (B, F, D)
-    emb.backward(torch.ones_like(emb))
-    out["lookups"] = time.perf_counter() - t
-    t = time.perf_counter()
-    dense = dlrm.dense_arch(batch.dense_features)  # (B, D)
-    dense.backward(torch.ones_like(dense))
-    out["bottom MLP"] = time.perf_counter() - t
-    emb, dense = emb.detach().requires_grad_(), dense.detach().requires_grad_()
-    t = time.perf_counter()
-    inter = dlrm.inter_arch(dense_features=dense, sparse_features=emb)  # (B, D + F(F+1)/2)
-    inter.backward(torch.ones_like(inter))
-    out["interaction"] = time.perf_counter() - t
-    inter = inter.detach().requires_grad_()
-    t = time.perf_counter()
-    logits = dlrm.over_arch(inter)
-    logits.backward(torch.ones_like(logits))
-    out["top MLP"] = time.perf_counter() - t
+def part_times(wrapped: nn.Module, batch, count_flops: bool = False) -> dict[str, float]:
+    """Seconds (or, with ``count_flops``, matrix-multiply FLOPs) of forward + backward of
+    each part of one step, run one after the other on the batch (the sparse arch includes
+    the fused table update in its backward)."""
+    dlrm, state, out = _dlrm(wrapped), {}, {}
+
+    def lookups() -> None:
+        emb = dlrm.sparse_arch(batch.sparse_features)  # (B, F, D)
+        emb.backward(torch.ones_like(emb))
+        state["emb"] = emb.detach().requires_grad_()
+
+    def bottom() -> None:
+        dense = dlrm.dense_arch(batch.dense_features)  # (B, D)
+        dense.backward(torch.ones_like(dense))
+        state["dense"] = dense.detach().requires_grad_()
+
+    def interaction() -> None:
+        inter = dlrm.inter_arch(dense_features=state["dense"], sparse_features=state["emb"])  # (B, D + F(F+1)/2)
+        inter.backward(torch.ones_like(inter))
+        state["inter"] = inter.detach().requires_grad_()
+
+    def top() -> None:
+        logits = dlrm.over_arch(state["inter"])
+        logits.backward(torch.ones_like(logits))
+
+    for name, run in (("lookups", lookups), ("bottom MLP", bottom), ("interaction", interaction), ("top MLP", top)):
+        if count_flops:
+            with FlopCounterMode(display=False) as counter:
+                run()
+            out[name] = float(counter.get_total_flops())
+        else:
+            t = time.perf_counter()
+            run()
+            out[name] = time.perf_counter() - t
     wrapped.zero_grad(set_to_none=True)
     return out
 
 
+def sgemm_flops_per_second(n: int = 2048, repeats: int = 10) -> float:
+    """This machine's matrix throughput: the median of ``repeats`` ``n^3`` float32 GEMMs."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / sorted(times)[repeats // 2]
+
+
 def parts(setup: Setup, repeats: int = 20) -> None:
-    """Where the step goes: each part's forward + backward, variants interleaved."""
+    """Where the step goes: each part's forward + backward, variants interleaved; then each
+    part's matrix-multiply FLOPs against the time a 2048^3 sgemm's throughput allows."""
     if setup.keep_freed_memory:
         keep_freed_memory()
     models = {v: build(v, setup, mlperf=False) for v in VARIANTS}
@@ -198,10 +224,25 @@ def parts(setup: Setup, repeats: int = 20) -> None:
                 for k, sec in times.items():
                     samples[v].setdefault(k, []).append(sec)
     names = list(samples["dense"])
+    median = {v: {n: sorted(samples[v][n])[repeats // 2] for n in names} for v in VARIANTS}
     print(f"forward + backward per part, median of {repeats} interleaved rounds (ms), batch {setup.batch_size}")
     print(f"{'variant':10s}" + "".join(f"{n:>13s}" for n in names))
     for v in VARIANTS:
-        print(f"{v:10s}" + "".join(f"{sorted(samples[v][n])[repeats // 2] * 1e3:13.1f}" for n in names))
+        print(f"{v:10s}" + "".join(f"{median[v][n] * 1e3:13.1f}" for n in names))
+
+    rate = sgemm_flops_per_second()
+    flops = {v: part_times(models[v][0], data[0], count_flops=True) for v in VARIANTS}
+    print(f"\nmatrix-multiply FLOPs per part (forward + backward, torch.utils.flop_counter; lookups: the "
+          f"TTM contractions only, FBGEMM's row reads count 0) against a 2048^3 sgemm at {rate / 1e9:.0f} GFLOP/s:"
+          f"\nGFLOP / time those FLOPs need at that rate (ms) / measured time over it")
+    print(f"{'variant':10s}" + "".join(f"{n:>22s}" for n in names[:-1]))
+    for v in VARIANTS:
+        cells = []
+        for n in names[:-1]:
+            ideal = flops[v][n] / rate
+            over = f"{median[v][n] / ideal:6.1f}x" if ideal > 0 else "      -"
+            cells.append(f"{flops[v][n] / 1e9:7.3f} / {ideal * 1e3:5.2f} / {over}")
+        print(f"{v:10s}" + "".join(f"{c:>22s}" for c in cells))
 
 
 # ------------------------------------------------------------------------------ main
