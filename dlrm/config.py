@@ -42,6 +42,10 @@ class DLRMConfig:
     """Top (over arch) layer sizes; the last is the number of logits (1)."""
     interaction: Literal["dot", "dcn"] = "dot"
     """``"dot"``: TorchRec ``DLRM`` (pairwise dot products); ``"dcn"``: ``DLRM_DCN``."""
+    fused_interaction: bool = False
+    """Use :class:`dlrm.interaction.PairwiseDotInteraction` for the ``"dot"`` interaction:
+    TorchRec's values, a backward without ``index_put`` accumulation (~1.8x faster on CPU at
+    Kaggle shapes, docs/performance.md). ``False`` keeps TorchRec's ``InteractionArch``."""
     dcn_num_layers: int = 3
     """Cross layers of the DCN interaction."""
     dcn_low_rank: int = 512

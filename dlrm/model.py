@@ -14,6 +14,7 @@ from comera_rec.integration.compress import ModelSize, model_size
 from comera_rec.integration.mlp import TTLowRankCrossNet, tt_mlp
 from comera_rec.integration.policy import CompressionPolicy
 from dlrm.config import DLRMConfig
+from dlrm.interaction import PairwiseDotInteraction
 
 
 def criteo_tables(
@@ -60,6 +61,7 @@ def make_dlrm(
     bottom_mlp: list[int],
     top_mlp: list[int],
     interaction: Literal["dot", "dcn"] = "dot",
+    fused_interaction: bool = False,
     dcn_num_layers: int = 3,
     dcn_low_rank: int = 512,
     policy: CompressionPolicy | None = None,
@@ -78,6 +80,8 @@ def make_dlrm(
         bottom_mlp: bottom MLP sizes (last = embedding_dim).
         top_mlp: top MLP sizes (last = 1).
         interaction: ``"dot"`` or ``"dcn"``.
+        fused_interaction: replace the dot interaction by :class:`PairwiseDotInteraction`
+            (same values, cheaper backward).
         dcn_num_layers: DCN cross layers.
         dcn_low_rank: DCN inner size.
         policy: compression policy, ``None`` for dense.
@@ -95,6 +99,8 @@ def make_dlrm(
         raise ValueError(f"DLRM: the top MLP needs at least two layers, got {top_mlp}")
     if interaction not in ("dot", "dcn"):
         raise ValueError(f"DLRM: interaction must be 'dot' or 'dcn', got {interaction!r}")
+    if fused_interaction and interaction != "dot":
+        raise ValueError("DLRM: fused_interaction replaces the 'dot' interaction; the DCN one has none to replace")
     ebc: EmbeddingBagCollectionInterface
     if policy is None:
         ebc = EmbeddingBagCollection(tables, device=torch.device(device) if device is not None else None)
@@ -104,6 +110,8 @@ def make_dlrm(
     model: DLRM
     if interaction == "dot":
         model = DLRM(ebc, dense_in_features, bottom_mlp, top_mlp, dense_device=dense_device)
+        if fused_interaction:
+            model.inter_arch = PairwiseDotInteraction(len(tables_features(tables)))
     else:
         model = DLRM_DCN(ebc, dense_in_features, bottom_mlp, top_mlp, dcn_num_layers, dcn_low_rank,
                          dense_device=dense_device)
@@ -140,7 +148,8 @@ def build_dlrm(config: DLRMConfig, *, device: torch.device | str | None = None) 
     tables = criteo_tables(config.table_sizes, config.embedding_dim, config.features(), config.pooling)
     return make_dlrm(
         tables, dense_in_features=config.dense_in_features, bottom_mlp=list(config.bottom_mlp),
-        top_mlp=list(config.top_mlp), interaction=config.interaction, dcn_num_layers=config.dcn_num_layers,
+        top_mlp=list(config.top_mlp), interaction=config.interaction,
+        fused_interaction=config.fused_interaction, dcn_num_layers=config.dcn_num_layers,
         dcn_low_rank=config.dcn_low_rank, policy=config.policy() if config.compressed else None,
         validate_inputs=config.validate_inputs, device=device,
     )

@@ -11,6 +11,8 @@ process; validation AUC after the same number of steps.
     python launch/bench_dlrm.py --mlperf        # MLPerf DLRM-DCNv2 shapes, compressed only
     python launch/bench_dlrm.py --quick         # a smoke run
     python launch/bench_dlrm.py --parts         # where the step goes, per part
+    python launch/bench_dlrm.py --fused-interaction  # compressed models with PairwiseDotInteraction,
+                                                     # and the dense model with it too (dense_fi)
 """
 
 from __future__ import annotations
@@ -46,14 +48,23 @@ class Setup:
     rank: int = 32
     memory_steps: int = 20
     keep_freed_memory: bool = False  # glibc malloc reuses freed activations (trainer.keep_freed_memory)
+    fused_interaction: bool = False  # PairwiseDotInteraction in the compressed models and in dense_fi
 
 
 VARIANTS = ("dense", "tt", "tt_half")
+DENSE_FUSED = "dense_fi"  # the dense model with PairwiseDotInteraction (--fused-interaction)
+
+
+def variants(setup: Setup) -> tuple[str, ...]:
+    return ("dense", DENSE_FUSED, "tt", "tt_half") if setup.fused_interaction else VARIANTS
 
 
 def model_config(variant: str, setup: Setup, mlperf: bool) -> DLRMConfig:
     base = DLRMConfig.mlperf_dcn() if mlperf else DLRMConfig.kaggle()
-    return replace(base, compressed=variant != "dense", rank=setup.rank, mlp_rank=setup.rank)
+    # TorchRec's interaction for "dense" always: it is the baseline as TorchRec ships it
+    fused = setup.fused_interaction and variant != "dense" and not mlperf
+    return replace(base, compressed=not variant.startswith("dense"), rank=setup.rank, mlp_rank=setup.rank,
+                   fused_interaction=fused)
 
 
 @torch.no_grad()
@@ -211,11 +222,12 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     part's matrix-multiply FLOPs against the time a 2048^3 sgemm's throughput allows."""
     if setup.keep_freed_memory:
         keep_freed_memory()
-    models = {v: build(v, setup, mlperf=False) for v in VARIANTS}
+    names_ = variants(setup)
+    models = {v: build(v, setup, mlperf=False) for v in names_}
     data = list(itertools.islice(iter(batches(setup, False, "train", setup.batch_size * 4)), 4))
-    samples: dict[str, dict[str, list[float]]] = {v: {} for v in VARIANTS}
+    samples: dict[str, dict[str, list[float]]] = {v: {} for v in names_}
     for i in range(repeats + 2):
-        for v in VARIANTS:
+        for v in names_:
             times = part_times(models[v][0], data[i % len(data)])
             t = time.perf_counter()
             train_step(*models[v], data[i % len(data)])
@@ -224,19 +236,19 @@ def parts(setup: Setup, repeats: int = 20) -> None:
                 for k, sec in times.items():
                     samples[v].setdefault(k, []).append(sec)
     names = list(samples["dense"])
-    median = {v: {n: sorted(samples[v][n])[repeats // 2] for n in names} for v in VARIANTS}
+    median = {v: {n: sorted(samples[v][n])[repeats // 2] for n in names} for v in names_}
     print(f"forward + backward per part, median of {repeats} interleaved rounds (ms), batch {setup.batch_size}")
     print(f"{'variant':10s}" + "".join(f"{n:>13s}" for n in names))
-    for v in VARIANTS:
+    for v in names_:
         print(f"{v:10s}" + "".join(f"{median[v][n] * 1e3:13.1f}" for n in names))
 
     rate = sgemm_flops_per_second()
-    flops = {v: part_times(models[v][0], data[0], count_flops=True) for v in VARIANTS}
+    flops = {v: part_times(models[v][0], data[0], count_flops=True) for v in names_}
     print(f"\nmatrix-multiply FLOPs per part (forward + backward, torch.utils.flop_counter; lookups: the "
           f"TTM contractions only, FBGEMM's row reads count 0) against a 2048^3 sgemm at {rate / 1e9:.0f} GFLOP/s:"
           f"\nGFLOP / time those FLOPs need at that rate (ms) / measured time over it")
     print(f"{'variant':10s}" + "".join(f"{n:>22s}" for n in names[:-1]))
-    for v in VARIANTS:
+    for v in names_:
         cells = []
         for n in names[:-1]:
             ideal = flops[v][n] / rate
@@ -254,28 +266,32 @@ def kaggle(setup: Setup) -> None:
           f"(every variant alike)")
     if setup.keep_freed_memory:
         keep_freed_memory()
-    models = {v: build(v, setup, mlperf=False) for v in VARIANTS}
-    params = {v: model_num_parameters(m[0]) if v != "dense" else sum(p.numel() for p in m[0].parameters())
+    names = variants(setup)
+    models = {v: build(v, setup, mlperf=False) for v in names}
+    params = {v: model_num_parameters(m[0]) if not v.startswith("dense") else sum(p.numel() for p in m[0].parameters())
               for v, m in models.items()}
     sizes = {v: model_bytes(m[0]) for v, m in models.items()}
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in names}
     stream = iter(batches(Setup(**{**setup.__dict__}), False, "train", setup.batch_size * setup.train_steps))
     for step in range(setup.train_steps):
         batch = next(stream)
-        for v in VARIANTS:  # interleaved: every variant sees the machine in the same state
+        for v in names:  # interleaved: every variant sees the machine in the same state
             t0 = time.perf_counter()
             train_step(*models[v], batch)
             times[v].append(time.perf_counter() - t0)
     median = {v: sorted(t[3:])[len(t[3:]) // 2] for v, t in times.items()}
-    aucs = {v: auc(models[v][0], setup, False) for v in VARIANTS}
+    aucs = {v: auc(models[v][0], setup, False) for v in names}
     del models
-    memory = {v: measure_memory(v, setup, False) for v in VARIANTS}
+    memory = {v: measure_memory(v, setup, False) for v in names}
 
-    print(f"\n{'variant':10s} {'step ms':>9s} {'speed-up':>9s} {'samples/s':>10s} {'params':>13s} "
+    fused = DENSE_FUSED in names  # then also the speed-up over the dense model with the same interaction
+    print(f"\n{'variant':10s} {'step ms':>9s} {'speed-up':>9s}" + (f" {'vs ' + DENSE_FUSED:>12s}" if fused else "")
+          + f" {'samples/s':>10s} {'params':>13s} "
           f"{'model bytes':>12s} {'smaller':>8s} {'peak RSS':>10s} {'RSS ratio':>9s} {'val AUC':>8s}")
-    for v in VARIANTS:
+    for v in names:
         peak = memory[v]["peak"]
-        print(f"{v:10s} {median[v] * 1e3:9.2f} {median['dense'] / median[v]:8.2f}x "
+        versus = f" {median[DENSE_FUSED] / median[v]:11.2f}x" if fused else ""
+        print(f"{v:10s} {median[v] * 1e3:9.2f} {median['dense'] / median[v]:8.2f}x{versus} "
               f"{setup.batch_size / median[v]:10.0f} {params[v]:13,d} {fmt_bytes(sizes[v]):>12s} "
               f"{sizes['dense'] / sizes[v]:7.0f}x {fmt_bytes(peak):>10s} {memory['dense']['peak'] / peak:8.1f}x "
               f"{aucs[v]:8.4f}")
@@ -302,10 +318,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per variant")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--fused-interaction", action="store_true",
+                        help="PairwiseDotInteraction in the compressed models; adds dense_fi, the dense model with it")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="glibc malloc keeps freed activations for reuse, for every variant (no page faults)")
     args = parser.parse_args()
-    setup = Setup(batch_size=args.batch_size, rank=args.rank, keep_freed_memory=args.keep_freed_memory)
+    setup = Setup(batch_size=args.batch_size, rank=args.rank, keep_freed_memory=args.keep_freed_memory,
+                  fused_interaction=args.fused_interaction)
     if args.quick:
         setup = replace(setup, train_steps=10, val_rows=8192, memory_steps=3)
     if args.steps:

@@ -1,0 +1,88 @@
+"""A drop-in for TorchRec's dot ``InteractionArch`` with a cheaper backward.
+
+TorchRec forms all pairwise dot products with one batched GEMM, then picks the upper
+triangle by advanced indexing; the backward of that indexing is an ``index_put`` with
+accumulation into a zeroed ``(B, F+1, F+1)`` grid, then the GEMM's two backward GEMMs.
+Here the pair gradients are copied into both triangles of the grid (no accumulation:
+each position is written once), and one batched GEMM gives the features' gradient,
+since ``d(E E^T) / dE`` for a symmetric upstream grid ``G`` is ``(G + G^T) E = 2 G_sym E``.
+Same values forward (bit for bit), gradients equal up to rounding.
+
+Shapes in comments: B batch, F sparse features, D embedding dim, n = F + 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class _PairwiseDots(torch.autograd.Function):
+    """``(B, n, D) -> (B, n (n - 1) / 2)``: the dot products of every pair i < j, row-major."""
+
+    @staticmethod
+    def forward(ctx, combined: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
+        n = combined.shape[1]
+        grid = torch.bmm(combined, combined.transpose(1, 2))  # (B, n, n)
+        ctx.save_for_backward(combined, upper, lower)
+        return grid.view(-1, n * n).index_select(1, upper)  # (B, pairs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        combined, upper, lower = ctx.saved_tensors
+        n = combined.shape[1]
+        grid = grad.new_zeros(grad.shape[0], n * n)
+        grid.index_copy_(1, upper, grad)  # (i, j), i < j
+        grid.index_copy_(1, lower, grad)  # (j, i): the grid is symmetric, the diagonal zero
+        return torch.bmm(grid.view(-1, n, n), combined), None, None  # (B, n, D)
+
+
+class PairwiseDotInteraction(nn.Module):
+    """TorchRec's dot ``InteractionArch``: the dense features followed by the dot products
+    of every pair among ``[dense, sparse_1 .. sparse_F]``, same output layout.
+
+    Args:
+        num_sparse_features: F.
+
+    Example::
+
+        >>> from torchrec.models.dlrm import InteractionArch
+        >>> dense, sparse = torch.randn(4, 8), torch.randn(4, 3, 8)
+        >>> ours = PairwiseDotInteraction(3)(dense, sparse)
+        >>> ours.shape, torch.equal(ours, InteractionArch(3)(dense, sparse))
+        (torch.Size([4, 14]), True)
+    """
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__()
+        if num_sparse_features < 1:
+            raise ValueError(f"PairwiseDotInteraction: need at least one sparse feature, got {num_sparse_features}")
+        self.num_sparse_features = num_sparse_features
+        # per device, the flat positions of the pairs in the (n, n) grid: made on first use,
+        # not buffers, so a model built on the meta device needs nothing materialised here
+        self._positions: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _positions_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        hit = self._positions.get(device)
+        if hit is None:
+            n = self.num_sparse_features + 1
+            rows, cols = torch.triu_indices(n, n, offset=1, device=device)
+            hit = self._positions[device] = (rows * n + cols, cols * n + rows)  # (i, j) and (j, i), i < j
+        return hit
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            dense_features: ``(B, D)``.
+            sparse_features: ``(B, F, D)``.
+
+        Returns:
+            ``(B, D + F (F + 1) / 2)``.
+        """
+        if sparse_features.dim() != 3 or sparse_features.shape[1] != self.num_sparse_features:
+            raise ValueError(f"PairwiseDotInteraction: expected sparse features (B, {self.num_sparse_features}, D), "
+                             f"got {tuple(sparse_features.shape)}")
+        combined = torch.cat([dense_features.unsqueeze(1), sparse_features], dim=1)  # (B, n, D)
+        upper, lower = self._positions_on(combined.device)
+        pairs = _PairwiseDots.apply(combined, upper, lower)  # (B, n (n - 1) / 2)
+        return torch.cat([dense_features, pairs], dim=1)
