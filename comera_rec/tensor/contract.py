@@ -40,23 +40,26 @@ def merge_output_chain(cores: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class TTLinearFunction(torch.autograd.Function):
-    """``y = (x @ left) @ right`` keeping only ``x`` and ``x @ left`` for backward.
+    """``y = (x @ left) @ right + bias`` keeping only ``x`` and ``x @ left`` for backward.
 
     ``left`` (N_in, r) and ``right`` (r, N_out) are the merged chains; their gradients
     ``x^T (dy right^T)`` and ``(x left)^T dy`` are batch-independent in size and flow on
-    into the cores through the (small) autograd graph of the merge.
+    into the cores through the (small) autograd graph of the merge. The bias is added by
+    the second GEMM itself (``addmm``), as ``nn.Linear`` does, not by a pass of its own
+    over the ``(B, N_out)`` output.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         t = x @ left  # (B, r)
         ctx.save_for_backward(x, t, left, right)
-        return t @ right  # (B, N_out)
+        return t @ right if bias is None else torch.addmm(bias, t, right)  # (B, N_out)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         x, t, left, right = ctx.saved_tensors
-        grad_x = grad_left = grad_right = None
+        grad_x = grad_left = grad_right = grad_bias = None
         grad_t = grad_y @ right.t()  # (B, r)
         if ctx.needs_input_grad[0]:
             grad_x = grad_t @ left.t()  # (B, N_in)
@@ -64,7 +67,10 @@ class TTLinearFunction(torch.autograd.Function):
             grad_left = x.t() @ grad_t  # (N_in, r)
         if ctx.needs_input_grad[2]:
             grad_right = t.t() @ grad_y  # (r, N_out)
-        return grad_x, grad_left, grad_right
+        if len(ctx.needs_input_grad) > 3 and ctx.needs_input_grad[3]:
+            grad_bias = grad_y.sum(0)  # (N_out,)
+        grads = (grad_x, grad_left, grad_right, grad_bias)
+        return grads[: len(ctx.needs_input_grad)]  # as many as forward was given (bias optional)
 
 
 def tt_linear(
@@ -89,9 +95,7 @@ def tt_linear(
     in_features = x.shape[-1]
     left = merge_input_chain(input_cores)[:in_features]  # (in_features, r)
     right = merge_output_chain(output_cores)[:, :out_features]  # (r, out_features)
-    y = TTLinearFunction.apply(x.reshape(-1, in_features), left, right)
-    if bias is not None:
-        y = y + bias
+    y = TTLinearFunction.apply(x.reshape(-1, in_features), left, right, bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -43,6 +43,10 @@ def test_custom_function_gradcheck() -> None:
     left = torch.randn(6, 3, dtype=DT, requires_grad=True)
     right = torch.randn(3, 4, dtype=DT, requires_grad=True)
     assert torch.autograd.gradcheck(TTLinearFunction.apply, (x, left, right))
+    bias = torch.randn(4, dtype=DT, requires_grad=True)  # added by the GEMM (addmm)
+    assert torch.autograd.gradcheck(TTLinearFunction.apply, (x, left, right, bias))
+    y = TTLinearFunction.apply(x, left, right, bias)
+    torch.testing.assert_close(y, x @ left @ right + bias)
 
 
 def test_backward_saves_only_input_and_rank_intermediate() -> None:
