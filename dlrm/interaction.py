@@ -4,9 +4,10 @@ TorchRec forms all pairwise dot products with one batched GEMM, then picks the u
 triangle by advanced indexing; the backward of that indexing is an ``index_put`` with
 accumulation into a zeroed ``(B, F+1, F+1)`` grid, then the GEMM's two backward GEMMs.
 Here the pair gradients are copied into both triangles of the grid (no accumulation:
-each position is written once), and one batched GEMM gives the features' gradient,
-since ``d(E E^T) / dE`` for a symmetric upstream grid ``G`` is ``(G + G^T) E = 2 G_sym E``.
-Same values forward (bit for bit), gradients equal up to rounding.
+each position is written once), and one batched GEMM gives the features' gradient: with
+``U`` the upstream gradient on the upper triangle, the gradient of ``<U, E E^T>`` is
+``(U + U^T) E``, and the grid filled in both triangles is ``U + U^T``. Same values forward
+(bit for bit), gradients equal up to rounding.
 
 Shapes in comments: B batch, F sparse features, D embedding dim, n = F + 1.
 """
