@@ -63,9 +63,10 @@ def read_nli_tsv(path: str | Path, max_rows: Optional[int] = None) -> PairExampl
     Example::
 
         >>> import tempfile, os
-        >>> p = os.path.join(tempfile.mkdtemp(), "dev.tsv")
-        >>> _ = open(p, "w").write("index\\tsentence1\\tsentence2\\tgold_label\\n0\\tA man.\\tA person.\\tentailment\\n1\\tx\\ty\\t-\\n")
-        >>> ex = read_nli_tsv(p)
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     p = os.path.join(folder, "dev.tsv")
+        ...     _ = open(p, "w").write("index\\tsentence1\\tsentence2\\tgold_label\\n0\\tA man.\\tA person.\\tentailment\\n1\\tx\\ty\\t-\\n")
+        ...     ex = read_nli_tsv(p)
         >>> ex.labels, ex.skipped
         ([0], 1)
     """

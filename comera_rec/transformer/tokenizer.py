@@ -74,9 +74,10 @@ def load_wordpiece(vocab_file: str | Path, *, lowercase: bool = True) -> Tokeniz
     Example::
 
         >>> import tempfile, os
-        >>> path = os.path.join(tempfile.mkdtemp(), "vocab.txt")
-        >>> _ = open(path, "w").write("\\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hi", "##s"]))
-        >>> load_wordpiece(path).encode("his").tokens
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     path = os.path.join(folder, "vocab.txt")
+        ...     _ = open(path, "w").write("\\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hi", "##s"]))
+        ...     print(load_wordpiece(path).encode("his").tokens)
         ['[CLS]', 'hi', '##s', '[SEP]']
     """
     path = Path(vocab_file)
