@@ -33,7 +33,7 @@ from comera_rec.integration.distributed import EmbeddingOptimizerSpec, wrap_mode
 from comera_rec.rank import model_num_parameters
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training.metrics import BinaryMetrics
-from comera_rec.utils.benchmark import current_rss_bytes, fmt_bytes, peak_rss_bytes
+from comera_rec.utils.benchmark import current_rss_bytes, fmt_bytes, peak_rss_bytes, time_interleaved
 from comera_rec.utils.host import keep_freed_memory
 from dlrm.config import DLRMConfig
 from dlrm.model import build_dlrm_train
@@ -208,13 +208,7 @@ def part_times(wrapped: nn.Module, batch, count_flops: bool = False) -> dict[str
 def sgemm_flops_per_second(n: int = 2048, repeats: int = 10) -> float:
     """This machine's matrix throughput: the median of ``repeats`` ``n^3`` float32 GEMMs."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / sorted(times)[repeats // 2]
+    return 2 * n**3 / time_interleaved({"sgemm": lambda: a @ b}, repeats=repeats, warmup=1)["sgemm"]
 
 
 def parts(setup: Setup, repeats: int = 20) -> None:

@@ -197,7 +197,6 @@ def _half(
     one, counted in elements touched, is taken (``strategy`` "auto"), or the one named
     ("gather" / "full").
     """
-    table_fn = _left_table if left else _right_table
     T = cores[0].shape[0]
     n_half = math.prod(row_shape)
     out_elems = math.prod(c.shape[3] for c in cores) * (cores[-1].shape[-1] if left else cores[0].shape[1])
@@ -208,6 +207,7 @@ def _half(
     if len(cores) > 1 and not gather:
         return _left_rows(cores, keys) if left else _right_rows(cores, keys)
     # Gather the distinct keys' slices of each core, then contract them as one-row trains.
+    table_fn = _left_table if left else _right_table
     distinct, key_of = torch.unique(keys, return_inverse=True)
     train, index = distinct // n_half, distinct % n_half
     slices, stride = [], n_half
@@ -454,7 +454,7 @@ def ttm_embedding_bag_static(
     The capturable counterpart of :func:`ttm_embedding_bag` (the PyTorch path; CUDA ids
     with Triton go to the fused kernels instead): no ``torch.unique``, no host
     synchronisation. Each half is contracted for all its indices (one GEMM per train,
-    see :func:`_left_rows` / :func:`_right_table`), every id gathers its own prefix
+    see :func:`_left_rows` / :func:`_right_rows`), every id gathers its own prefix
     ``(M_l, r)`` and suffix by key, one batched contraction gives one row per id, and
     the rows are scatter-added into their bags. It costs a row per id instead of per
     distinct id; the values equal the de-duplicated lookup's up to rounding.
