@@ -3,9 +3,11 @@
 Baseline: TorchRec's DLRM with FBGEMM's fused table-batched embedding (row-wise Adagrad
 fused into backward) and dense MLPs. Compressed: TTM tables for the large tables and TT
 MLP layers, at the starting rank and again with every rank cut to about half. All
-variants train on the same synthetic Kaggle-shaped batches (Zipf ids), their steps
-timed interleaved in one process; each variant's peak RSS is measured in its own fresh
-process; validation AUC after the same number of steps.
+variants train on the same synthetic Kaggle-shaped batches (Zipf ids). Step time, peak
+RSS and page faults are measured with each variant alone in fresh processes, as it
+would train, the variants alternating over several rounds; validation AUC after the same
+number of steps, all variants trained in one process (whose interleaved step times are
+printed too: sharing a process changes them, see docs/performance.md).
 
     python launch/bench_dlrm.py                 # Kaggle shapes, batch 2048
     python launch/bench_dlrm.py --mlperf        # MLPerf DLRM-DCNv2 shapes, compressed only
@@ -34,7 +36,7 @@ from comera_rec.rank import model_num_parameters
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.utils.benchmark import current_rss_bytes, fmt_bytes, peak_rss_bytes, time_interleaved
-from comera_rec.utils.host import keep_freed_memory
+from comera_rec.utils.host import keep_freed_memory, minor_page_faults
 from dlrm.config import DLRMConfig
 from dlrm.model import build_dlrm_train
 
@@ -46,8 +48,10 @@ class Setup:
     val_rows: int = 65536
     zipf: float = 1.1
     rank: int = 32
-    memory_steps: int = 20
-    keep_freed_memory: bool = False  # glibc malloc reuses freed activations (trainer.keep_freed_memory)
+    warmup_steps: int = 20  # per process (the first ~20 steps of a process run slow), before the timed steps
+    timed_steps: int = 30  # per process: its median step time is the process's figure
+    rounds: int = 3  # fresh processes per variant, the variants alternating
+    keep_freed_memory: bool = True  # glibc malloc reuses freed activations (trainer.keep_freed_memory)
     fused_interaction: bool = False  # PairwiseDotInteraction in the compressed models and in dense_fi
 
 
@@ -133,30 +137,62 @@ def model_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-# ------------------------------------------------------------------------------ memory
+# ------------------------------------------------------------------------------ own processes
 
 
-def memory_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # runs in a fresh process
+def process_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # runs in a fresh process
+    """Build one variant and train it alone, as a training process would: peak RSS, the
+    median step time after a warm-up, and minor page faults per step."""
     if setup.keep_freed_memory:
         keep_freed_memory()
     data = list(itertools.islice(iter(batches(setup, mlperf, "train", setup.batch_size * 4)), 4))
     base = current_rss_bytes()
     wrapped, bundle = build(variant, setup, mlperf)
-    start = time.perf_counter()
-    for step in range(setup.memory_steps):
+    times = []
+    faults = 0
+    for step in range(setup.warmup_steps + setup.timed_steps):
+        if step == setup.warmup_steps:
+            faults = minor_page_faults()
+        start = time.perf_counter()
         train_step(wrapped, bundle, data[step % len(data)])
-    seconds = (time.perf_counter() - start) / setup.memory_steps
-    queue.put({"base": base, "peak": peak_rss_bytes(), "step_s": seconds})
+        times.append(time.perf_counter() - start)
+    faults = (minor_page_faults() - faults) / setup.timed_steps
+    timed = sorted(times[setup.warmup_steps:])
+    queue.put({"base": base, "peak": peak_rss_bytes(), "step_s": timed[len(timed) // 2], "faults": faults})
 
 
-def measure_memory(variant: str, setup: Setup, mlperf: bool) -> dict:
+def run_in_process(variant: str, setup: Setup, mlperf: bool) -> dict:
+    """:func:`process_child` in a fresh (spawned) process; its result."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=memory_child, args=(variant, setup, mlperf, queue))
+    proc = ctx.Process(target=process_child, args=(variant, setup, mlperf, queue))
     proc.start()
     result = queue.get()
     proc.join()
     return result
+
+
+def own_process_rounds(names: tuple[str, ...], setup: Setup, mlperf: bool) -> dict[str, dict]:
+    """Each variant in its own fresh process, ``setup.rounds`` times, the variants
+    alternating (A, B, C, A, B, C, ...) so that the machine's drift hits all alike.
+
+    Returns, per variant: the median over rounds of the per-process median step time, of
+    the page faults per step, and the largest peak RSS.
+    """
+    runs: dict[str, list[dict]] = {v: [] for v in names}
+    for _ in range(setup.rounds):
+        for v in names:
+            runs[v].append(run_in_process(v, setup, mlperf))
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    return {
+        v: {"step_s": median([r["step_s"] for r in rs]), "faults": median([r["faults"] for r in rs]),
+            "peak": max(r["peak"] for r in rs), "base": rs[0]["base"],
+            "steps": [r["step_s"] for r in rs]}
+        for v, rs in runs.items()
+    }
 
 
 # ------------------------------------------------------------------------------ parts
@@ -258,9 +294,14 @@ def kaggle(setup: Setup) -> None:
     print(f"Criteo Kaggle shapes, batch {setup.batch_size}, Zipf({setup.zipf}) ids, rank {setup.rank}; "
           f"{torch.get_num_threads()} threads; malloc keeps freed memory: {setup.keep_freed_memory} "
           f"(every variant alike)")
+    names = variants(setup)
+    # Step time, peak RSS and page faults: each variant alone in fresh processes, as it would train.
+    alone = own_process_rounds(names, setup, mlperf=False)
+
+    # AUC after equal steps: all variants in this process on the same batches (their
+    # interleaved step times are printed too, for comparison with the figures above).
     if setup.keep_freed_memory:
         keep_freed_memory()
-    names = variants(setup)
     models = {v: build(v, setup, mlperf=False) for v in names}
     params = {v: model_num_parameters(m[0]) if not v.startswith("dense") else sum(p.numel() for p in m[0].parameters())
               for v, m in models.items()}
@@ -273,31 +314,37 @@ def kaggle(setup: Setup) -> None:
             t0 = time.perf_counter()
             train_step(*models[v], batch)
             times[v].append(time.perf_counter() - t0)
-    median = {v: sorted(t[3:])[len(t[3:]) // 2] for v, t in times.items()}
+    shared = {v: sorted(t[3:])[len(t[3:]) // 2] for v, t in times.items()}
     aucs = {v: auc(models[v][0], setup, False) for v in names}
     del models
-    memory = {v: measure_memory(v, setup, False) for v in names}
 
+    step = {v: alone[v]["step_s"] for v in names}
     fused = DENSE_FUSED in names  # then also the speed-up over the dense model with the same interaction
     print(f"\n{'variant':10s} {'step ms':>9s} {'speed-up':>9s}" + (f" {'vs ' + DENSE_FUSED:>12s}" if fused else "")
           + f" {'samples/s':>10s} {'params':>13s} "
-          f"{'model bytes':>12s} {'smaller':>8s} {'peak RSS':>10s} {'RSS ratio':>9s} {'val AUC':>8s}")
+          f"{'model bytes':>12s} {'smaller':>8s} {'peak RSS':>10s} {'RSS ratio':>9s} {'faults/step':>11s} "
+          f"{'val AUC':>8s}")
     for v in names:
-        peak = memory[v]["peak"]
-        versus = f" {median[DENSE_FUSED] / median[v]:11.2f}x" if fused else ""
-        print(f"{v:10s} {median[v] * 1e3:9.2f} {median['dense'] / median[v]:8.2f}x{versus} "
-              f"{setup.batch_size / median[v]:10.0f} {params[v]:13,d} {fmt_bytes(sizes[v]):>12s} "
-              f"{sizes['dense'] / sizes[v]:7.0f}x {fmt_bytes(peak):>10s} {memory['dense']['peak'] / peak:8.1f}x "
-              f"{aucs[v]:8.4f}")
-    print(f"\nmedian of {setup.train_steps - 3} interleaved training steps (AdamW on MLPs/cores, fused row-wise "
-          f"Adagrad on dense tables); AUC on {setup.val_rows} synthetic validation rows after "
-          f"{setup.train_steps} steps; peak RSS of a fresh process building the model and running "
-          f"{setup.memory_steps} steps (imports included: {fmt_bytes(memory['dense']['base'])} before the model)")
+        peak = alone[v]["peak"]
+        versus = f" {step[DENSE_FUSED] / step[v]:11.2f}x" if fused else ""
+        print(f"{v:10s} {step[v] * 1e3:9.2f} {step['dense'] / step[v]:8.2f}x{versus} "
+              f"{setup.batch_size / step[v]:10.0f} {params[v]:13,d} {fmt_bytes(sizes[v]):>12s} "
+              f"{sizes['dense'] / sizes[v]:7.0f}x {fmt_bytes(peak):>10s} {alone['dense']['peak'] / peak:8.1f}x "
+              f"{alone[v]['faults']:11.0f} {aucs[v]:8.4f}")
+    print(f"\nstep: median over {setup.rounds} fresh processes per variant (variants alternating) of each "
+          f"process's median of {setup.timed_steps} steps after {setup.warmup_steps} warm-up steps (AdamW on "
+          f"MLPs/cores, fused row-wise Adagrad on dense tables); per-process medians (ms): "
+          + "; ".join(f"{v} " + " ".join(f"{t * 1e3:.1f}" for t in alone[v]["steps"]) for v in names))
+    print(f"peak RSS: the largest of those processes (imports included: {fmt_bytes(alone['dense']['base'])} "
+          f"before the model); AUC on {setup.val_rows} synthetic validation rows after {setup.train_steps} steps")
+    print("all variants in one process, steps interleaved (median of "
+          f"{setup.train_steps - 3}): " + ", ".join(
+              f"{v} {shared[v] * 1e3:.1f} ms ({shared['dense'] / shared[v]:.2f}x)" for v in names))
 
 
 def mlperf(setup: Setup) -> None:
     print(f"MLPerf DLRM-DCNv2 shapes (204M rows, dim 128), compressed at rank {setup.rank}, batch {setup.batch_size}")
-    result = measure_memory("tt", setup, mlperf=True)
+    result = run_in_process("tt", setup, mlperf=True)
     print(f"  step {result['step_s'] * 1e3:.1f} ms, {setup.batch_size / result['step_s']:.0f} samples/s, "
           f"peak RSS {fmt_bytes(result['peak'])} (before the model: {fmt_bytes(result['base'])})")
     dense_bytes = sum(model_config("dense", setup, True).table_sizes) * 128 * 4
@@ -314,13 +361,15 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--fused-interaction", action="store_true",
                         help="PairwiseDotInteraction in the compressed models; adds dense_fi, the dense model with it")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="glibc malloc keeps freed activations for reuse, for every variant (no page faults)")
+    parser.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
+                        help="leave glibc malloc as it is (it may return freed activations to the kernel and "
+                             "page-fault them in again); the default keeps them, as the trainer does")
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per variant for the step time")
     args = parser.parse_args()
     setup = Setup(batch_size=args.batch_size, rank=args.rank, keep_freed_memory=args.keep_freed_memory,
-                  fused_interaction=args.fused_interaction)
+                  fused_interaction=args.fused_interaction, rounds=args.rounds)
     if args.quick:
-        setup = replace(setup, train_steps=10, val_rows=8192, memory_steps=3)
+        setup = replace(setup, train_steps=10, val_rows=8192, warmup_steps=1, timed_steps=3, rounds=1)
     if args.steps:
         setup = replace(setup, train_steps=args.steps)
     if args.parts:

@@ -5,9 +5,14 @@ step (a ``2048 x 512`` float activation is 4 MiB). glibc's malloc may serve bloc
 that size with ``mmap``, or trim them off its heap, and return them to the kernel on
 ``free``, so the next step touches fresh pages and pays a page fault per 4 KiB.
 :func:`keep_freed_memory` asks malloc to keep freed blocks for reuse, as jemalloc or
-tcmalloc (``LD_PRELOAD``) do by default. It removes those faults (tested); on the Kaggle
-DLRM step of docs/performance.md it made no difference beyond the machine's noise, so
-the trainer leaves it off unless ``trainer.keep_freed_memory`` is set.
+tcmalloc (``LD_PRELOAD``) do by default. It removes those faults (tested).
+
+Whether a process faults depends on its history: glibc raises its mmap threshold after
+freeing a large mapped block, so a process that built a 2 GiB dense model serves
+activations from its heap anyway, while a compressed model alone in its process (it
+never frees anything that large) faulted ~3,500 times per Kaggle DLRM step and ran
+10-25% slower (docs/performance.md). The trainer therefore applies it by default
+(``trainer.keep_freed_memory``).
 """
 
 from __future__ import annotations
