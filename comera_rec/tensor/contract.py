@@ -340,10 +340,6 @@ def ttm_embedding_bag(
         return ttm_embedding_bag_static(
             cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains
         )
-    if per_sample_weights is None and _on_cpu(cores, ids) and kernels.cpu_kernel_enabled():
-        # fused C++ lookup (kernels/ttm_cpu.cpp): one pass per id instead of the
-        # unique / gather / einsum / scatter chain below
-        return kernels.ttm_embedding_bag_cpu(cores, row_shape, embedding_dim, ids, offsets, mode, trains)
     if trains is None:
         unique_ids, row_of_id = torch.unique(ids, return_inverse=True)
         unique_trains = None
@@ -353,16 +349,6 @@ def ttm_embedding_bag(
         unique_trains, unique_ids = keys // num_rows, keys % num_rows
     rows = ttm_rows(cores, row_shape, unique_ids, unique_trains)[:, :embedding_dim]  # (U, D)
     return pool_bags(rows, row_of_id, offsets, mode, per_sample_weights)
-
-
-def _on_cpu(cores: Sequence[torch.Tensor], ids: torch.Tensor) -> bool:
-    """Real CPU floating tensors (not meta, not traced), the fused CPU kernel's domain."""
-    return (
-        ids.device.type == "cpu"
-        and all(c.device.type == "cpu" and c.dtype in (torch.float32, torch.float64) for c in cores)
-        and not torch.jit.is_tracing()
-        and not torch.compiler.is_compiling()
-    )
 
 
 # ---------------------------------------------------------------------------- static shapes

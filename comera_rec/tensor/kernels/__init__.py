@@ -20,12 +20,6 @@ from typing import Sequence
 
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import (  # noqa: F401  (the fused CPU lookup)
-    cpu_kernel_enabled,
-    set_cpu_kernel_enabled,
-    ttm_embedding_bag_cpu,
-)
-
 DISABLE_ENV = "COMERA_DISABLE_TRITON"
 
 _enabled = True
