@@ -15,6 +15,7 @@ printed too: sharing a process changes them, see docs/performance.md).
     python launch/bench_dlrm.py --parts         # where the step goes, per part
     python launch/bench_dlrm.py --fused-interaction  # compressed models with PairwiseDotInteraction,
                                                      # and the dense model with it too (dense_fi)
+    python launch/bench_dlrm.py --rounds 5      # more fresh processes per variant for the step time
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import multiprocessing as mp
+import statistics
 import time
 from dataclasses import dataclass, replace
 
@@ -149,16 +151,16 @@ def process_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # r
     base = current_rss_bytes()
     wrapped, bundle = build(variant, setup, mlperf)
     times = []
-    faults = 0
+    faults_at_start = minor_page_faults()  # read again when the timed steps begin
     for step in range(setup.warmup_steps + setup.timed_steps):
         if step == setup.warmup_steps:
-            faults = minor_page_faults()
+            faults_at_start = minor_page_faults()
         start = time.perf_counter()
         train_step(wrapped, bundle, data[step % len(data)])
         times.append(time.perf_counter() - start)
-    faults = (minor_page_faults() - faults) / setup.timed_steps
-    timed = sorted(times[setup.warmup_steps:])
-    queue.put({"base": base, "peak": peak_rss_bytes(), "step_s": timed[len(timed) // 2], "faults": faults})
+    faults = (minor_page_faults() - faults_at_start) / setup.timed_steps
+    queue.put({"base": base, "peak": peak_rss_bytes(), "step_s": statistics.median_high(times[setup.warmup_steps:]),
+               "faults": faults})
 
 
 def run_in_process(variant: str, setup: Setup, mlperf: bool) -> dict:
@@ -183,10 +185,7 @@ def own_process_rounds(names: tuple[str, ...], setup: Setup, mlperf: bool) -> di
     for _ in range(setup.rounds):
         for v in names:
             runs[v].append(run_in_process(v, setup, mlperf))
-
-    def median(values: list[float]) -> float:
-        return sorted(values)[len(values) // 2]
-
+    median = statistics.median_high
     return {
         v: {"step_s": median([r["step_s"] for r in rs]), "faults": median([r["faults"] for r in rs]),
             "peak": max(r["peak"] for r in rs), "base": rs[0]["base"],
@@ -266,7 +265,7 @@ def parts(setup: Setup, repeats: int = 20) -> None:
                 for k, sec in times.items():
                     samples[v].setdefault(k, []).append(sec)
     names = list(samples["dense"])
-    median = {v: {n: sorted(samples[v][n])[repeats // 2] for n in names} for v in names_}
+    median = {v: {n: statistics.median_high(samples[v][n]) for n in names} for v in names_}
     print(f"forward + backward per part, median of {repeats} interleaved rounds (ms), batch {setup.batch_size}")
     print(f"{'variant':10s}" + "".join(f"{n:>13s}" for n in names))
     for v in names_:
@@ -314,7 +313,7 @@ def kaggle(setup: Setup) -> None:
             t0 = time.perf_counter()
             train_step(*models[v], batch)
             times[v].append(time.perf_counter() - t0)
-    shared = {v: sorted(t[3:])[len(t[3:]) // 2] for v, t in times.items()}
+    shared = {v: statistics.median_high(t[3:]) for v, t in times.items()}
     aucs = {v: auc(models[v][0], setup, False) for v in names}
     del models
 
@@ -366,6 +365,8 @@ def main() -> None:
                              "page-fault them in again); the default keeps them, as the trainer does")
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per variant for the step time")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     setup = Setup(batch_size=args.batch_size, rank=args.rank, keep_freed_memory=args.keep_freed_memory,
                   fused_interaction=args.fused_interaction, rounds=args.rounds)
     if args.quick:
