@@ -16,6 +16,8 @@ printed too: sharing a process changes them, see docs/performance.md).
     python launch/bench_dlrm.py --fused-interaction  # compressed models with PairwiseDotInteraction,
                                                      # and the dense model with it too (dense_fi)
     python launch/bench_dlrm.py --rounds 5      # more fresh processes per variant for the step time
+    python launch/bench_dlrm.py --lookup-paths  # adds tt_torch / tt_half_torch: the same models with the
+                                                # PyTorch lookup instead of the fused C++ one
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
 from comera_rec.integration.distributed import EmbeddingOptimizerSpec, wrap_model
 from comera_rec.rank import model_num_parameters
+from comera_rec.tensor import kernels
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.utils.benchmark import current_rss_bytes, fmt_bytes, peak_rss_bytes, time_interleaved
@@ -55,17 +58,28 @@ class Setup:
     rounds: int = 3  # fresh processes per variant, the variants alternating
     keep_freed_memory: bool = True  # glibc malloc reuses freed activations (trainer.keep_freed_memory)
     fused_interaction: bool = False  # PairwiseDotInteraction in the compressed models and in dense_fi
+    lookup_paths: bool = False  # also the compressed models with the PyTorch lookup (tt_torch, tt_half_torch)
 
 
 VARIANTS = ("dense", "tt", "tt_half")
 DENSE_FUSED = "dense_fi"  # the dense model with PairwiseDotInteraction (--fused-interaction)
 
 
+TORCH_LOOKUP = "_torch"  # suffix: the same compressed model, TTM lookups on the PyTorch path
+
+
 def variants(setup: Setup) -> tuple[str, ...]:
-    return ("dense", DENSE_FUSED, "tt", "tt_half") if setup.fused_interaction else VARIANTS
+    names = ("dense", DENSE_FUSED, "tt", "tt_half") if setup.fused_interaction else VARIANTS
+    return names + (("tt" + TORCH_LOOKUP, "tt_half" + TORCH_LOOKUP) if setup.lookup_paths else ())
+
+
+def use_lookup_path(variant: str) -> None:
+    """The fused C++ TTM lookup for every variant but the ``_torch`` ones (process-wide switch)."""
+    kernels.set_cpu_kernel_enabled(not variant.endswith(TORCH_LOOKUP))
 
 
 def model_config(variant: str, setup: Setup, mlperf: bool) -> DLRMConfig:
+    variant = variant.removesuffix(TORCH_LOOKUP)
     base = DLRMConfig.mlperf_dcn() if mlperf else DLRMConfig.kaggle()
     # TorchRec's interaction for "dense" always: it is the baseline as TorchRec ships it
     fused = setup.fused_interaction and variant != "dense" and not mlperf
@@ -86,7 +100,7 @@ def cut_ranks_to_half(model: nn.Module) -> None:
 def build(variant: str, setup: Setup, mlperf: bool):
     torch.manual_seed(0)
     model = build_dlrm_train(model_config(variant, setup, mlperf), device="cpu")
-    if variant == "tt_half":
+    if variant.removesuffix(TORCH_LOOKUP) == "tt_half":
         cut_ranks_to_half(model)
     wrapped, bundle = wrap_model(
         model, device="cpu", make_dense_optimizer=adamw,
@@ -103,7 +117,7 @@ EMBEDDING_LR = 0.05
 def adamw(groups: dict[str, list[nn.Parameter]]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         [{"params": groups[k], "lr": LEARNING_RATES[k]} for k in LEARNING_RATES if groups[k]],
-        weight_decay=0.0, foreach=True,
+        weight_decay=0.0, fused=True,  # torch's fused AdamW, for every variant alike
     )
 
 
@@ -147,6 +161,7 @@ def process_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # r
     median step time after a warm-up, and minor page faults per step."""
     if setup.keep_freed_memory:
         keep_freed_memory()
+    use_lookup_path(variant)
     data = list(itertools.islice(iter(batches(setup, mlperf, "train", setup.batch_size * 4)), 4))
     base = current_rss_bytes()
     wrapped, bundle = build(variant, setup, mlperf)
@@ -257,6 +272,7 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     samples: dict[str, dict[str, list[float]]] = {v: {} for v in names_}
     for i in range(repeats + 2):
         for v in names_:
+            use_lookup_path(v)
             times = part_times(models[v][0], data[i % len(data)])
             t = time.perf_counter()
             train_step(*models[v], data[i % len(data)])
@@ -267,23 +283,23 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     names = list(samples["dense"])
     median = {v: {n: statistics.median_high(samples[v][n]) for n in names} for v in names_}
     print(f"forward + backward per part, median of {repeats} interleaved rounds (ms), batch {setup.batch_size}")
-    print(f"{'variant':10s}" + "".join(f"{n:>13s}" for n in names))
+    print(f"{'variant':14s}" + "".join(f"{n:>13s}" for n in names))
     for v in names_:
-        print(f"{v:10s}" + "".join(f"{median[v][n] * 1e3:13.1f}" for n in names))
+        print(f"{v:14s}" + "".join(f"{median[v][n] * 1e3:13.1f}" for n in names))
 
     rate = sgemm_flops_per_second()
-    flops = {v: part_times(models[v][0], data[0], count_flops=True) for v in names_}
+    flops = {v: use_lookup_path(v) or part_times(models[v][0], data[0], count_flops=True) for v in names_}
     print(f"\nmatrix-multiply FLOPs per part (forward + backward, torch.utils.flop_counter; lookups: the "
           f"TTM contractions only, FBGEMM's row reads count 0) against a 2048^3 sgemm at {rate / 1e9:.0f} GFLOP/s:"
           f"\nGFLOP / time those FLOPs need at that rate (ms) / measured time over it")
-    print(f"{'variant':10s}" + "".join(f"{n:>22s}" for n in names[:-1]))
+    print(f"{'variant':14s}" + "".join(f"{n:>22s}" for n in names[:-1]))
     for v in names_:
         cells = []
         for n in names[:-1]:
             ideal = flops[v][n] / rate
             over = f"{median[v][n] / ideal:6.1f}x" if ideal > 0 else "      -"
             cells.append(f"{flops[v][n] / 1e9:7.3f} / {ideal * 1e3:5.2f} / {over}")
-        print(f"{v:10s}" + "".join(f"{c:>22s}" for c in cells))
+        print(f"{v:14s}" + "".join(f"{c:>22s}" for c in cells))
 
 
 # ------------------------------------------------------------------------------ main
@@ -310,23 +326,24 @@ def kaggle(setup: Setup) -> None:
     for step in range(setup.train_steps):
         batch = next(stream)
         for v in names:  # interleaved: every variant sees the machine in the same state
+            use_lookup_path(v)
             t0 = time.perf_counter()
             train_step(*models[v], batch)
             times[v].append(time.perf_counter() - t0)
     shared = {v: statistics.median_high(t[3:]) for v, t in times.items()}
-    aucs = {v: auc(models[v][0], setup, False) for v in names}
+    aucs = {v: use_lookup_path(v) or auc(models[v][0], setup, False) for v in names}
     del models
 
     step = {v: alone[v]["step_s"] for v in names}
     fused = DENSE_FUSED in names  # then also the speed-up over the dense model with the same interaction
-    print(f"\n{'variant':10s} {'step ms':>9s} {'speed-up':>9s}" + (f" {'vs ' + DENSE_FUSED:>12s}" if fused else "")
+    print(f"\n{'variant':14s} {'step ms':>9s} {'speed-up':>9s}" + (f" {'vs ' + DENSE_FUSED:>12s}" if fused else "")
           + f" {'samples/s':>10s} {'params':>13s} "
           f"{'model bytes':>12s} {'smaller':>8s} {'peak RSS':>10s} {'RSS ratio':>9s} {'faults/step':>11s} "
           f"{'val AUC':>8s}")
     for v in names:
         peak = alone[v]["peak"]
         versus = f" {step[DENSE_FUSED] / step[v]:11.2f}x" if fused else ""
-        print(f"{v:10s} {step[v] * 1e3:9.2f} {step['dense'] / step[v]:8.2f}x{versus} "
+        print(f"{v:14s} {step[v] * 1e3:9.2f} {step['dense'] / step[v]:8.2f}x{versus} "
               f"{setup.batch_size / step[v]:10.0f} {params[v]:13,d} {fmt_bytes(sizes[v]):>12s} "
               f"{sizes['dense'] / sizes[v]:7.0f}x {fmt_bytes(peak):>10s} {alone['dense']['peak'] / peak:8.1f}x "
               f"{alone[v]['faults']:11.0f} {aucs[v]:8.4f}")
@@ -364,11 +381,13 @@ def main() -> None:
                         help="leave glibc malloc as it is (it may return freed activations to the kernel and "
                              "page-fault them in again); the default keeps them, as the trainer does")
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per variant for the step time")
+    parser.add_argument("--lookup-paths", action="store_true",
+                        help="also time the compressed models with the PyTorch TTM lookup (tt_torch, tt_half_torch)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     setup = Setup(batch_size=args.batch_size, rank=args.rank, keep_freed_memory=args.keep_freed_memory,
-                  fused_interaction=args.fused_interaction, rounds=args.rounds)
+                  fused_interaction=args.fused_interaction, rounds=args.rounds, lookup_paths=args.lookup_paths)
     if args.quick:
         setup = replace(setup, train_steps=10, val_rows=8192, warmup_steps=1, timed_steps=3, rounds=1)
     if args.steps:

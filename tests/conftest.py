@@ -6,6 +6,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+from comera_rec.tensor import kernels
+
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -13,3 +15,18 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def lookup_path(request):
+    """Run a test once through the fused CPU lookup and once through the PyTorch path.
+
+    The kernel is expected to build wherever the suite runs (a C++ compiler is part of
+    the set-up): a failed build fails the "kernel" runs instead of skipping them.
+    """
+    use_kernel = request.param == "kernel"
+    if use_kernel:
+        assert kernels.cpu_kernel_enabled(), "the fused CPU lookup did not build (see the log for the compiler error)"
+    kernels.set_cpu_kernel_enabled(use_kernel)
+    yield request.param
+    kernels.set_cpu_kernel_enabled(True)

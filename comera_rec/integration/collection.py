@@ -25,6 +25,7 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tables
+from comera_rec.tensor import kernels
 from comera_rec.tensor.stacked import StackedTTMTables
 
 _POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
@@ -164,6 +165,7 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # ---- where each output key comes from, in TorchRec's order
         self._embedding_names: list[str] = list(itertools.chain(*get_embedding_names_by_table(tables)))
         self._lengths_per_embedding: list[int] = [t.embedding_dim for t in tables for _ in t.feature_names]
+        self._uniform_dim = len(set(self._lengths_per_embedding)) == 1
         dense_pos = itertools.count()
         stream_pos: dict[tuple[str, str], tuple[int, int]] = {}
         for g, streams in enumerate(self._group_streams):
@@ -364,7 +366,12 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             w = weights[lo:hi] if weights is not None else None
             return values[lo:hi], lengths[i * batch : (i + 1) * batch], w
 
+        # On CPU with the fused kernel, every part comes as (B, streams * D) and one pass
+        # gathers the output's blocks from them (gather_column_blocks); otherwise the
+        # parts are split per stream and concatenated.
+        by_blocks = self._uniform_dim and values.device.type == "cpu" and kernels.cpu_kernel_enabled()
         pooled_tt: list[tuple[torch.Tensor, ...]] = []  # per group: F_g tensors (B, D)
+        sources: list[torch.Tensor] = []  # by_blocks: dense values (if any), then each group's (B, F_g * D)
         for g, (group, streams) in enumerate(zip(self.groups, self._group_streams)):
             parts = [stream(f) for f, _, _ in streams]
             ids = torch.cat([p[0] for p in parts]).long()
@@ -375,14 +382,21 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 stream_train.unsqueeze(1).expand(-1, batch).reshape(-1), lens, output_size=ids.numel()
             )
             offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
-            out = group(ids, offsets, trains, w)  # (F_g * B, D)
+            out = group(ids, offsets, trains, w, stream_batch=batch if by_blocks else 0)
             if any(mean for _, _, mean in streams):
                 is_mean = stream_mean.unsqueeze(1).expand(-1, batch).reshape(-1)  # (F_g * B,)
                 divisor = torch.where(is_mean, lens.clamp_min(1), torch.ones_like(lens)).to(out.dtype)
-                out = out / divisor.unsqueeze(1)
-            # unbind, not one select per stream: its backward is one stack per group, where
-            # each select would zero-fill a group-sized gradient
-            pooled_tt.append(out.view(len(streams), batch, -1).unbind(0))
+                if by_blocks:  # out: (B, F_g * D), divisor per (stream, sample)
+                    out = (out.view(batch, len(streams), -1) / divisor.view(len(streams), batch).t().unsqueeze(2))
+                    out = out.reshape(batch, -1)
+                else:  # out: (F_g * B, D)
+                    out = out / divisor.unsqueeze(1)
+            if by_blocks:
+                sources.append(out)
+            else:
+                # unbind, not one select per stream: its backward is one stack per group, where
+                # each select would zero-fill a group-sized gradient
+                pooled_tt.append(out.view(len(streams), batch, -1).unbind(0))
 
         dense_parts: list[torch.Tensor] = []
         if self.dense is not None:
@@ -399,15 +413,25 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             kt = self.dense(sub)
             if not isinstance(kt, KeyedTensor) and hasattr(kt, "wait"):
                 kt = kt.wait()  # sharded under DMP: an awaitable KeyedTensor
-            dense_parts = list(kt.values().split(self._dense_lengths, dim=1))
+            if by_blocks:
+                sources.insert(0, kt.values().float())
+            else:
+                dense_parts = list(kt.values().split(self._dense_lengths, dim=1))
 
-        pieces = [
-            pooled_tt[a][b] if kind == "tt" else dense_parts[a]
-            for kind, a, b in self._slots
-        ]
+        if by_blocks:
+            dim = self._lengths_per_embedding[0]
+            first_group = 1 if self.dense is not None else 0
+            blocks = [(first_group + a, b * dim) if kind == "tt" else (0, a * dim) for kind, a, b in self._slots]
+            out_values = kernels.gather_column_blocks([v.float() for v in sources], blocks, dim)
+        else:
+            pieces = [
+                pooled_tt[a][b] if kind == "tt" else dense_parts[a]
+                for kind, a, b in self._slots
+            ]
+            out_values = torch.cat(pieces, dim=1).float()
         return KeyedTensor(
             keys=self._embedding_names,
-            values=torch.cat(pieces, dim=1).float(),
+            values=out_values,
             length_per_key=self._lengths_per_embedding,
         )
 

@@ -305,6 +305,7 @@ def ttm_embedding_bag(
     trains: torch.Tensor | None = None,
     *,
     static_shapes: bool = False,
+    stream_batch: int = 0,
 ) -> torch.Tensor:
     """De-duplicated TTM embedding-bag lookup.
 
@@ -327,19 +328,60 @@ def ttm_embedding_bag(
         per_sample_weights: optional ``(N,)``.
         trains: optional ``(N,)`` stacked-table index of each id.
         static_shapes: the capturable variant, no de-duplication (see above).
+        stream_batch: when > 0, the bags are streams of this many samples (bag
+            ``f * stream_batch + b`` is sample ``b`` of stream ``f``) and the result is laid
+            out as a KeyedTensor's values: ``(stream_batch, streams * D)``, stream ``f`` in
+            columns ``f * D ...``. The fused CPU kernel writes it so directly.
 
     Returns:
-        ``(B, D)`` pooled embeddings.
+        ``(B, D)`` pooled embeddings, or ``(stream_batch, B / stream_batch * D)``.
     """
     if ids.is_cuda and kernels.triton_enabled():  # fused Triton lookup (docs/gpu.md)
-        return kernels.ttm_embedding_bag_triton(
+        out = kernels.ttm_embedding_bag_triton(
             cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains,
             static_shapes=static_shapes,
         )
-    if static_shapes:
-        return ttm_embedding_bag_static(
+    elif not static_shapes and kernels.cpu_kernel_applies(cores, ids):  # fused C++ lookup (kernels/ttm_cpu.cpp)
+        return kernels.ttm_embedding_bag_cpu(
+            cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains,
+            stream_batch=stream_batch,
+        )
+    elif static_shapes:
+        out = ttm_embedding_bag_static(
             cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains
         )
+    else:
+        out = _ttm_embedding_bag_dedup(cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains)
+    return streams_side_by_side(out, stream_batch) if stream_batch > 0 else out
+
+
+def streams_side_by_side(out: torch.Tensor, stream_batch: int) -> torch.Tensor:
+    """``(F * B, D)`` bags of F streams of B samples -> ``(B, F * D)``, stream ``f`` in columns
+    ``f * D ...`` (a copy).
+
+    Example::
+
+        >>> streams_side_by_side(torch.arange(4.0).reshape(4, 1), 2)
+        tensor([[0., 2.],
+                [1., 3.]])
+    """
+    bags, dim = out.shape
+    if bags % stream_batch:
+        raise ValueError(f"streams_side_by_side: {bags} bags are not whole streams of {stream_batch}")
+    return out.view(bags // stream_batch, stream_batch, dim).transpose(0, 1).reshape(stream_batch, -1)
+
+
+def _ttm_embedding_bag_dedup(
+    cores: Sequence[torch.Tensor],
+    row_shape: Sequence[int],
+    embedding_dim: int,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str,
+    per_sample_weights: torch.Tensor | None,
+    trains: torch.Tensor | None,
+) -> torch.Tensor:
+    """The PyTorch path of :func:`ttm_embedding_bag`: ``unique`` rows, then :func:`ttm_rows`."""
     if trains is None:
         unique_ids, row_of_id = torch.unique(ids, return_inverse=True)
         unique_trains = None

@@ -120,6 +120,8 @@ class StackedTTMTables(TensorTrainModule):
         offsets: torch.Tensor,
         trains: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
+        *,
+        stream_batch: int = 0,
     ) -> torch.Tensor:
         """Sum-pool bags whose ids belong to the tables named by ``trains``.
 
@@ -130,13 +132,15 @@ class StackedTTMTables(TensorTrainModule):
             offsets: ``(B + 1,)`` bag boundaries (``include_last_offset=True``).
             trains: ``(N,)`` table index of each id.
             per_sample_weights: optional ``(N,)`` weights.
+            stream_batch: see :func:`~comera_rec.tensor.contract.ttm_embedding_bag`.
 
         Returns:
-            ``(B, embedding_dim)`` summed bags.
+            ``(B, embedding_dim)`` summed bags (``(stream_batch, B / stream_batch *
+            embedding_dim)`` with ``stream_batch``).
         """
         return ttm_embedding_bag(
             self.scaled_cores(), self.row_shape, self.embedding_dim, ids, offsets,
-            "sum", per_sample_weights, trains, static_shapes=self.static_shapes,
+            "sum", per_sample_weights, trains, static_shapes=self.static_shapes, stream_batch=stream_batch,
         )
 
     def dense_weight(self, table: int) -> torch.Tensor:

@@ -57,6 +57,10 @@ class OptimConfig:
     """After the warm-up, "none" (constant), "linear" or "cosine" decay to 0 at the last step."""
     clip_grad_norm: float = 0.0
     """Clip the global norm of the engine-optimised gradients to this before each step (0: off)."""
+    fused: bool = True
+    """Adam / AdamW: torch's fused kernel (one pass over each parameter and its state) instead of
+    the multi-tensor (foreach) form; 2.6x faster on the compressed DLRM's many small tensors
+    on CPU (docs/performance.md). Not with CUDA graphs, which use the capturable foreach form."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -89,6 +93,8 @@ class OptimConfig:
 
             >>> OptimConfig(name="AdamW").kwargs(capturable=True)["capturable"]
             True
+            >>> OptimConfig(name="AdamW").kwargs()["fused"]
+            True
         """
         # foreach: one multi-tensor kernel per state instead of a Python loop over the many
         # small TT cores (torch only picks it by default on GPUs)
@@ -100,6 +106,9 @@ class OptimConfig:
             kw.update(betas=self.betas, eps=self.eps)
             if capturable:
                 kw.update(capturable=True)
+            elif self.fused:
+                del kw["foreach"]
+                kw.update(fused=True)
         elif self.name == "Adagrad":
             kw.update(eps=self.eps)
         elif self.name == "SGD":

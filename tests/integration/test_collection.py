@@ -15,7 +15,7 @@ from tests.integration.helpers import kjt, policy, reference_ebc, tables
 
 
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
-def test_matches_torchrec_ebc(pooling: PoolingType) -> None:
+def test_matches_torchrec_ebc(pooling: PoolingType, lookup_path: str) -> None:
     configs = tables(pooling)
     ttm = TTMEmbeddingBagCollection(configs, policy())
     assert ttm.compressed_tables() == ["a", "b", "d"] and ttm.dense_tables() == ["c"]
@@ -28,7 +28,7 @@ def test_matches_torchrec_ebc(pooling: PoolingType) -> None:
     torch.testing.assert_close(out.values(), expected.values(), rtol=1e-5, atol=1e-6)
 
 
-def test_weighted_matches_torchrec_ebc() -> None:
+def test_weighted_matches_torchrec_ebc(lookup_path: str) -> None:
     configs = [t for t in tables() if t.name != "b"]  # TorchRec's weighted bags are SUM only
     ttm = TTMEmbeddingBagCollection(configs, policy(), is_weighted=True, allow_extra_keys=True)
     assert ttm.is_weighted()
@@ -40,7 +40,7 @@ def test_weighted_matches_torchrec_ebc() -> None:
     assert not torch.allclose(unweighted(features).values(), ttm(features).values())
 
 
-def test_gradients_match_torchrec_ebc() -> None:
+def test_gradients_match_torchrec_ebc(lookup_path: str) -> None:
     ttm = TTMEmbeddingBagCollection(tables(), policy())
     ref = EmbeddingBagCollection(tables())
     # the reference table is the differentiable reconstruction of the cores

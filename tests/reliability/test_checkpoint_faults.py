@@ -35,11 +35,18 @@ def test_kill_during_checkpoint_write_keeps_previous_and_resume_matches(tmp_path
     state, meta = load_checkpoint(latest_checkpoint(root))
     assert meta["step"] == 3 and state["trainer"]["step"] == 3
 
-    main(["--config", DEMO, "--resume", *COMMON, f"trainer.run_dir={run}"])
-    assert not partial.exists()  # the next save removed the stale temporary
-    assert latest_checkpoint(root).name == "step_000000006"
-    whole = tmp_path / "whole"
-    main(["--config", DEMO, *COMMON, f"trainer.run_dir={whole}"])
+    # one thread here too, as in the killed subprocess (OMP_NUM_THREADS=1): MKL's GEMMs add
+    # in a thread-count-dependent order, and bit-equality is asked of the parameters
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        main(["--config", DEMO, "--resume", *COMMON, f"trainer.run_dir={run}"])
+        assert not partial.exists()  # the next save removed the stale temporary
+        assert latest_checkpoint(root).name == "step_000000006"
+        whole = tmp_path / "whole"
+        main(["--config", DEMO, *COMMON, f"trainer.run_dir={whole}"])
+    finally:
+        torch.set_num_threads(threads)
     assert train_losses(run) == train_losses(whole)
     a = load_checkpoint(latest_checkpoint(root))[0]["model"]
     b = load_checkpoint(latest_checkpoint(whole / "checkpoints"))[0]["model"]

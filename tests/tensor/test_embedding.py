@@ -1,6 +1,6 @@
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from comera_rec import TTMEmbeddingBag
@@ -33,7 +33,7 @@ def batch(num=55, n_ids=30, n_bags=8, seed=0):
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_forward_backward_match_dense_table(mode: str, weighted: bool) -> None:
+def test_forward_backward_match_dense_table(mode: str, weighted: bool, lookup_path: str) -> None:
     bag = make_bag(mode)
     ids, offsets, weights = batch()
     weights = weights if weighted else None
@@ -48,7 +48,7 @@ def test_forward_backward_match_dense_table(mode: str, weighted: bool) -> None:
         torch.testing.assert_close(a, b)
 
 
-def test_per_sample_weight_gradient() -> None:
+def test_per_sample_weight_gradient(lookup_path: str) -> None:
     bag = make_bag("sum")
     ids, offsets, weights = batch()
     weights.requires_grad_(True)
@@ -58,7 +58,7 @@ def test_per_sample_weight_gradient() -> None:
     torch.testing.assert_close(torch.autograd.grad(out, weights, g)[0], torch.autograd.grad(ref, weights, g)[0])
 
 
-def test_gradcheck_lookup() -> None:
+def test_gradcheck_lookup(lookup_path: str) -> None:
     shape = ((2, 3), (2, 2))
     cores = [torch.randn(1, 1, 2, 2, 3, dtype=DT, requires_grad=True),
              torch.randn(1, 3, 3, 2, 1, dtype=DT, requires_grad=True)]
@@ -85,7 +85,9 @@ def test_stacked_tables_in_one_call() -> None:
 
 
 def test_prefix_and_suffix_are_computed_once(monkeypatch) -> None:
-    from comera_rec.tensor import contract
+    from comera_rec.tensor import contract, kernels
+
+    monkeypatch.setattr(kernels, "cpu_kernel_applies", lambda *args: False)  # the PyTorch path's internals
 
     bag = make_bag(shape=((16, 16, 4, 4), (1, 2, 2, 3)), num=4096, dim=12)
     produced = []
@@ -137,13 +139,14 @@ def test_half_tables_agree_between_gather_and_full_paths() -> None:
         torch.testing.assert_close(gathered[1], gathered[2])
 
 
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # lookup_path: set per run, not per example
 @given(
     d=st.integers(2, 4),
     rank=st.integers(1, 4),
     seed=st.integers(0, 10_000),
     mode=st.sampled_from(["sum", "mean"]),
 )
-def test_property_shapes_and_ranks(d, rank, seed, mode) -> None:
+def test_property_shapes_and_ranks(d, rank, seed, mode, lookup_path) -> None:
     g = torch.Generator().manual_seed(seed)
     rows = [int(v) for v in torch.randint(1, 4, (d,), generator=g)]
     cols = [int(v) for v in torch.randint(1, 3, (d,), generator=g)]
@@ -156,7 +159,7 @@ def test_property_shapes_and_ranks(d, rank, seed, mode) -> None:
     torch.testing.assert_close(bag(ids, offsets), embedding_bag(ttm_table(bag), ids, offsets, mode))
 
 
-def test_truncation_keeps_output_and_shrinks() -> None:
+def test_truncation_keeps_output_and_shrinks(lookup_path: str) -> None:
     bag = make_bag(rank=4, shape=((3, 4, 5), (2, 2, 3)))
     with torch.no_grad():
         bag.controllers[0][1] = 0.0
@@ -187,7 +190,7 @@ def test_size_counts_column_factors() -> None:
     assert bag.compression_ratio() == pytest.approx(720 / 78)
 
 
-def test_from_embedding_exact_at_full_rank() -> None:
+def test_from_embedding_exact_at_full_rank(lookup_path: str) -> None:
     table = torch.randn(50, 6, dtype=DT)
     bag = TTMEmbeddingBag.from_embedding(table, rank=1000, shape=((3, 4, 5), (1, 2, 3)))
     torch.testing.assert_close(bag.dense_weight(), table)
@@ -200,7 +203,7 @@ def test_full_train_reference_agrees_with_dense_weight() -> None:
     assert full_train(list(bag.cores), list(bag.controllers)).shape == (3, 2, 4, 2, 5, 3)
 
 
-def test_empty_bags_and_empty_input() -> None:
+def test_empty_bags_and_empty_input(lookup_path: str) -> None:
     bag = make_bag()
     out = bag(torch.tensor([], dtype=torch.long), torch.tensor([0, 0, 0]))
     assert out.shape == (2, 11) and bool((out == 0).all())

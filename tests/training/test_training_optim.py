@@ -38,6 +38,26 @@ def test_groups_and_learning_rates():
         assert isinstance(build_optimizer(model, OptimConfig(name=name)), cls)
 
 
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_fused_step_equals_the_foreach_step(name):
+    # fused is the default for Adam / AdamW; it must make the same update as the foreach form
+    steps = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = ToyModel().double()
+        opt = build_optimizer(model, OptimConfig(name=name, fused=fused, lr_other=1e-2, lr_cores=1e-2))
+        assert opt.defaults["fused"] is (True if fused else None) and opt.defaults["foreach"] is (None if fused else True)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            batch = make_batch(gen, 8)
+            model(batch["dense"].double(), batch["ids"], batch["offsets"]).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        steps[fused] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(steps[True], steps[False]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
 def test_bad_optimizer_name():
     with pytest.raises(ValueError, match="'Lion'"):
         OptimConfig(name="Lion")

@@ -20,6 +20,14 @@ from typing import Sequence
 
 import torch
 
+from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup (built on first use)
+    cpu_kernel_applies,
+    cpu_kernel_enabled,
+    gather_column_blocks,
+    set_cpu_kernel_enabled,
+    ttm_embedding_bag_cpu,
+)
+
 DISABLE_ENV = "COMERA_DISABLE_TRITON"
 
 _enabled = True
@@ -79,6 +87,11 @@ def ttm_embedding_bag_triton(
 
 __all__ = [
     "DISABLE_ENV",
+    "cpu_kernel_applies",
+    "cpu_kernel_enabled",
+    "gather_column_blocks",
+    "set_cpu_kernel_enabled",
+    "ttm_embedding_bag_cpu",
     "set_triton_enabled",
     "triton_available",
     "triton_enabled",

@@ -1,0 +1,668 @@
+// Fused CPU TTM embedding-bag lookup: forward and backward of the de-duplicated lookup.
+//
+// A train of d = 2..4 cores (T, r_{k-1}, n_k, m_k, r_k) is split into a left half (the
+// first h = ceil(d / 2) cores) and a right half. Row i of table t is
+//
+//     row(t, i) = P(t, i / N_r) @ S(t, i % N_r)^T        P: (M_l, r), S: (M_r, r)
+//
+// with P the left half's product for the prefix index, S the right half's product for
+// the suffix index (stored transposed: rank last), r the middle rank. The lookup
+//
+//   1. maps every id's prefix and suffix key to a slot, in first-seen order, through
+//      direct-address arrays over the (small) key spaces T * N_l and T * N_r: the
+//      tensor-index-level de-duplication without a sort;
+//   2. contracts each distinct prefix and suffix once (a few small matrix products);
+//   3. contracts and pools per bag: out[b] = sum_i w_i row_i (threads own bags).
+//
+// Backward: per id, the row gradient is sent into its prefix's and its suffix's slot
+// gradient; then each slot gradient into the core slices it came from. Every write has
+// one owner thread (slot or core index modulo the thread count), so there are no
+// atomics and the result does not depend on the number of threads except for the order
+// of additions. Nothing of the size of a table or a half table is formed.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Rank vectors are padded to whole 64-byte vectors (16 floats, 8 doubles): every loop
+// below runs over whole vectors held in registers (GCC / Clang vector extensions, which
+// become AVX-512 or pairs of AVX2 registers, or narrower ones elsewhere).
+template <typename T>
+struct Simd {
+  static constexpr int64_t W = 64 / sizeof(T);
+  typedef T vec __attribute__((vector_size(64)));
+  typedef T uvec __attribute__((vector_size(64), aligned(sizeof(T)), may_alias));
+  // lane indices of a shuffle: integers of T's width
+  typedef std::conditional_t<sizeof(T) == 4, int32_t, int64_t> lane_int;
+  typedef lane_int index __attribute__((vector_size(64)));
+};
+template <typename T>
+using vec_t = typename Simd<T>::vec;
+template <typename T>
+constexpr int64_t kLanes = Simd<T>::W;
+
+template <typename T>
+inline vec_t<T> vload(const T* p) { return *reinterpret_cast<const typename Simd<T>::uvec*>(p); }
+template <typename T>
+inline void vstore(T* p, vec_t<T> v) { *reinterpret_cast<typename Simd<T>::uvec*>(p) = v; }
+template <typename T>
+inline vec_t<T> vzero() { return vec_t<T>{}; }
+
+// Sum of the lanes, by halving in registers (a shuffle and an add per level).
+#if defined(__clang__)
+#define COMERA_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define COMERA_SHUFFLE(v, ...) __builtin_shuffle(v, typename Simd<T>::index{__VA_ARGS__})
+#endif
+
+inline float hsum(vec_t<float> v) {
+  using T = float;
+  v += COMERA_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += COMERA_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += COMERA_SHUFFLE(v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  v += COMERA_SHUFFLE(v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+  return v[0];
+}
+
+inline double hsum(vec_t<double> v) {
+  using T = double;
+  v += COMERA_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += COMERA_SHUFFLE(v, 2, 3, 0, 1, 2, 3, 0, 1);
+  v += COMERA_SHUFFLE(v, 1, 0, 1, 0, 1, 0, 1, 0);
+  return v[0];
+}
+#undef COMERA_SHUFFLE
+
+inline int64_t padded(int64_t n, int64_t lanes) { return (n + lanes - 1) / lanes * lanes; }
+
+// sum_i a[i] b[i] over n = C whole vectors
+template <typename T>
+inline T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
+  constexpr int64_t W = kLanes<T>;
+  vec_t<T> acc = vload(a) * vload(b);
+  for (int64_t c = W; c < n; c += W) acc += vload(a + c) * vload(b + c);
+  return hsum(acc);
+}
+
+// y += alpha x over n = C whole vectors
+template <typename T>
+inline void axpy(T alpha, const T* __restrict x, T* __restrict y, int64_t n) {
+  constexpr int64_t W = kLanes<T>;
+  for (int64_t c = 0; c < n; c += W) vstore(y + c, vload(y + c) + alpha * vload(x + c));
+}
+
+// sum_j coef[j * cstride] * rows[j * rstride : + one vector], j < n: four independent
+// accumulators, so the multiply-adds do not wait on each other.
+template <typename T>
+inline vec_t<T> combine(const T* coef, int64_t cstride, const T* rows, int64_t rstride, int64_t n) {
+  vec_t<T> a0 = vzero<T>(), a1 = vzero<T>(), a2 = vzero<T>(), a3 = vzero<T>();
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    a0 += coef[j * cstride] * vload(rows + j * rstride);
+    a1 += coef[(j + 1) * cstride] * vload(rows + (j + 1) * rstride);
+    a2 += coef[(j + 2) * cstride] * vload(rows + (j + 2) * rstride);
+    a3 += coef[(j + 3) * cstride] * vload(rows + (j + 3) * rstride);
+  }
+  for (; j < n; ++j) a0 += coef[j * cstride] * vload(rows + j * rstride);
+  return (a0 + a1) + (a2 + a3);
+}
+
+// The last dimension zero-padded to a multiple of `lanes`, contiguous.
+torch::Tensor pad_last(const torch::Tensor& t, int64_t lanes) {
+  const int64_t n = t.size(-1), p = padded(n, lanes);
+  return p == n ? t.contiguous() : at::constant_pad_nd(t, {0, p - n}).contiguous();
+}
+
+// Shape of one half: 1 or 2 cores.
+struct Half {
+  int64_t cores = 0;    // 1 or 2
+  int64_t n0 = 1, n1 = 1;  // row factors
+  int64_t m0 = 1, m1 = 1;  // column factors
+  int64_t r_in = 1;     // rank entering the half's first core
+  int64_t r_mid = 1;    // rank between the half's two cores (2-core halves)
+  int64_t r_out = 1;    // rank leaving the half's last core
+  int64_t rows() const { return n0 * n1; }
+  int64_t cols() const { return m0 * m1; }
+};
+
+Half half_of(const std::vector<torch::Tensor>& cores, int64_t begin, int64_t end) {
+  Half h;
+  h.cores = end - begin;
+  const auto& a = cores[begin];
+  h.n0 = a.size(2);
+  h.m0 = a.size(3);
+  h.r_in = a.size(1);
+  if (h.cores == 2) {
+    const auto& b = cores[begin + 1];
+    h.r_mid = a.size(4);
+    h.n1 = b.size(2);
+    h.m1 = b.size(3);
+    h.r_out = b.size(4);
+  } else {
+    h.r_out = a.size(4);
+  }
+  return h;
+}
+
+// Slots of keys in first-seen order; returns the distinct keys.
+std::vector<int64_t> assign_slots(const std::vector<int64_t>& keys, int64_t key_space, int32_t* slot) {
+  std::vector<int32_t> map(static_cast<size_t>(key_space), -1);
+  std::vector<int64_t> distinct;
+  distinct.reserve(keys.size() / 2 + 16);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    int32_t& s = map[static_cast<size_t>(keys[i])];
+    if (s < 0) {
+      s = static_cast<int32_t>(distinct.size());
+      distinct.push_back(keys[i]);
+    }
+    slot[i] = s;
+  }
+  return distinct;
+}
+
+// Ids grouped by slot (a counting sort, O(N + U)): order[start[s] : start[s + 1]] lists
+// the ids of slot s, so each slot's gradient is summed by one thread, written once.
+struct Groups {
+  std::vector<int64_t> start, order;
+};
+
+template <typename Index>
+Groups group_by(const Index* slot, int64_t n, int64_t num_slots) {
+  Groups g;
+  g.start.assign(num_slots + 1, 0);
+  g.order.resize(n);
+  for (int64_t i = 0; i < n; ++i) ++g.start[slot[i] + 1];
+  for (int64_t s = 0; s < num_slots; ++s) g.start[s + 1] += g.start[s];
+  std::vector<int64_t> fill(g.start.begin(), g.start.end() - 1);
+  for (int64_t i = 0; i < n; ++i) g.order[fill[slot[i]]++] = i;
+  return g;
+}
+
+// Run fn(begin, end) over the groups [0, G) of `groups`, split into one contiguous range
+// per thread of torch's intra-op pool with about equal numbers of entries (each group
+// stays whole, so each group's sum is one thread's, in a fixed order: results do not
+// depend on the thread count).
+template <typename F>
+void for_each_group_range(const Groups& groups, F fn) {
+  const int64_t G = static_cast<int64_t>(groups.start.size()) - 1;
+  const int64_t total = groups.start[G];
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), G));
+  std::vector<int64_t> cut(nt + 1, G);
+  cut[0] = 0;
+  for (int64_t k = 1; k < nt; ++k)  // first group whose entries start at or after k / nt of all
+    cut[k] = std::lower_bound(groups.start.begin(), groups.start.end() - 1, total * k / nt) - groups.start.begin();
+  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
+    for (int64_t tid = b; tid < e; ++tid)
+      if (cut[tid] < cut[tid + 1]) fn(cut[tid], cut[tid + 1]);
+  });
+}
+
+// Where bag `bag`'s row starts in the output: (bags, dim) rows, or with batch > 0 the
+// bags f * batch + b (stream f, sample b) as (batch, streams * dim), stream f's columns
+// at f * dim: the layout a KeyedTensor's values take, so no transposing copy follows.
+inline int64_t bag_offset(int64_t bag, int64_t dim, int64_t batch, int64_t streams) {
+  return batch > 0 ? ((bag % batch) * streams + bag / batch) * dim : bag * dim;
+}
+
+// Everything both passes derive from the cores: the halves' shapes, the padded rank and
+// the cores in the layouts the loops read (rank vectors last and padded).
+struct Train {
+  Half L, R;
+  int64_t d = 0, split = 0, T = 0, r = 0, rp = 0, Ml = 0, Mr = 0, Nl = 0, Nr = 0;
+  torch::Tensor left1;   // left 2-core halves: core 1 as (T, r_mid, n1, m1, rp)
+  torch::Tensor right0;  // right 2-core halves: core 0 as (T, n0, m0, r_mid, rp)
+};
+
+Train describe(std::vector<torch::Tensor>& cores, const char* who) {
+  Train tr;
+  tr.d = static_cast<int64_t>(cores.size());
+  TORCH_CHECK(tr.d >= 2 && tr.d <= 4, who, ": need 2 to 4 cores, got ", tr.d);
+  for (auto& c : cores) {
+    TORCH_CHECK(c.dim() == 5, who, ": cores must be (T, r, n, m, r'), got ", c.sizes());
+    c = c.contiguous();
+  }
+  tr.split = (tr.d + 1) / 2;
+  tr.L = half_of(cores, 0, tr.split);
+  tr.R = half_of(cores, tr.split, tr.d);
+  tr.T = cores[0].size(0);
+  tr.r = tr.L.r_out;
+  const int64_t lanes = cores[0].scalar_type() == torch::kDouble ? kLanes<double> : kLanes<float>;
+  tr.rp = padded(tr.r, lanes);
+  tr.Ml = tr.L.cols();
+  tr.Mr = tr.R.cols();
+  tr.Nl = tr.L.rows();
+  tr.Nr = tr.R.rows();
+  if (tr.L.cores == 2) tr.left1 = pad_last(cores[1], lanes);
+  if (tr.R.cores == 2) tr.right0 = pad_last(cores[tr.split].permute({0, 2, 3, 4, 1}), lanes);
+  return tr;
+}
+
+}  // namespace
+
+// Forward. Returns {out (B, D), prefix slot (N,), suffix slot (N,), distinct prefix keys,
+// distinct suffix keys, P table (U_l, M_l, rp), S table (U_r, M_r, rp)}.
+std::vector<torch::Tensor> ttm_bag_forward(
+    std::vector<torch::Tensor> cores, torch::Tensor ids, torch::Tensor trains, torch::Tensor offsets,
+    torch::Tensor weights, int64_t dim, int64_t batch) {
+  const Train tr = describe(cores, "ttm_bag_forward");
+  const Half &L = tr.L, &R = tr.R;
+  const int64_t T = tr.T, r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
+  const int64_t num_rows = Nl * Nr;
+  TORCH_CHECK(dim >= 1 && dim <= Ml * Mr, "ttm_bag_forward: embedding_dim ", dim, " outside [1, ", Ml * Mr, "]");
+  ids = ids.to(torch::kLong).contiguous();
+  offsets = offsets.to(torch::kLong).contiguous();
+  const bool has_trains = trains.numel() > 0, weighted = weights.numel() > 0;
+  if (has_trains) trains = trains.to(torch::kLong).contiguous();
+  if (weighted) weights = weights.to(cores[0].scalar_type()).contiguous();
+  const int64_t N = ids.numel(), B = offsets.numel() - 1;
+  TORCH_CHECK(B >= 0, "ttm_bag_forward: offsets must hold at least one value");
+  TORCH_CHECK(batch >= 0 && (batch == 0 || B % batch == 0), "ttm_bag_forward: ", B, " bags are not whole streams of batch ",
+              batch);
+  const int64_t streams = batch > 0 ? B / batch : 1;
+  TORCH_CHECK(!has_trains || trains.numel() == N, "ttm_bag_forward: ", trains.numel(), " table indices for ", N, " ids");
+  TORCH_CHECK(!weighted || weights.numel() == N, "ttm_bag_forward: ", weights.numel(), " weights for ", N, " ids");
+
+  // 1. keys -> slots
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* trp = has_trains ? trains.data_ptr<int64_t>() : nullptr;
+  std::vector<int64_t> pkeys(N), skeys(N);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t t = trp ? trp[i] : 0;
+    TORCH_CHECK(id[i] >= 0 && id[i] < num_rows, "TTM lookup: id ", id[i], " out of range [0, ", num_rows,
+                ") of the TT row shape");
+    TORCH_CHECK(t >= 0 && t < T, "TTM lookup: table index ", t, " out of range [0, ", T, ")");
+    pkeys[i] = t * Nl + id[i] / Nr;
+    skeys[i] = t * Nr + id[i] % Nr;
+  }
+  auto iopt = torch::TensorOptions().dtype(torch::kInt);
+  auto pslot = torch::empty({N}, iopt), sslot = torch::empty({N}, iopt);
+  auto pdistinct = assign_slots(pkeys, T * Nl, pslot.data_ptr<int32_t>());
+  auto sdistinct = assign_slots(skeys, T * Nr, sslot.data_ptr<int32_t>());
+  const int64_t Ul = static_cast<int64_t>(pdistinct.size()), Ur = static_cast<int64_t>(sdistinct.size());
+  auto lopt = torch::TensorOptions().dtype(torch::kLong);
+  auto pkey_t = torch::from_blob(pdistinct.data(), {Ul}, lopt).clone();
+  auto skey_t = torch::from_blob(sdistinct.data(), {Ur}, lopt).clone();
+
+  auto fopt = cores[0].options();
+  auto ptab = torch::zeros({Ul, Ml, rp}, fopt), stab = torch::zeros({Ur, Mr, rp}, fopt);
+  auto out = batch > 0 ? torch::zeros({batch, streams * dim}, fopt) : torch::zeros({B, dim}, fopt);
+
+  AT_DISPATCH_FLOATING_TYPES(cores[0].scalar_type(), "ttm_bag_forward", [&] {
+    using T_ = scalar_t;
+    const T_* g0 = cores[0].data_ptr<T_>();
+    T_* P = ptab.data_ptr<T_>();
+    T_* S = stab.data_ptr<T_>();
+
+    // 2a. distinct prefixes: P (M_l, rp)
+    at::parallel_for(0, Ul, 64, [&](int64_t b, int64_t e) {
+      for (int64_t s = b; s < e; ++s) {
+        const int64_t t = pdistinct[s] / Nl, pi = pdistinct[s] % Nl;
+        T_* p = P + s * Ml * rp;
+        if (L.cores == 1) {  // P[x, :r] = G0[t, 0, pi, x, :]
+          for (int64_t x = 0; x < L.m0; ++x) {
+            const T_* src = g0 + ((t * L.n0 + pi) * L.m0 + x) * r;
+            std::copy(src, src + r, p + x * rp);
+          }
+        } else {  // P[x0, (x1, :)] = sum_j G0[t, 0, i0, x0, j] G1[t, j, i1, x1, :]
+          const T_* g1 = tr.left1.data_ptr<T_>();
+          const int64_t i0 = pi / L.n1, i1 = pi % L.n1, rm = L.r_mid, blk = L.m1 * rp;
+          const T_* rows = g1 + (t * rm * L.n1 + i1) * blk;  // row j at + j * n1 * blk
+          for (int64_t x0 = 0; x0 < L.m0; ++x0) {
+            const T_* a = g0 + ((t * L.n0 + i0) * L.m0 + x0) * rm;
+            for (int64_t c = 0; c < blk; c += kLanes<T_>)
+              vstore(p + x0 * blk + c, combine(a, 1, rows + c, L.n1 * blk, rm));
+          }
+        }
+      }
+    });
+    // 2b. distinct suffixes: S (M_r, rp), row (x0, x1) of the right half's columns
+    at::parallel_for(0, Ur, 64, [&](int64_t b, int64_t e) {
+      for (int64_t s = b; s < e; ++s) {
+        const int64_t t = sdistinct[s] / Nr, si = sdistinct[s] % Nr;
+        T_* q = S + s * Mr * rp;
+        if (R.cores == 1) {  // S[a, k] = G[t, k, si, a, 0]
+          const T_* g = cores[tr.split].data_ptr<T_>();
+          for (int64_t k = 0; k < r; ++k)
+            for (int64_t a = 0; a < R.m0; ++a) q[a * rp + k] = g[((t * r + k) * R.n0 + si) * R.m0 + a];
+        } else {  // S[(x0, x1), :] = sum_j G1[t, j, i1, x1, 0] G0[t, :, i0, x0, j]
+          const T_* a0 = tr.right0.data_ptr<T_>();
+          const T_* c1 = cores[tr.split + 1].data_ptr<T_>();
+          const int64_t i0 = si / R.n1, i1 = si % R.n1, rm = R.r_mid;
+          const T_* coef = c1 + (t * rm * R.n1 + i1) * R.m1;  // (j, x1) at + j * n1 * m1 + x1
+          for (int64_t x0 = 0; x0 < R.m0; ++x0) {
+            const T_* rows = a0 + ((t * R.n0 + i0) * R.m0 + x0) * rm * rp;  // row j at + j * rp
+            for (int64_t x1 = 0; x1 < R.m1; ++x1)
+              for (int64_t c = 0; c < rp; c += kLanes<T_>)
+                vstore(q + (x0 * R.m1 + x1) * rp + c, combine(coef + x1, R.n1 * R.m1, rows + c, rp, rm));
+          }
+        }
+      }
+    });
+    // 3. contract and pool per bag
+    const int64_t* off = offsets.data_ptr<int64_t>();
+    const int32_t* ps = pslot.data_ptr<int32_t>();
+    const int32_t* ss = sslot.data_ptr<int32_t>();
+    const T_* w = weighted ? weights.data_ptr<T_>() : nullptr;
+    T_* o = out.data_ptr<T_>();
+    at::parallel_for(0, B, 128, [&](int64_t b, int64_t e) {
+      for (int64_t bag = b; bag < e; ++bag) {
+        T_* ob = o + bag_offset(bag, dim, batch, streams);
+        for (int64_t i = off[bag]; i < off[bag + 1]; ++i) {
+          const T_ wi = w ? w[i] : T_(1);
+          const T_* p = P + ps[i] * Ml * rp;
+          const T_* q = S + ss[i] * Mr * rp;
+          for (int64_t x = 0; x < Ml; ++x)
+            for (int64_t a = 0; a < Mr; ++a) {
+              const int64_t col = x * Mr + a;
+              if (col < dim) ob[col] += wi * dot(p + x * rp, q + a * rp, rp);
+            }
+        }
+      }
+    });
+  });
+  return {out, pslot, sslot, pkey_t, skey_t, ptab, stab};
+}
+
+// Backward. Returns the gradients of the d cores, then of the weights (undefined unless
+// weights_need_grad).
+std::vector<torch::Tensor> ttm_bag_backward(
+    torch::Tensor grad_out, std::vector<torch::Tensor> cores, torch::Tensor offsets, torch::Tensor weights,
+    torch::Tensor pslot, torch::Tensor sslot, torch::Tensor pkeys, torch::Tensor skeys, torch::Tensor ptab,
+    torch::Tensor stab, bool weights_need_grad, int64_t dim, int64_t batch) {
+  const Train tr = describe(cores, "ttm_bag_backward");
+  const Half &L = tr.L, &R = tr.R;
+  const int64_t r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
+  grad_out = grad_out.to(cores[0].scalar_type()).contiguous();
+  offsets = offsets.to(torch::kLong).contiguous();
+  const bool weighted = weights.numel() > 0;
+  if (weighted) weights = weights.to(cores[0].scalar_type()).contiguous();
+  const int64_t B = offsets.numel() - 1, N = pslot.numel(), streams = batch > 0 ? B / batch : 1;
+  const int64_t Ul = pkeys.numel(), Ur = skeys.numel();
+
+  auto dptab = torch::empty_like(ptab), dstab = torch::empty_like(stab);  // every row written once
+  std::vector<torch::Tensor> dcores;
+  for (auto& c : cores) dcores.push_back(torch::zeros_like(c));
+  torch::Tensor dleft1 = L.cores == 2 ? torch::zeros_like(tr.left1) : torch::Tensor();
+  torch::Tensor dright0 = R.cores == 2 ? torch::zeros_like(tr.right0) : torch::Tensor();
+  torch::Tensor dweights = weights_need_grad ? torch::zeros({N}, grad_out.options()) : torch::Tensor();
+
+  // each id's bag, and the ids of every prefix / suffix slot
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  std::vector<int64_t> bag_of(N);
+  for (int64_t bag = 0; bag < B; ++bag)
+    for (int64_t i = off[bag]; i < off[bag + 1]; ++i) bag_of[i] = bag;
+  const int32_t* ps = pslot.data_ptr<int32_t>();
+  const int32_t* ss = sslot.data_ptr<int32_t>();
+  const Groups by_prefix = group_by(ps, N, Ul), by_suffix = group_by(ss, N, Ur);
+
+  AT_DISPATCH_FLOATING_TYPES(cores[0].scalar_type(), "ttm_bag_backward", [&] {
+    using T_ = scalar_t;
+    constexpr int64_t W = kLanes<T_>;
+    const int64_t* pk = pkeys.data_ptr<int64_t>();
+    const int64_t* sk = skeys.data_ptr<int64_t>();
+    const T_* w = weighted ? weights.data_ptr<T_>() : nullptr;
+    const T_* g = grad_out.data_ptr<T_>();
+    const T_* P = ptab.data_ptr<T_>();
+    const T_* S = stab.data_ptr<T_>();
+    T_* dP = dptab.data_ptr<T_>();
+    T_* dS = dstab.data_ptr<T_>();
+
+    // id i's weighted row gradient as (M_l, M_r), zero beyond dim
+    auto row_grad = [&](int64_t i, T_* gw) {
+      const T_ wi = w ? w[i] : T_(1);
+      const T_* gb = g + bag_offset(bag_of[i], dim, batch, streams);
+      for (int64_t col = 0; col < dim; ++col) gw[col] = wi * gb[col];
+    };
+    // 1a. prefix slots: dP[s][x, :] = sum over its ids of sum_a g[x, a] S[a, :]
+    at::parallel_for(0, Ul, 16, [&](int64_t b, int64_t e) {
+      std::vector<T_> gw(Ml * Mr, T_(0));
+      for (int64_t s = b; s < e; ++s) {
+        T_* dp = dP + s * Ml * rp;
+        std::fill(dp, dp + Ml * rp, T_(0));
+        for (int64_t k = by_prefix.start[s]; k < by_prefix.start[s + 1]; ++k) {
+          const int64_t i = by_prefix.order[k];
+          row_grad(i, gw.data());
+          const T_* q = S + ss[i] * Mr * rp;
+          for (int64_t x = 0; x < Ml; ++x)
+            for (int64_t c = 0; c < rp; c += W)
+              vstore(dp + x * rp + c, vload(dp + x * rp + c) + combine(gw.data() + x * Mr, 1, q + c, rp, Mr));
+        }
+      }
+    });
+    // 1b. suffix slots: dS[s][a, :] = sum over its ids of sum_x g[x, a] P[x, :]
+    at::parallel_for(0, Ur, 16, [&](int64_t b, int64_t e) {
+      std::vector<T_> gw(Ml * Mr, T_(0));
+      for (int64_t s = b; s < e; ++s) {
+        T_* dq = dS + s * Mr * rp;
+        std::fill(dq, dq + Mr * rp, T_(0));
+        for (int64_t k = by_suffix.start[s]; k < by_suffix.start[s + 1]; ++k) {
+          const int64_t i = by_suffix.order[k];
+          row_grad(i, gw.data());
+          const T_* p = P + ps[i] * Ml * rp;
+          for (int64_t a = 0; a < Mr; ++a)
+            for (int64_t c = 0; c < rp; c += W)
+              vstore(dq + a * rp + c, vload(dq + a * rp + c) + combine(gw.data() + a, Mr, p + c, rp, Ml));
+        }
+      }
+    });
+    if (weights_need_grad) {  // d out[b] / d w_i = <row_i, g[b]>
+      T_* dw = dweights.data_ptr<T_>();
+      at::parallel_for(0, N, 256, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          const T_* p = P + ps[i] * Ml * rp;
+          const T_* q = S + ss[i] * Mr * rp;
+          const T_* gb = g + bag_offset(bag_of[i], dim, batch, streams);
+          T_ acc = 0;
+          for (int64_t x = 0; x < Ml; ++x)
+            for (int64_t a = 0; a < Mr; ++a)
+              if (x * Mr + a < dim) acc += gb[x * Mr + a] * dot(p + x * rp, q + a * rp, rp);
+          dw[i] = acc;
+        }
+      });
+    }
+
+    // 2. prefix slot gradients -> left cores. Slots sharing a core slice are summed into it
+    // by one thread (slots grouped by that core's index), so there are no write conflicts.
+    const T_* g0 = cores[0].data_ptr<T_>();
+    if (L.cores == 1) {  // slot <-> core slice, one to one
+      T_* dg0 = dcores[0].data_ptr<T_>();
+      at::parallel_for(0, Ul, 64, [&](int64_t b, int64_t e) {
+        for (int64_t s = b; s < e; ++s) {
+          const int64_t t = pk[s] / Nl, i0 = pk[s] % Nl;
+          for (int64_t x = 0; x < L.m0; ++x) {
+            const T_* src = dP + (s * Ml + x) * rp;
+            T_* dst = dg0 + ((t * L.n0 + i0) * L.m0 + x) * r;
+            for (int64_t k = 0; k < r; ++k) dst[k] += src[k];
+          }
+        }
+      });
+    } else {
+      // dG0 is summed as vectors over its rank j: G1 read as (T, n1, m1, r, rm_p), dG0 as (T, n0, m0, rm_p)
+      const int64_t rm = L.r_mid, blk = L.m1 * rp, rmp = padded(rm, W);
+      const auto g1t_t = pad_last(cores[1].permute({0, 2, 3, 4, 1}), W);
+      auto dg0t_t = torch::zeros({tr.T, L.n0, L.m0, rmp}, cores[0].options());
+      const T_* g1t = g1t_t.data_ptr<T_>();
+      T_* d0 = dg0t_t.data_ptr<T_>();
+      T_* d1 = dleft1.data_ptr<T_>();
+      std::vector<int64_t> key0(Ul), key1(Ul);  // (t, i0) and (t, i1) of each slot
+      for (int64_t s = 0; s < Ul; ++s) {
+        key0[s] = pk[s] / L.n1;
+        key1[s] = pk[s] / Nl * L.n1 + pk[s] % L.n1;
+      }
+      const Groups by0 = group_by(key0.data(), Ul, tr.T * L.n0), by1 = group_by(key1.data(), Ul, tr.T * L.n1);
+      // dG0[t, i0][x0, :] += sum_{x1, k} dP[x0, x1, k] G1[t, :, i1, x1, k]
+      for_each_group_range(by0, [&](int64_t b, int64_t e) {
+        for (int64_t key = b; key < e; ++key)
+          for (int64_t q = by0.start[key]; q < by0.start[key + 1]; ++q) {
+            const int64_t s = by0.order[q], t = pk[s] / Nl, i1 = pk[s] % L.n1;
+            const T_* dp = dP + s * Ml * rp;  // (x0, x1, k) at + x0 * blk + x1 * rp + k
+            for (int64_t x0 = 0; x0 < L.m0; ++x0) {
+              T_* dst = d0 + (key * L.m0 + x0) * rmp;
+              for (int64_t c = 0; c < rmp; c += W) {
+                vec_t<T_> acc = vload(dst + c);
+                for (int64_t x1 = 0; x1 < L.m1; ++x1)
+                  acc += combine(dp + x0 * blk + x1 * rp, 1, g1t + ((t * L.n1 + i1) * L.m1 + x1) * r * rmp + c, rmp, r);
+                vstore(dst + c, acc);
+              }
+            }
+          }
+      });
+      // dG1[t, j, i1][:] += sum_x0 G0[t, 0, i0, x0, j] dP[x0, :]
+      for_each_group_range(by1, [&](int64_t b, int64_t e) {
+        for (int64_t key = b; key < e; ++key)
+          for (int64_t q = by1.start[key]; q < by1.start[key + 1]; ++q) {
+            const int64_t s = by1.order[q], t = pk[s] / Nl, i1 = pk[s] % L.n1;
+            const T_* dp = dP + s * Ml * rp;
+            const int64_t a_off = key0[s] * L.m0 * rm;  // G0[t, 0, i0]: (x0, j) at + x0 * rm + j
+            for (int64_t j = 0; j < rm; ++j) {
+              T_* dst = d1 + ((t * rm + j) * L.n1 + i1) * blk;
+              for (int64_t c = 0; c < blk; c += W)
+                vstore(dst + c, vload(dst + c) + combine(g0 + a_off + j, rm, dp + c, blk, L.m0));
+            }
+          }
+      });
+      dcores[0] = dg0t_t.narrow(-1, 0, rm).reshape(cores[0].sizes()).contiguous();
+    }
+
+    // 3. suffix slot gradients -> right cores
+    if (R.cores == 1) {  // slot <-> core slice, one to one
+      T_* dg = dcores[tr.split].data_ptr<T_>();
+      at::parallel_for(0, Ur, 64, [&](int64_t b, int64_t e) {
+        for (int64_t s = b; s < e; ++s) {
+          const int64_t t = sk[s] / Nr, si = sk[s] % Nr;
+          const T_* dq = dS + s * Mr * rp;
+          for (int64_t k = 0; k < r; ++k)
+            for (int64_t a = 0; a < R.m0; ++a) dg[((t * r + k) * R.n0 + si) * R.m0 + a] += dq[a * rp + k];
+        }
+      });
+    } else {
+      // dG1 is summed as vectors over its rank j: G0 read as (T, n0, m0, r, rm_p), dG1 as (T, n1, m1, rm_p)
+      const int64_t rm = R.r_mid, rmp = padded(rm, W);
+      const auto akj_t = pad_last(cores[tr.split].permute({0, 2, 3, 1, 4}), W);
+      auto dc1t_t = torch::zeros({tr.T, R.n1, R.m1, rmp}, cores[0].options());
+      const T_* akj = akj_t.data_ptr<T_>();
+      const T_* c1 = cores[tr.split + 1].data_ptr<T_>();
+      T_* dA = dright0.data_ptr<T_>();
+      T_* dC = dc1t_t.data_ptr<T_>();
+      std::vector<int64_t> key0(Ur), key1(Ur);  // (t, i0) and (t, i1) of each slot
+      for (int64_t s = 0; s < Ur; ++s) {
+        key0[s] = sk[s] / R.n1;
+        key1[s] = sk[s] / Nr * R.n1 + sk[s] % R.n1;
+      }
+      const Groups by0 = group_by(key0.data(), Ur, tr.T * R.n0), by1 = group_by(key1.data(), Ur, tr.T * R.n1);
+      // dG0[t, :, i0, x0, j] += sum_x1 G1[t, j, i1, x1] dS[(x0, x1), :]
+      for_each_group_range(by0, [&](int64_t b, int64_t e) {
+        for (int64_t key = b; key < e; ++key)
+          for (int64_t q = by0.start[key]; q < by0.start[key + 1]; ++q) {
+            const int64_t s = by0.order[q], t = sk[s] / Nr, i1 = sk[s] % R.n1;
+            const T_* dq = dS + s * Mr * rp;  // row (x0, x1) at + (x0 * m1 + x1) * rp
+            for (int64_t j = 0; j < rm; ++j) {
+              const int64_t c_off = ((t * rm + j) * R.n1 + i1) * R.m1;
+              for (int64_t x0 = 0; x0 < R.m0; ++x0) {
+                T_* darow = dA + ((key * R.m0 + x0) * rm + j) * rp;
+                for (int64_t c = 0; c < rp; c += W)
+                  vstore(darow + c, vload(darow + c) + combine(c1 + c_off, 1, dq + x0 * R.m1 * rp + c, rp, R.m1));
+              }
+            }
+          }
+      });
+      // dG1[t, :, i1, x1] += sum_{x0, k} dS[(x0, x1), k] G0[t, k, i0, x0, :]
+      for_each_group_range(by1, [&](int64_t b, int64_t e) {
+        for (int64_t key = b; key < e; ++key)
+          for (int64_t q = by1.start[key]; q < by1.start[key + 1]; ++q) {
+            const int64_t s = by1.order[q];
+            const T_* dq = dS + s * Mr * rp;
+            for (int64_t x1 = 0; x1 < R.m1; ++x1) {
+              T_* dst = dC + (key * R.m1 + x1) * rmp;
+              for (int64_t c = 0; c < rmp; c += W) {
+                vec_t<T_> acc = vload(dst + c);
+                for (int64_t x0 = 0; x0 < R.m0; ++x0)
+                  acc += combine(dq + (x0 * R.m1 + x1) * rp, 1, akj + (key0[s] * R.m0 + x0) * r * rmp + c, rmp, r);
+                vstore(dst + c, acc);
+              }
+            }
+          }
+      });
+      // (T, n1, m1, rm) -> (T, rm, n1, m1, 1)
+      dcores[tr.split + 1] = dc1t_t.narrow(-1, 0, rm).permute({0, 3, 1, 2}).unsqueeze(-1).contiguous();
+    }
+  });
+  // padded layouts back to the cores' own: drop the padding, (T, n, m, r', r) -> (T, r, n, m, r')
+  if (L.cores == 2) dcores[1] = dleft1.narrow(-1, 0, r).contiguous();
+  if (R.cores == 2) dcores[tr.split] = dright0.narrow(-1, 0, r).permute({0, 4, 1, 2, 3}).contiguous();
+  dcores.push_back(dweights);
+  return dcores;
+}
+
+// Column blocks of several (B, C_s) matrices gathered into one (B, K * width) matrix:
+// block k of every row is columns [col[k], col[k] + width) of source src[k]. One pass
+// over the rows; the backward is the same map read the other way (scatter_blocks).
+torch::Tensor gather_blocks(std::vector<torch::Tensor> sources, std::vector<int64_t> src, std::vector<int64_t> col,
+                            int64_t width) {
+  TORCH_CHECK(!sources.empty() && src.size() == col.size(), "gather_blocks: bad block map");
+  const int64_t B = sources[0].size(0), K = static_cast<int64_t>(src.size());
+  for (auto& s : sources) {
+    TORCH_CHECK(s.dim() == 2 && s.size(0) == B, "gather_blocks: sources must be (B, C) with one B");
+    s = s.contiguous();
+  }
+  auto out = torch::empty({B, K * width}, sources[0].options());
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "gather_blocks", [&] {
+    std::vector<const scalar_t*> base(K);
+    std::vector<int64_t> stride(K);
+    for (int64_t k = 0; k < K; ++k) {
+      base[k] = sources[src[k]].data_ptr<scalar_t>() + col[k];
+      stride[k] = sources[src[k]].size(1);
+    }
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B, 64, [&](int64_t b, int64_t e) {
+      for (int64_t row = b; row < e; ++row)
+        for (int64_t k = 0; k < K; ++k)
+          std::memcpy(o + (row * K + k) * width, base[k] + row * stride[k], width * sizeof(scalar_t));
+    });
+  });
+  return out;
+}
+
+// The gradient of gather_blocks: each source's (B, C_s) gradient, zero where no block reads.
+std::vector<torch::Tensor> scatter_blocks(torch::Tensor grad, std::vector<int64_t> widths_of_sources,
+                                          std::vector<int64_t> src, std::vector<int64_t> col, int64_t width) {
+  grad = grad.contiguous();
+  const int64_t B = grad.size(0), K = static_cast<int64_t>(src.size());
+  std::vector<torch::Tensor> out;
+  for (size_t s = 0; s < widths_of_sources.size(); ++s) out.push_back(torch::empty({B, widths_of_sources[s]}, grad.options()));
+  {  // sources whose columns are not all read get zeros first
+    std::vector<int64_t> read(widths_of_sources.size(), 0);
+    for (int64_t k = 0; k < K; ++k) read[src[k]] += width;
+    for (size_t s = 0; s < out.size(); ++s)
+      if (read[s] != widths_of_sources[s]) out[s].zero_();
+  }
+  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "scatter_blocks", [&] {
+    std::vector<scalar_t*> base(K);
+    std::vector<int64_t> stride(K);
+    for (int64_t k = 0; k < K; ++k) {
+      base[k] = out[src[k]].data_ptr<scalar_t>() + col[k];
+      stride[k] = widths_of_sources[src[k]];
+    }
+    const scalar_t* g = grad.data_ptr<scalar_t>();
+    at::parallel_for(0, B, 64, [&](int64_t b, int64_t e) {
+      for (int64_t row = b; row < e; ++row)
+        for (int64_t k = 0; k < K; ++k)
+          std::memcpy(base[k] + row * stride[k], g + (row * K + k) * width, width * sizeof(scalar_t));
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("ttm_bag_forward", &ttm_bag_forward, "fused de-duplicated TTM embedding-bag lookup (forward)");
+  m.def("ttm_bag_backward", &ttm_bag_backward, "fused de-duplicated TTM embedding-bag lookup (backward)");
+  m.def("gather_blocks", &gather_blocks, "column blocks of several matrices side by side");
+  m.def("scatter_blocks", &scatter_blocks, "the gradient of gather_blocks");
+}

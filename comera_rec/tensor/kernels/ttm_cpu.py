@@ -1,0 +1,199 @@
+"""The fused CPU TTM lookup (``ttm_cpu.cpp``): its build on first use and its autograd function.
+
+The kernel keeps both levels of de-duplication of the PyTorch path but needs no sort
+and forms nothing of a table's size: every id's prefix and suffix key is given a slot
+through a direct-address array over the (small) key space of each half, each distinct
+prefix and suffix is contracted once, and one pass per bag contracts prefix x suffix
+and pools. The backward sends each row's gradient into its two slots, then the slots'
+gradients into the core slices, every write owned by one thread (no atomics).
+
+The extension is compiled by ``torch.utils.cpp_extension`` the first time a CPU lookup
+needs it (tens of seconds, once per machine: it is cached under
+``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``). Without a C++
+compiler the build fails once, with a warning, and lookups take the PyTorch path;
+``COMERA_DISABLE_CPU_KERNEL=1`` or :func:`set_cpu_kernel_enabled(False)
+<set_cpu_kernel_enabled>` choose the PyTorch path on purpose.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "COMERA_DISABLE_CPU_KERNEL"
+_SOURCE = Path(__file__).with_name("ttm_cpu.cpp")
+_enabled = True
+_build_lock = threading.Lock()
+
+
+def _host_tag() -> str:
+    """A short tag of this CPU's instruction set: the build uses ``-march=native``, so a
+    cache shared by different machines must not hand one machine's build to another."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+@functools.lru_cache(maxsize=None)
+def _extension():
+    """The compiled module, or ``None`` when it cannot be built (logged once)."""
+    with _build_lock:
+        try:
+            from torch.utils.cpp_extension import load
+
+            logger.info("building the fused CPU TTM lookup (once per machine; cached by torch.utils.cpp_extension)")
+            flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+            return load(
+                name=f"comera_ttm_cpu_{_host_tag()}", sources=[str(_SOURCE)],
+                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
+            )
+        except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch path still works
+            logger.warning("fused CPU TTM lookup unavailable (%s); lookups use the PyTorch path", exc)
+            return None
+
+
+def set_cpu_kernel_enabled(enabled: bool) -> None:
+    """Turn the fused CPU lookup on or off for this process (the environment switch still wins)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def cpu_kernel_enabled() -> bool:
+    """Whether CPU lookups take the fused kernel: not disabled, and it builds.
+
+    ``COMERA_DISABLE_CPU_KERNEL`` set to anything but ``""`` / ``"0"`` / ``"false"``
+    disables it; it is read on every call.
+    """
+    flag = os.environ.get(DISABLE_ENV, "").strip().lower()
+    if flag not in ("", "0", "false", "no", "off"):
+        return False
+    return _enabled and _extension() is not None
+
+
+def cpu_kernel_applies(cores: Sequence[torch.Tensor], ids: torch.Tensor) -> bool:
+    """Whether a lookup is the fused CPU kernel's to do: real CPU float32 / float64
+    tensors of 2 to 4 cores, outside tracing and ``torch.compile``, kernel enabled."""
+    return (
+        2 <= len(cores) <= 4
+        and ids.device.type == "cpu"
+        and all(c.device.type == "cpu" and c.dtype in (torch.float32, torch.float64) for c in cores)
+        and len({c.dtype for c in cores}) == 1
+        and not torch.jit.is_tracing()
+        and not torch.compiler.is_compiling()
+        and cpu_kernel_enabled()
+    )
+
+
+_EMPTY = torch.empty(0, dtype=torch.long)
+
+
+class _FusedTTMBag(torch.autograd.Function):
+    """``(ids, offsets, trains, weights, dim, batch, *cores) -> (B, dim)`` summed bags, or
+    ``(batch, B / batch * dim)`` with ``batch > 0`` (bag ``f * batch + b`` in row ``b``)."""
+
+    @staticmethod
+    def forward(ctx, ids, offsets, trains, weights, dim, batch, *cores):
+        out, pslot, sslot, pkeys, skeys, ptab, stab = _extension().ttm_bag_forward(
+            list(cores), ids, trains, offsets, weights, dim, batch
+        )
+        ctx.save_for_backward(offsets, weights, pslot, sslot, pkeys, skeys, ptab, stab, *cores)
+        ctx.layout = (dim, batch)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        offsets, weights, pslot, sslot, pkeys, skeys, ptab, stab, *cores = ctx.saved_tensors
+        weights_need_grad = bool(ctx.needs_input_grad[3]) and weights.numel() > 0
+        *grad_cores, grad_weights = _extension().ttm_bag_backward(
+            grad_out, cores, offsets, weights, pslot, sslot, pkeys, skeys, ptab, stab, weights_need_grad, *ctx.layout
+        )
+        return (None, None, None, grad_weights if weights_need_grad else None, None, None, *grad_cores)
+
+
+class _GatherBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, src, col, width, *sources):
+        ctx.map = (src, col, width, [s.shape[1] for s in sources])
+        return _extension().gather_blocks(list(sources), src, col, width)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        src, col, width, widths = ctx.map
+        return (None, None, None, *_extension().scatter_blocks(grad, widths, src, col, width))
+
+
+def gather_column_blocks(sources: Sequence[torch.Tensor], blocks: Sequence[tuple[int, int]], width: int) -> torch.Tensor:
+    """Column blocks of several ``(B, C_s)`` matrices side by side, in one pass over the rows.
+
+    ``torch.cat([sources[s][:, c : c + width] for s, c in blocks], dim=1)`` with a backward
+    that writes each source's gradient once (the blocks must not overlap). CPU float
+    tensors with the fused kernel built (:func:`cpu_kernel_enabled`); the caller checks.
+
+    Args:
+        sources: ``(B, C_s)`` matrices, one ``B``.
+        blocks: ``(source, first column)`` of every output block, in output order.
+        width: columns per block.
+
+    Returns:
+        ``(B, len(blocks) * width)``.
+    """
+    src = [int(s) for s, _ in blocks]
+    col = [int(c) for _, c in blocks]
+    return _GatherBlocks.apply(src, col, int(width), *sources)
+
+
+def ttm_embedding_bag_cpu(
+    cores: Sequence[torch.Tensor],
+    row_shape: Sequence[int],
+    embedding_dim: int,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+    trains: torch.Tensor | None = None,
+    *,
+    stream_batch: int = 0,
+) -> torch.Tensor:
+    """The fused CPU lookup with the signature of ``contract.ttm_embedding_bag``.
+
+    The caller checks :func:`cpu_kernel_applies` first. Ids out of the TT row shape's
+    range, or table indices out of the stack, raise an error naming the value.
+
+    Returns:
+        ``(B, embedding_dim)`` pooled embeddings, or with ``stream_batch > 0`` the bags
+        as ``(stream_batch, B / stream_batch * embedding_dim)`` (stream ``f``'s bags in
+        columns ``f * embedding_dim ...``), written so by the kernel.
+    """
+    cores = list(cores)
+    shape = tuple(int(c.shape[2]) for c in cores)
+    if tuple(int(n) for n in row_shape) != shape:
+        raise ValueError(f"ttm_embedding_bag: row_shape {tuple(row_shape)} does not match the cores' {shape}")
+    weights = per_sample_weights if per_sample_weights is not None else _EMPTY.to(cores[0].dtype)
+    batch = int(stream_batch)
+    out = _FusedTTMBag.apply(
+        ids, offsets, trains if trains is not None else _EMPTY, weights, int(embedding_dim), batch, *cores
+    )  # (B, D), or (batch, streams * D)
+    if mode == "mean":
+        lengths = (offsets[1:] - offsets[:-1]).clamp_min(1).to(out.dtype)  # per bag
+        if batch > 0:
+            streams = lengths.numel() // batch
+            out = (out.view(batch, streams, -1) / lengths.view(streams, batch).t().unsqueeze(2)).reshape(batch, -1)
+        else:
+            out = out / lengths.unsqueeze(1)
+    return out

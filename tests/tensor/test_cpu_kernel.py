@@ -1,0 +1,167 @@
+"""The fused CPU TTM lookup (kernels/ttm_cpu.cpp) against the PyTorch path and dense tables."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from comera_rec.tensor import kernels
+from comera_rec.tensor.contract import ttm_dense_table, ttm_embedding_bag
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _kernel_on():
+    assert kernels.cpu_kernel_enabled(), "the fused CPU lookup did not build (see the log for the compiler error)"
+    yield
+    kernels.set_cpu_kernel_enabled(True)
+
+
+def make_cores(tables, rows, cols, ranks, dtype=DT, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    full = [1, *ranks, 1]
+    return [
+        (torch.randn(tables, full[k], rows[k], cols[k], full[k + 1], generator=g, dtype=dtype) / math.sqrt(full[k]))
+        .requires_grad_()
+        for k in range(len(rows))
+    ]
+
+
+def make_batch(tables, num_rows, n_ids=60, seed=0, dtype=DT):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, num_rows, (n_ids // 3,), generator=g).repeat(3)  # repeats: de-duplication matters
+    ids = ids[torch.randperm(n_ids, generator=g)]
+    trains = torch.randint(0, tables, (n_ids,), generator=g)
+    cuts = torch.sort(torch.randint(0, n_ids + 1, (8,), generator=g)).values
+    offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([n_ids])])  # some bags empty
+    weights = torch.rand(n_ids, generator=g, dtype=dtype).requires_grad_()
+    return ids, trains, offsets, weights
+
+
+def lookup(cores, rows, dim, ids, offsets, mode, weights, trains, kernel: bool):
+    kernels.set_cpu_kernel_enabled(kernel)
+    try:
+        return ttm_embedding_bag(cores, rows, dim, ids, offsets, mode, weights, trains)
+    finally:
+        kernels.set_cpu_kernel_enabled(True)
+
+
+# ranks 5 and 17: not whole vectors (padded inside the kernel), 17 spans two
+SHAPES = [
+    ((7, 9), (3, 4), [5]),  # 1-core halves
+    ((5, 6, 7), (2, 2, 3), [4, 17]),  # 2-core left, 1-core right
+    ((4, 5, 6, 3), (2, 3, 2, 2), [3, 17, 5]),  # 2-core halves
+    ((6, 5, 4, 7), (2, 2, 2, 2), [16, 16, 16]),  # the Kaggle DLRM's factors at rank 16
+]
+
+
+@pytest.mark.parametrize("rows, cols, ranks", SHAPES)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_values_and_gradients_equal_the_torch_path(rows, cols, ranks, mode, weighted) -> None:
+    cores = make_cores(3, rows, cols, ranks)
+    ids, trains, offsets, weights = make_batch(3, math.prod(rows))
+    weights = weights if weighted else None
+    dim = math.prod(cols) - 1  # a padded column is dropped
+    inputs = cores + ([weights] if weighted else [])
+    got = lookup(cores, rows, dim, ids, offsets, mode, weights, trains, kernel=True)
+    want = lookup(cores, rows, dim, ids, offsets, mode, weights, trains, kernel=False)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, inputs, g), torch.autograd.grad(want, inputs, g)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_rows_equal_the_dense_tables_in_float32() -> None:
+    # float32 runs whole 16-lane vectors (float64 runs 8): checked against a float64 dense table
+    rows, cols, ranks = (6, 5, 4, 7), (2, 2, 2, 2), [16, 16, 16]
+    cores64 = make_cores(2, rows, cols, ranks)
+    cores32 = [c.detach().float().requires_grad_() for c in cores64]
+    ids = torch.arange(math.prod(rows)).repeat(2)
+    trains = torch.arange(2).repeat_interleave(math.prod(rows))
+    offsets = torch.arange(ids.numel() + 1)
+    out = ttm_embedding_bag(cores32, rows, 16, ids, offsets, "sum", None, trains)
+    want = torch.cat([ttm_dense_table([c.detach() for c in cores64], t) for t in range(2)])
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_gradcheck() -> None:
+    cores = make_cores(2, (2, 3, 2), (2, 1, 2), [3, 2])
+    ids = torch.tensor([0, 11, 11, 4, 7, 2])
+    trains = torch.tensor([0, 1, 1, 0, 1, 0])
+    offsets = torch.tensor([0, 2, 2, 6])
+    weights = torch.rand(6, dtype=DT, requires_grad=True)
+
+    def fn(c0, c1, c2, w):
+        return ttm_embedding_bag([c0, c1, c2], (2, 3, 2), 4, ids, offsets, "mean", w, trains)
+
+    assert torch.autograd.gradcheck(fn, (*cores, weights))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_thread_counts_give_identical_results(threads: int) -> None:
+    # every sum has one owner thread and a fixed order: bit-identical for any thread count
+    # (a run resumed with another thread count continues exactly)
+    rows, cols, ranks = (5, 6, 7, 4), (2, 2, 2, 2), [6, 9, 4]
+    cores = make_cores(2, rows, cols, ranks)
+    ids, trains, offsets, _ = make_batch(2, math.prod(rows), n_ids=300)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            out = ttm_embedding_bag(cores, rows, 16, ids, offsets, "sum", None, trains)
+            results.append([out, *torch.autograd.grad(out.square().sum(), cores)])
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@given(
+    d=st.integers(2, 4),
+    rank=st.integers(1, 20),
+    tables=st.integers(1, 3),
+    seed=st.integers(0, 10_000),
+)
+def test_property_rows_equal_dense_reconstruction(d, rank, tables, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    rows = [int(v) for v in torch.randint(1, 5, (d,), generator=g)]
+    cols = [int(v) for v in torch.randint(1, 4, (d,), generator=g)]
+    ranks = [int(v) for v in torch.randint(1, rank + 1, (d - 1,), generator=g)]
+    cores = make_cores(tables, rows, cols, ranks, seed=seed)
+    n = math.prod(rows)
+    ids = torch.randint(0, n, (9,), generator=g)
+    trains = torch.randint(0, tables, (9,), generator=g)
+    dim = math.prod(cols)
+    out = ttm_embedding_bag(cores, rows, dim, ids, torch.arange(10), "sum", None, trains)
+    dense = [ttm_dense_table([c.detach() for c in cores], t) for t in range(tables)]
+    want = torch.stack([dense[int(t)][int(i)] for t, i in zip(trains, ids)])
+    torch.testing.assert_close(out, want)
+
+
+def test_out_of_range_ids_and_tables_name_the_value() -> None:
+    cores = make_cores(2, (3, 4), (2, 2), [2])
+    offsets = torch.tensor([0, 2])
+    with pytest.raises(RuntimeError, match=r"id 12 out of range \[0, 12\)"):
+        ttm_embedding_bag(cores, (3, 4), 4, torch.tensor([1, 12]), offsets, trains=torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match=r"table index 2 out of range \[0, 2\)"):
+        ttm_embedding_bag(cores, (3, 4), 4, torch.tensor([1, 2]), offsets, trains=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match=r"row_shape \(4, 3\) does not match the cores' \(3, 4\)"):
+        ttm_embedding_bag(cores, (4, 3), 4, torch.tensor([1, 2]), offsets, trains=torch.tensor([0, 1]))
+
+
+def test_dispatch_switches(monkeypatch) -> None:
+    cores = make_cores(1, (3, 4), (2, 2), [2])
+    ids = torch.tensor([1, 2])
+    assert kernels.cpu_kernel_applies(cores, ids)
+    assert not kernels.cpu_kernel_applies([c.to("meta") for c in cores], ids.to("meta"))
+    assert not kernels.cpu_kernel_applies([c.half() for c in cores], ids)
+    monkeypatch.setenv(kernels.ttm_cpu.DISABLE_ENV, "1")
+    assert not kernels.cpu_kernel_applies(cores, ids)
+    monkeypatch.setenv(kernels.ttm_cpu.DISABLE_ENV, "0")
+    kernels.set_cpu_kernel_enabled(False)
+    assert not kernels.cpu_kernel_applies(cores, ids)
