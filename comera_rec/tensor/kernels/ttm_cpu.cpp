@@ -98,20 +98,29 @@ inline void axpy(T alpha, const T* __restrict x, T* __restrict y, int64_t n) {
   for (int64_t c = 0; c < n; c += W) vstore(y + c, vload(y + c) + alpha * vload(x + c));
 }
 
-// sum_j coef[j * cstride] * rows[j * rstride : + one vector], j < n: four independent
-// accumulators, so the multiply-adds do not wait on each other.
+// Four independent vector accumulators, so that multiply-adds do not wait on each other:
+// add() accumulates sum_j coef[j * cstride] * rows[j * rstride : + one vector], j < n.
+template <typename T>
+struct Acc4 {
+  vec_t<T> a0 = vzero<T>(), a1 = vzero<T>(), a2 = vzero<T>(), a3 = vzero<T>();
+  inline void add(const T* coef, int64_t cstride, const T* rows, int64_t rstride, int64_t n) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      a0 += coef[j * cstride] * vload(rows + j * rstride);
+      a1 += coef[(j + 1) * cstride] * vload(rows + (j + 1) * rstride);
+      a2 += coef[(j + 2) * cstride] * vload(rows + (j + 2) * rstride);
+      a3 += coef[(j + 3) * cstride] * vload(rows + (j + 3) * rstride);
+    }
+    for (; j < n; ++j) ((j & 1) ? a1 : a0) += coef[j * cstride] * vload(rows + j * rstride);
+  }
+  inline vec_t<T> sum() const { return (a0 + a1) + (a2 + a3); }
+};
+
 template <typename T>
 inline vec_t<T> combine(const T* coef, int64_t cstride, const T* rows, int64_t rstride, int64_t n) {
-  vec_t<T> a0 = vzero<T>(), a1 = vzero<T>(), a2 = vzero<T>(), a3 = vzero<T>();
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    a0 += coef[j * cstride] * vload(rows + j * rstride);
-    a1 += coef[(j + 1) * cstride] * vload(rows + (j + 1) * rstride);
-    a2 += coef[(j + 2) * cstride] * vload(rows + (j + 2) * rstride);
-    a3 += coef[(j + 3) * cstride] * vload(rows + (j + 3) * rstride);
-  }
-  for (; j < n; ++j) a0 += coef[j * cstride] * vload(rows + j * rstride);
-  return (a0 + a1) + (a2 + a3);
+  Acc4<T> acc;
+  acc.add(coef, cstride, rows, rstride, n);
+  return acc.sum();
 }
 
 // The last dimension zero-padded to a multiple of `lanes`, contiguous.
@@ -414,43 +423,47 @@ std::vector<torch::Tensor> ttm_bag_backward(
     T_* dP = dptab.data_ptr<T_>();
     T_* dS = dstab.data_ptr<T_>();
 
-    // id i's weighted row gradient as (M_l, M_r), zero beyond dim
-    auto row_grad = [&](int64_t i, T_* gw) {
-      const T_ wi = w ? w[i] : T_(1);
-      const T_* gb = g + bag_offset(bag_of[i], dim, batch, streams);
-      for (int64_t col = 0; col < dim; ++col) gw[col] = wi * gb[col];
+    // each id's weighted row gradient as (M_l, M_r): its bag's gradient row itself when
+    // unweighted and unpadded, else a zero-padded weighted copy
+    const int64_t MM = Ml * Mr;
+    const bool direct = !w && dim == MM;
+    std::vector<T_> gpad(direct ? 0 : N * MM, T_(0));
+    if (!direct)
+      at::parallel_for(0, N, 256, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          const T_ wi = w ? w[i] : T_(1);
+          const T_* gb = g + bag_offset(bag_of[i], dim, batch, streams);
+          for (int64_t col = 0; col < dim; ++col) gpad[i * MM + col] = wi * gb[col];
+        }
+      });
+    auto grow = [&](int64_t i) -> const T_* {
+      return direct ? g + bag_offset(bag_of[i], dim, batch, streams) : gpad.data() + i * MM;
     };
     // 1a. prefix slots: dP[s][x, :] = sum over its ids of sum_a g[x, a] S[a, :]
-    at::parallel_for(0, Ul, 16, [&](int64_t b, int64_t e) {
-      std::vector<T_> gw(Ml * Mr, T_(0));
-      for (int64_t s = b; s < e; ++s) {
-        T_* dp = dP + s * Ml * rp;
-        std::fill(dp, dp + Ml * rp, T_(0));
-        for (int64_t k = by_prefix.start[s]; k < by_prefix.start[s + 1]; ++k) {
-          const int64_t i = by_prefix.order[k];
-          row_grad(i, gw.data());
-          const T_* q = S + ss[i] * Mr * rp;
-          for (int64_t x = 0; x < Ml; ++x)
-            for (int64_t c = 0; c < rp; c += W)
-              vstore(dp + x * rp + c, vload(dp + x * rp + c) + combine(gw.data() + x * Mr, 1, q + c, rp, Mr));
-        }
-      }
+    for_each_group_range(by_prefix, [&](int64_t b, int64_t e) {
+      for (int64_t s = b; s < e; ++s)
+        for (int64_t x = 0; x < Ml; ++x)
+          for (int64_t c = 0; c < rp; c += W) {
+            Acc4<T_> acc;
+            for (int64_t k = by_prefix.start[s]; k < by_prefix.start[s + 1]; ++k) {
+              const int64_t i = by_prefix.order[k];
+              acc.add(grow(i) + x * Mr, 1, S + ss[i] * Mr * rp + c, rp, Mr);
+            }
+            vstore(dP + (s * Ml + x) * rp + c, acc.sum());
+          }
     });
     // 1b. suffix slots: dS[s][a, :] = sum over its ids of sum_x g[x, a] P[x, :]
-    at::parallel_for(0, Ur, 16, [&](int64_t b, int64_t e) {
-      std::vector<T_> gw(Ml * Mr, T_(0));
-      for (int64_t s = b; s < e; ++s) {
-        T_* dq = dS + s * Mr * rp;
-        std::fill(dq, dq + Mr * rp, T_(0));
-        for (int64_t k = by_suffix.start[s]; k < by_suffix.start[s + 1]; ++k) {
-          const int64_t i = by_suffix.order[k];
-          row_grad(i, gw.data());
-          const T_* p = P + ps[i] * Ml * rp;
-          for (int64_t a = 0; a < Mr; ++a)
-            for (int64_t c = 0; c < rp; c += W)
-              vstore(dq + a * rp + c, vload(dq + a * rp + c) + combine(gw.data() + a, Mr, p + c, rp, Ml));
-        }
-      }
+    for_each_group_range(by_suffix, [&](int64_t b, int64_t e) {
+      for (int64_t s = b; s < e; ++s)
+        for (int64_t a = 0; a < Mr; ++a)
+          for (int64_t c = 0; c < rp; c += W) {
+            Acc4<T_> acc;
+            for (int64_t k = by_suffix.start[s]; k < by_suffix.start[s + 1]; ++k) {
+              const int64_t i = by_suffix.order[k];
+              acc.add(grow(i) + a, Mr, P + ps[i] * Ml * rp + c, rp, Ml);
+            }
+            vstore(dS + (s * Mr + a) * rp + c, acc.sum());
+          }
     });
     if (weights_need_grad) {  // d out[b] / d w_i = <row_i, g[b]>
       T_* dw = dweights.data_ptr<T_>();
@@ -497,36 +510,36 @@ std::vector<torch::Tensor> ttm_bag_backward(
         key1[s] = pk[s] / Nl * L.n1 + pk[s] % L.n1;
       }
       const Groups by0 = group_by(key0.data(), Ul, tr.T * L.n0), by1 = group_by(key1.data(), Ul, tr.T * L.n1);
-      // dG0[t, i0][x0, :] += sum_{x1, k} dP[x0, x1, k] G1[t, :, i1, x1, k]
+      // Each core slice's gradient is summed over its slots in registers and stored once.
+      // dG0[t, i0][x0, :] = sum over its slots of sum_{x1, k} dP[x0, x1, k] G1[t, :, i1, x1, k]
       for_each_group_range(by0, [&](int64_t b, int64_t e) {
         for (int64_t key = b; key < e; ++key)
-          for (int64_t q = by0.start[key]; q < by0.start[key + 1]; ++q) {
-            const int64_t s = by0.order[q], t = pk[s] / Nl, i1 = pk[s] % L.n1;
-            const T_* dp = dP + s * Ml * rp;  // (x0, x1, k) at + x0 * blk + x1 * rp + k
-            for (int64_t x0 = 0; x0 < L.m0; ++x0) {
-              T_* dst = d0 + (key * L.m0 + x0) * rmp;
-              for (int64_t c = 0; c < rmp; c += W) {
-                vec_t<T_> acc = vload(dst + c);
+          for (int64_t x0 = 0; x0 < L.m0; ++x0)
+            for (int64_t c = 0; c < rmp; c += W) {
+              Acc4<T_> acc;
+              for (int64_t q = by0.start[key]; q < by0.start[key + 1]; ++q) {
+                const int64_t s = by0.order[q], t = pk[s] / Nl, i1 = pk[s] % L.n1;
                 for (int64_t x1 = 0; x1 < L.m1; ++x1)
-                  acc += combine(dp + x0 * blk + x1 * rp, 1, g1t + ((t * L.n1 + i1) * L.m1 + x1) * r * rmp + c, rmp, r);
-                vstore(dst + c, acc);
+                  acc.add(dP + s * Ml * rp + x0 * blk + x1 * rp, 1, g1t + ((t * L.n1 + i1) * L.m1 + x1) * r * rmp + c,
+                          rmp, r);
               }
+              vstore(d0 + (key * L.m0 + x0) * rmp + c, acc.sum());
             }
-          }
       });
-      // dG1[t, j, i1][:] += sum_x0 G0[t, 0, i0, x0, j] dP[x0, :]
+      // dG1[t, j, i1][:] = sum over its slots of sum_x0 G0[t, 0, i0, x0, j] dP[x0, :]
       for_each_group_range(by1, [&](int64_t b, int64_t e) {
-        for (int64_t key = b; key < e; ++key)
-          for (int64_t q = by1.start[key]; q < by1.start[key + 1]; ++q) {
-            const int64_t s = by1.order[q], t = pk[s] / Nl, i1 = pk[s] % L.n1;
-            const T_* dp = dP + s * Ml * rp;
-            const int64_t a_off = key0[s] * L.m0 * rm;  // G0[t, 0, i0]: (x0, j) at + x0 * rm + j
-            for (int64_t j = 0; j < rm; ++j) {
-              T_* dst = d1 + ((t * rm + j) * L.n1 + i1) * blk;
-              for (int64_t c = 0; c < blk; c += W)
-                vstore(dst + c, vload(dst + c) + combine(g0 + a_off + j, rm, dp + c, blk, L.m0));
+        for (int64_t key = b; key < e; ++key) {
+          const int64_t t = key / L.n1, i1 = key % L.n1;
+          for (int64_t j = 0; j < rm; ++j)
+            for (int64_t c = 0; c < blk; c += W) {
+              Acc4<T_> acc;
+              for (int64_t q = by1.start[key]; q < by1.start[key + 1]; ++q) {
+                const int64_t s = by1.order[q];
+                acc.add(g0 + key0[s] * L.m0 * rm + j, rm, dP + s * Ml * rp + c, blk, L.m0);
+              }
+              vstore(d1 + ((t * rm + j) * L.n1 + i1) * blk + c, acc.sum());
             }
-          }
+        }
       });
       dcores[0] = dg0t_t.narrow(-1, 0, rm).reshape(cores[0].sizes()).contiguous();
     }
@@ -557,38 +570,33 @@ std::vector<torch::Tensor> ttm_bag_backward(
         key1[s] = sk[s] / Nr * R.n1 + sk[s] % R.n1;
       }
       const Groups by0 = group_by(key0.data(), Ur, tr.T * R.n0), by1 = group_by(key1.data(), Ur, tr.T * R.n1);
-      // dG0[t, :, i0, x0, j] += sum_x1 G1[t, j, i1, x1] dS[(x0, x1), :]
+      // dG0[t, :, i0, x0, j] = sum over its slots of sum_x1 G1[t, j, i1, x1] dS[(x0, x1), :]
       for_each_group_range(by0, [&](int64_t b, int64_t e) {
         for (int64_t key = b; key < e; ++key)
-          for (int64_t q = by0.start[key]; q < by0.start[key + 1]; ++q) {
-            const int64_t s = by0.order[q], t = sk[s] / Nr, i1 = sk[s] % R.n1;
-            const T_* dq = dS + s * Mr * rp;  // row (x0, x1) at + (x0 * m1 + x1) * rp
-            for (int64_t j = 0; j < rm; ++j) {
-              const int64_t c_off = ((t * rm + j) * R.n1 + i1) * R.m1;
-              for (int64_t x0 = 0; x0 < R.m0; ++x0) {
-                T_* darow = dA + ((key * R.m0 + x0) * rm + j) * rp;
-                for (int64_t c = 0; c < rp; c += W)
-                  vstore(darow + c, vload(darow + c) + combine(c1 + c_off, 1, dq + x0 * R.m1 * rp + c, rp, R.m1));
+          for (int64_t j = 0; j < rm; ++j)
+            for (int64_t x0 = 0; x0 < R.m0; ++x0)
+              for (int64_t c = 0; c < rp; c += W) {
+                Acc4<T_> acc;
+                for (int64_t q = by0.start[key]; q < by0.start[key + 1]; ++q) {
+                  const int64_t s = by0.order[q], t = sk[s] / Nr, i1 = sk[s] % R.n1;
+                  acc.add(c1 + ((t * rm + j) * R.n1 + i1) * R.m1, 1, dS + s * Mr * rp + x0 * R.m1 * rp + c, rp, R.m1);
+                }
+                vstore(dA + ((key * R.m0 + x0) * rm + j) * rp + c, acc.sum());
               }
-            }
-          }
       });
-      // dG1[t, :, i1, x1] += sum_{x0, k} dS[(x0, x1), k] G0[t, k, i0, x0, :]
+      // dG1[t, :, i1, x1] = sum over its slots of sum_{x0, k} dS[(x0, x1), k] G0[t, k, i0, x0, :]
       for_each_group_range(by1, [&](int64_t b, int64_t e) {
         for (int64_t key = b; key < e; ++key)
-          for (int64_t q = by1.start[key]; q < by1.start[key + 1]; ++q) {
-            const int64_t s = by1.order[q];
-            const T_* dq = dS + s * Mr * rp;
-            for (int64_t x1 = 0; x1 < R.m1; ++x1) {
-              T_* dst = dC + (key * R.m1 + x1) * rmp;
-              for (int64_t c = 0; c < rmp; c += W) {
-                vec_t<T_> acc = vload(dst + c);
+          for (int64_t x1 = 0; x1 < R.m1; ++x1)
+            for (int64_t c = 0; c < rmp; c += W) {
+              Acc4<T_> acc;
+              for (int64_t q = by1.start[key]; q < by1.start[key + 1]; ++q) {
+                const int64_t s = by1.order[q];
                 for (int64_t x0 = 0; x0 < R.m0; ++x0)
-                  acc += combine(dq + (x0 * R.m1 + x1) * rp, 1, akj + (key0[s] * R.m0 + x0) * r * rmp + c, rmp, r);
-                vstore(dst + c, acc);
+                  acc.add(dS + s * Mr * rp + (x0 * R.m1 + x1) * rp, 1, akj + (key0[s] * R.m0 + x0) * r * rmp + c, rmp, r);
               }
+              vstore(dC + (key * R.m1 + x1) * rmp + c, acc.sum());
             }
-          }
       });
       // (T, n1, m1, rm) -> (T, rm, n1, m1, 1)
       dcores[tr.split + 1] = dc1t_t.narrow(-1, 0, rm).permute({0, 3, 1, 2}).unsqueeze(-1).contiguous();
