@@ -194,6 +194,26 @@ Groups group_by(const Index* slot, int64_t n, int64_t num_slots) {
   return g;
 }
 
+// The slots of a 2-core half grouped by the index of each of its cores: by (t, i0) and
+// by (t, i1), from the slots' keys t * N + i0 * n1 + i1; key0 is each slot's (t, i0).
+struct CoreGroups {
+  std::vector<int64_t> key0;
+  Groups by0, by1;
+};
+
+CoreGroups group_by_cores(const int64_t* keys, int64_t num_slots, int64_t n0, int64_t n1, int64_t tables) {
+  CoreGroups cg;
+  cg.key0.resize(num_slots);
+  std::vector<int64_t> key1(num_slots);
+  for (int64_t s = 0; s < num_slots; ++s) {
+    cg.key0[s] = keys[s] / n1;
+    key1[s] = keys[s] / (n0 * n1) * n1 + keys[s] % n1;
+  }
+  cg.by0 = group_by(cg.key0.data(), num_slots, tables * n0);
+  cg.by1 = group_by(key1.data(), num_slots, tables * n1);
+  return cg;
+}
+
 // Run fn(begin, end) over the groups [0, G) of `groups`, split into one contiguous range
 // per thread of torch's intra-op pool with about equal numbers of entries (each group
 // stays whole, so each group's sum is one thread's, in a fixed order: results do not
@@ -504,12 +524,9 @@ std::vector<torch::Tensor> ttm_bag_backward(
       const T_* g1t = g1t_t.data_ptr<T_>();
       T_* d0 = dg0t_t.data_ptr<T_>();
       T_* d1 = dleft1.data_ptr<T_>();
-      std::vector<int64_t> key0(Ul), key1(Ul);  // (t, i0) and (t, i1) of each slot
-      for (int64_t s = 0; s < Ul; ++s) {
-        key0[s] = pk[s] / L.n1;
-        key1[s] = pk[s] / Nl * L.n1 + pk[s] % L.n1;
-      }
-      const Groups by0 = group_by(key0.data(), Ul, tr.T * L.n0), by1 = group_by(key1.data(), Ul, tr.T * L.n1);
+      const CoreGroups cg = group_by_cores(pk, Ul, L.n0, L.n1, tr.T);
+      const Groups &by0 = cg.by0, &by1 = cg.by1;
+      const std::vector<int64_t>& key0 = cg.key0;
       // Each core slice's gradient is summed over its slots in registers and stored once.
       // dG0[t, i0][x0, :] = sum over its slots of sum_{x1, k} dP[x0, x1, k] G1[t, :, i1, x1, k]
       for_each_group_range(by0, [&](int64_t b, int64_t e) {
@@ -564,12 +581,9 @@ std::vector<torch::Tensor> ttm_bag_backward(
       const T_* c1 = cores[tr.split + 1].data_ptr<T_>();
       T_* dA = dright0.data_ptr<T_>();
       T_* dC = dc1t_t.data_ptr<T_>();
-      std::vector<int64_t> key0(Ur), key1(Ur);  // (t, i0) and (t, i1) of each slot
-      for (int64_t s = 0; s < Ur; ++s) {
-        key0[s] = sk[s] / R.n1;
-        key1[s] = sk[s] / Nr * R.n1 + sk[s] % R.n1;
-      }
-      const Groups by0 = group_by(key0.data(), Ur, tr.T * R.n0), by1 = group_by(key1.data(), Ur, tr.T * R.n1);
+      const CoreGroups cg = group_by_cores(sk, Ur, R.n0, R.n1, tr.T);
+      const Groups &by0 = cg.by0, &by1 = cg.by1;
+      const std::vector<int64_t>& key0 = cg.key0;
       // dG0[t, :, i0, x0, j] = sum over its slots of sum_x1 G1[t, j, i1, x1] dS[(x0, x1), :]
       for_each_group_range(by0, [&](int64_t b, int64_t e) {
         for (int64_t key = b; key < e; ++key)
