@@ -414,7 +414,7 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             if not isinstance(kt, KeyedTensor) and hasattr(kt, "wait"):
                 kt = kt.wait()  # sharded under DMP: an awaitable KeyedTensor
             if by_blocks:
-                sources.insert(0, kt.values().float())
+                sources.insert(0, kt.values())
             else:
                 dense_parts = list(kt.values().split(self._dense_lengths, dim=1))
 
