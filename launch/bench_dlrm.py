@@ -288,7 +288,10 @@ def parts(setup: Setup, repeats: int = 20) -> None:
         print(f"{v:14s}" + "".join(f"{median[v][n] * 1e3:13.1f}" for n in names))
 
     rate = sgemm_flops_per_second()
-    flops = {v: use_lookup_path(v) or part_times(models[v][0], data[0], count_flops=True) for v in names_}
+    flops = {}
+    for v in names_:
+        use_lookup_path(v)
+        flops[v] = part_times(models[v][0], data[0], count_flops=True)
     print(f"\nmatrix-multiply FLOPs per part (forward + backward, torch.utils.flop_counter; lookups: the "
           f"TTM contractions only, FBGEMM's row reads count 0) against a 2048^3 sgemm at {rate / 1e9:.0f} GFLOP/s:"
           f"\nGFLOP / time those FLOPs need at that rate (ms) / measured time over it")
@@ -331,7 +334,10 @@ def kaggle(setup: Setup) -> None:
             train_step(*models[v], batch)
             times[v].append(time.perf_counter() - t0)
     shared = {v: statistics.median_high(t[3:]) for v, t in times.items()}
-    aucs = {v: use_lookup_path(v) or auc(models[v][0], setup, False) for v in names}
+    aucs = {}
+    for v in names:
+        use_lookup_path(v)
+        aucs[v] = auc(models[v][0], setup, False)
     del models
 
     step = {v: alone[v]["step_s"] for v in names}

@@ -26,6 +26,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tables
 from comera_rec.tensor import kernels
+from comera_rec.tensor.contract import divide_bags
 from comera_rec.tensor.stacked import StackedTTMTables
 
 _POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
@@ -385,12 +386,8 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             out = group(ids, offsets, trains, w, stream_batch=batch if by_blocks else 0)
             if any(mean for _, _, mean in streams):
                 is_mean = stream_mean.unsqueeze(1).expand(-1, batch).reshape(-1)  # (F_g * B,)
-                divisor = torch.where(is_mean, lens.clamp_min(1), torch.ones_like(lens)).to(out.dtype)
-                if by_blocks:  # out: (B, F_g * D), divisor per (stream, sample)
-                    out = (out.view(batch, len(streams), -1) / divisor.view(len(streams), batch).t().unsqueeze(2))
-                    out = out.reshape(batch, -1)
-                else:  # out: (F_g * B, D)
-                    out = out / divisor.unsqueeze(1)
+                divisor = torch.where(is_mean, lens.clamp_min(1), torch.ones_like(lens))
+                out = divide_bags(out, divisor, batch if by_blocks else 0)
             if by_blocks:
                 sources.append(out)
             else:

@@ -371,6 +371,25 @@ def streams_side_by_side(out: torch.Tensor, stream_batch: int) -> torch.Tensor:
     return out.view(bags // stream_batch, stream_batch, dim).transpose(0, 1).reshape(stream_batch, -1)
 
 
+def divide_bags(out: torch.Tensor, divisor: torch.Tensor, stream_batch: int = 0) -> torch.Tensor:
+    """Divide each bag by its entry of ``divisor`` (``(bags,)``), in either layout of
+    :func:`ttm_embedding_bag`: ``(bags, D)``, or with ``stream_batch > 0`` ``(stream_batch,
+    streams * D)`` where bag ``f * stream_batch + b`` is row ``b``, columns ``f * D ...``.
+
+    Example::
+
+        >>> divide_bags(torch.ones(2, 4), torch.tensor([1.0, 2.0, 4.0, 8.0]), 2)
+        tensor([[1.0000, 1.0000, 0.2500, 0.2500],
+                [0.5000, 0.5000, 0.1250, 0.1250]])
+    """
+    divisor = divisor.to(out.dtype)
+    if stream_batch <= 0:
+        return out / divisor.unsqueeze(1)
+    streams = divisor.numel() // stream_batch
+    per_sample = divisor.view(streams, stream_batch).t().unsqueeze(2)  # (stream_batch, streams, 1)
+    return (out.view(stream_batch, streams, -1) / per_sample).reshape(stream_batch, -1)
+
+
 def _ttm_embedding_bag_dedup(
     cores: Sequence[torch.Tensor],
     row_shape: Sequence[int],

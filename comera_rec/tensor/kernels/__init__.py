@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from typing import Sequence
 
 import torch
@@ -23,6 +22,7 @@ import torch
 from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup (built on first use)
     cpu_kernel_applies,
     cpu_kernel_enabled,
+    disabled_by_env,
     gather_column_blocks,
     set_cpu_kernel_enabled,
     ttm_embedding_bag_cpu,
@@ -56,10 +56,7 @@ def triton_enabled() -> bool:
     ``COMERA_DISABLE_TRITON`` set to anything but ``""`` / ``"0"`` / ``"false"`` disables it;
     it is read on every call, so it may be changed at run time.
     """
-    flag = os.environ.get(DISABLE_ENV, "").strip().lower()
-    if flag not in ("", "0", "false", "no", "off"):
-        return False
-    return _enabled and triton_available()
+    return not disabled_by_env(DISABLE_ENV) and _enabled and triton_available()
 
 
 def ttm_embedding_bag_triton(

@@ -91,13 +91,6 @@ inline T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
   return hsum(acc);
 }
 
-// y += alpha x over n = C whole vectors
-template <typename T>
-inline void axpy(T alpha, const T* __restrict x, T* __restrict y, int64_t n) {
-  constexpr int64_t W = kLanes<T>;
-  for (int64_t c = 0; c < n; c += W) vstore(y + c, vload(y + c) + alpha * vload(x + c));
-}
-
 // Four independent vector accumulators, so that multiply-adds do not wait on each other:
 // add() accumulates sum_j coef[j * cstride] * rows[j * rstride : + one vector], j < n.
 template <typename T>
@@ -134,7 +127,6 @@ struct Half {
   int64_t cores = 0;    // 1 or 2
   int64_t n0 = 1, n1 = 1;  // row factors
   int64_t m0 = 1, m1 = 1;  // column factors
-  int64_t r_in = 1;     // rank entering the half's first core
   int64_t r_mid = 1;    // rank between the half's two cores (2-core halves)
   int64_t r_out = 1;    // rank leaving the half's last core
   int64_t rows() const { return n0 * n1; }
@@ -147,7 +139,6 @@ Half half_of(const std::vector<torch::Tensor>& cores, int64_t begin, int64_t end
   const auto& a = cores[begin];
   h.n0 = a.size(2);
   h.m0 = a.size(3);
-  h.r_in = a.size(1);
   if (h.cores == 2) {
     const auto& b = cores[begin + 1];
     h.r_mid = a.size(4);

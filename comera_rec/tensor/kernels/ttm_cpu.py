@@ -66,6 +66,12 @@ def _extension():
             return None
 
 
+def disabled_by_env(name: str) -> bool:
+    """Whether the environment variable ``name`` switches a kernel off: set to anything but
+    ``""`` / ``"0"`` / ``"false"`` / ``"no"`` / ``"off"``. Read on every call."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def set_cpu_kernel_enabled(enabled: bool) -> None:
     """Turn the fused CPU lookup on or off for this process (the environment switch still wins)."""
     global _enabled
@@ -78,10 +84,7 @@ def cpu_kernel_enabled() -> bool:
     ``COMERA_DISABLE_CPU_KERNEL`` set to anything but ``""`` / ``"0"`` / ``"false"``
     disables it; it is read on every call.
     """
-    flag = os.environ.get(DISABLE_ENV, "").strip().lower()
-    if flag not in ("", "0", "false", "no", "off"):
-        return False
-    return _enabled and _extension() is not None
+    return not disabled_by_env(DISABLE_ENV) and _enabled and _extension() is not None
 
 
 def cpu_kernel_applies(cores: Sequence[torch.Tensor], ids: torch.Tensor) -> bool:
@@ -190,10 +193,7 @@ def ttm_embedding_bag_cpu(
         ids, offsets, trains if trains is not None else _EMPTY, weights, int(embedding_dim), batch, *cores
     )  # (B, D), or (batch, streams * D)
     if mode == "mean":
-        lengths = (offsets[1:] - offsets[:-1]).clamp_min(1).to(out.dtype)  # per bag
-        if batch > 0:
-            streams = lengths.numel() // batch
-            out = (out.view(batch, streams, -1) / lengths.view(streams, batch).t().unsqueeze(2)).reshape(batch, -1)
-        else:
-            out = out / lengths.unsqueeze(1)
+        from comera_rec.tensor.contract import divide_bags  # contract imports this package
+
+        out = divide_bags(out, (offsets[1:] - offsets[:-1]).clamp_min(1), batch)
     return out
