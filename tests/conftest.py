@@ -19,14 +19,15 @@ def _seed() -> None:
 
 @pytest.fixture(params=["kernel", "torch"])
 def lookup_path(request):
-    """Run a test once through the fused CPU lookup and once through the PyTorch path.
+    """Run a test once through the fused CPU kernels (TTM lookup, TT linear) and once
+    through the PyTorch path.
 
     The kernel is expected to build wherever the suite runs (a C++ compiler is part of
     the set-up): a failed build fails the "kernel" runs instead of skipping them.
     """
     use_kernel = request.param == "kernel"
     if use_kernel:
-        assert kernels.cpu_kernel_enabled(), "the fused CPU lookup did not build (see the log for the compiler error)"
+        assert kernels.cpu_kernel_enabled(), "the fused CPU kernels did not build (see the log for the compiler error)"
     kernels.set_cpu_kernel_enabled(use_kernel)
     yield request.param
     kernels.set_cpu_kernel_enabled(True)

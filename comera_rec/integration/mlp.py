@@ -44,7 +44,9 @@ def tt_mlp(
         dtype: parameter dtype.
 
     Returns:
-        An ``MLP`` whose ``Perceptron._linear`` is a ``TTLinear`` where it pays.
+        An ``MLP`` whose ``Perceptron._linear`` is a ``TTLinear`` where it pays; with the
+        ReLU activation that layer applies the ReLU itself (fused into its CPU kernel) and
+        the perceptron's activation becomes the identity.
 
     Example::
 
@@ -56,10 +58,18 @@ def tt_mlp(
     for perceptron in mlp._mlp:
         linear = perceptron._linear
         if linear_pays(linear.in_features, linear.out_features, rank, min_gain, bias):
+            relu = is_relu(perceptron._activation_fn)
             perceptron._linear = TTLinear(
-                linear.in_features, linear.out_features, rank, bias=bias, device=device, dtype=dtype
+                linear.in_features, linear.out_features, rank, bias=bias, device=device, dtype=dtype, relu=relu
             )
+            if relu:
+                perceptron._activation_fn = nn.Identity()
     return mlp
+
+
+def is_relu(activation: Activation) -> bool:
+    """Whether an ``MLP`` activation is the plain ReLU (which a ``TTLinear`` can fuse)."""
+    return activation is torch.relu or activation is torch.nn.functional.relu or type(activation) is nn.ReLU
 
 
 class TTLowRankCrossNet(nn.Module):

@@ -79,8 +79,12 @@ def tt_linear(
     output_cores: Sequence[torch.Tensor],
     out_features: int,
     bias: torch.Tensor | None = None,
+    relu: bool = False,
 ) -> torch.Tensor:
     """Apply a TT weight to the last dimension of ``x`` like ``F.linear``.
+
+    On CPU the fused kernel (``kernels/tt_linear_cpu.cpp``) applies it, the bias and the
+    ReLU in one pass over the batch; elsewhere two GEMMs (:class:`TTLinearFunction`).
 
     Args:
         x: ``(..., in_features)``; ``in_features`` may be below the padded N_in.
@@ -88,6 +92,7 @@ def tt_linear(
         output_cores: cores of the output side.
         out_features: the columns kept (<= the padded N_out).
         bias: optional ``(out_features,)``.
+        relu: apply the ReLU to the result.
 
     Returns:
         ``(..., out_features)``.
@@ -95,7 +100,13 @@ def tt_linear(
     in_features = x.shape[-1]
     left = merge_input_chain(input_cores)[:in_features]  # (in_features, r)
     right = merge_output_chain(output_cores)[:, :out_features]  # (r, out_features)
-    y = TTLinearFunction.apply(x.reshape(-1, in_features), left, right, bias)
+    rows = x.reshape(-1, in_features)
+    if kernels.tt_linear_kernel_applies(rows, left, right):
+        y = kernels.tt_linear_cpu(rows, left, right, bias, relu)
+    else:
+        y = TTLinearFunction.apply(rows, left, right, bias)
+        if relu:
+            y = torch.relu(y)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

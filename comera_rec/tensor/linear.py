@@ -35,6 +35,8 @@ class TTLinear(TensorTrainModule):
         device: where to allocate (``"meta"`` allocates nothing; call
             :meth:`reset_parameters` later).
         dtype: floating point dtype.
+        relu: apply a ReLU to the output, fused into the CPU kernel's pass (the
+            activation of an MLP layer; its backward needs no mask of its own).
 
     Example::
 
@@ -55,6 +57,7 @@ class TTLinear(TensorTrainModule):
         shape: tuple[Sequence[int], Sequence[int]] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        relu: bool = False,
     ) -> None:
         super().__init__()
         dtype = check_float_dtype("TTLinear", dtype)
@@ -73,6 +76,7 @@ class TTLinear(TensorTrainModule):
                 )
         self.in_features = in_features
         self.out_features = out_features
+        self.relu = bool(relu)
         self.in_shape: tuple[int, ...] = tuple(in_shape)
         self.out_shape: tuple[int, ...] = tuple(out_shape)
         modes = self.in_shape + self.out_shape
@@ -112,7 +116,7 @@ class TTLinear(TensorTrainModule):
                 f"TTLinear: expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}"
             )
         inputs, outputs = self._split()
-        return tt_linear(x, inputs, outputs, self.out_features, self.bias)
+        return tt_linear(x, inputs, outputs, self.out_features, self.bias, relu=self.relu)
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(out_features, in_features)`` weight, differentiable in the cores."""
@@ -131,6 +135,7 @@ class TTLinear(TensorTrainModule):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"shape={self.shape}, ranks={self.ranks}, bias={self.bias is not None}"
+            + (", relu=True" if self.relu else "")
         )
 
     @classmethod

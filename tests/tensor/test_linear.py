@@ -19,13 +19,15 @@ def randomize_controllers(layer) -> None:
             d.uniform_(0.5, 1.5)
 
 
+@pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-def test_forward_and_backward_match_dense_reconstruction(bias: bool) -> None:
-    layer = TTLinear(30, 20, rank=4, bias=bias, shape=((2, 3, 5), (2, 2, 5)), dtype=DT)
+def test_forward_and_backward_match_dense_reconstruction(bias: bool, relu: bool, lookup_path: str) -> None:
+    layer = TTLinear(30, 20, rank=4, bias=bias, shape=((2, 3, 5), (2, 2, 5)), dtype=DT, relu=relu)
     randomize_controllers(layer)
     x = torch.randn(7, 3, 30, dtype=DT, requires_grad=True)
     w = linear_weight(layer)
     ref = F.linear(x, w, layer.bias)
+    ref = F.relu(ref) if relu else ref
     out = layer(x)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(layer.dense_weight(), w)
@@ -49,7 +51,7 @@ def test_custom_function_gradcheck() -> None:
     torch.testing.assert_close(y, x @ left @ right + bias)
 
 
-def test_backward_saves_only_input_and_rank_intermediate() -> None:
+def test_backward_saves_only_input_and_rank_intermediate(lookup_path: str) -> None:
     layer = TTLinear(64, 64, rank=4, shape=((8, 8), (8, 8)), dtype=DT)
     x = torch.randn(100, 64, dtype=DT, requires_grad=True)
     saved = []
@@ -61,8 +63,10 @@ def test_backward_saves_only_input_and_rank_intermediate() -> None:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x).sum()
     batch_sized = [s for s in saved if 100 in s]
-    # x (100, 64) and x @ left (100, r); never a (100, 64)-sized output intermediate twice.
-    assert sorted(batch_sized) == [(100, 4), (100, 64)]
+    # x (100, 64) and x @ left (100, r) (the kernel pads r to whole 64-byte vectors: 8
+    # doubles); never a (100, 64)-sized output intermediate twice.
+    rank_width = 8 if lookup_path == "kernel" else 4
+    assert sorted(batch_sized) == [(100, rank_width), (100, 64)]
 
 
 @given(

@@ -1,4 +1,4 @@
-"""Optional Triton kernels for CUDA tensors, and the switch that decides when they run.
+"""Fused kernels: Triton for CUDA tensors, C++ for CPU ones, and the switches that decide when they run.
 
 Importing this package never imports Triton: the check runs on the first CUDA lookup
 only, so the CPU path pays nothing. The fused lookup is used when
@@ -27,6 +27,7 @@ from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup (built o
     set_cpu_kernel_enabled,
     ttm_embedding_bag_cpu,
 )
+from comera_rec.tensor.kernels.tt_linear_cpu import tt_linear_cpu, tt_linear_kernel_applies  # the fused CPU TT linear
 
 DISABLE_ENV = "COMERA_DISABLE_TRITON"
 
@@ -89,6 +90,8 @@ __all__ = [
     "gather_column_blocks",
     "set_cpu_kernel_enabled",
     "ttm_embedding_bag_cpu",
+    "tt_linear_cpu",
+    "tt_linear_kernel_applies",
     "set_triton_enabled",
     "triton_available",
     "triton_enabled",

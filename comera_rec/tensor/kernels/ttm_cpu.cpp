@@ -29,58 +29,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-// Rank vectors are padded to whole 64-byte vectors (16 floats, 8 doubles): every loop
-// below runs over whole vectors held in registers (GCC / Clang vector extensions, which
-// become AVX-512 or pairs of AVX2 registers, or narrower ones elsewhere).
-template <typename T>
-struct Simd {
-  static constexpr int64_t W = 64 / sizeof(T);
-  typedef T vec __attribute__((vector_size(64)));
-  typedef T uvec __attribute__((vector_size(64), aligned(sizeof(T)), may_alias));
-  // lane indices of a shuffle: integers of T's width
-  typedef std::conditional_t<sizeof(T) == 4, int32_t, int64_t> lane_int;
-  typedef lane_int index __attribute__((vector_size(64)));
-};
-template <typename T>
-using vec_t = typename Simd<T>::vec;
-template <typename T>
-constexpr int64_t kLanes = Simd<T>::W;
-
-template <typename T>
-inline vec_t<T> vload(const T* p) { return *reinterpret_cast<const typename Simd<T>::uvec*>(p); }
-template <typename T>
-inline void vstore(T* p, vec_t<T> v) { *reinterpret_cast<typename Simd<T>::uvec*>(p) = v; }
-template <typename T>
-inline vec_t<T> vzero() { return vec_t<T>{}; }
-
-// Sum of the lanes, by halving in registers (a shuffle and an add per level).
-#if defined(__clang__)
-#define COMERA_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define COMERA_SHUFFLE(v, ...) __builtin_shuffle(v, typename Simd<T>::index{__VA_ARGS__})
-#endif
-
-inline float hsum(vec_t<float> v) {
-  using T = float;
-  v += COMERA_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += COMERA_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += COMERA_SHUFFLE(v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-  v += COMERA_SHUFFLE(v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-  return v[0];
-}
-
-inline double hsum(vec_t<double> v) {
-  using T = double;
-  v += COMERA_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += COMERA_SHUFFLE(v, 2, 3, 0, 1, 2, 3, 0, 1);
-  v += COMERA_SHUFFLE(v, 1, 0, 1, 0, 1, 0, 1, 0);
-  return v[0];
-}
-#undef COMERA_SHUFFLE
-
-inline int64_t padded(int64_t n, int64_t lanes) { return (n + lanes - 1) / lanes * lanes; }
+using namespace comera;
 
 // sum_i a[i] b[i] over n = C whole vectors
 template <typename T>
@@ -114,12 +67,6 @@ inline vec_t<T> combine(const T* coef, int64_t cstride, const T* rows, int64_t r
   Acc4<T> acc;
   acc.add(coef, cstride, rows, rstride, n);
   return acc.sum();
-}
-
-// The last dimension zero-padded to a multiple of `lanes`, contiguous.
-torch::Tensor pad_last(const torch::Tensor& t, int64_t lanes) {
-  const int64_t n = t.size(-1), p = padded(n, lanes);
-  return p == n ? t.contiguous() : at::constant_pad_nd(t, {0, p - n}).contiguous();
 }
 
 // Shape of one half: 1 or 2 cores.
@@ -673,9 +620,18 @@ std::vector<torch::Tensor> scatter_blocks(torch::Tensor grad, std::vector<int64_
   return out;
 }
 
+// tt_linear_cpu.cpp: the fused TT linear, bound in this (the extension's one) module
+std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left, torch::Tensor right,
+                                             torch::Tensor bias, bool relu);
+std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tensor x, torch::Tensor left,
+                                              torch::Tensor right, torch::Tensor t, torch::Tensor y,
+                                              bool need_grad_x, bool need_grad_bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ttm_bag_forward", &ttm_bag_forward, "fused de-duplicated TTM embedding-bag lookup (forward)");
   m.def("ttm_bag_backward", &ttm_bag_backward, "fused de-duplicated TTM embedding-bag lookup (backward)");
   m.def("gather_blocks", &gather_blocks, "column blocks of several matrices side by side");
   m.def("scatter_blocks", &scatter_blocks, "the gradient of gather_blocks");
+  m.def("tt_linear_forward", &tt_linear_forward, "fused TT linear (+ ReLU): forward");
+  m.def("tt_linear_backward", &tt_linear_backward, "fused TT linear (+ ReLU): backward");
 }

@@ -31,7 +31,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "COMERA_DISABLE_CPU_KERNEL"
-_SOURCE = Path(__file__).with_name("ttm_cpu.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("ttm_cpu.cpp", "tt_linear_cpu.cpp")]
+_HEADERS = [Path(__file__).with_name("simd.h")]
 _enabled = True
 _build_lock = threading.Lock()
 
@@ -48,6 +49,12 @@ def _host_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
+def _source_tag() -> str:
+    """A short hash of the headers: ``cpp_extension`` rebuilds when a source changes but
+    does not see the headers they include, so a changed header makes a new build name."""
+    return hashlib.sha1(b"".join(p.read_bytes() for p in _HEADERS)).hexdigest()[:8]
+
+
 @functools.lru_cache(maxsize=None)
 def _extension():
     """The compiled module, or ``None`` when it cannot be built (logged once)."""
@@ -55,14 +62,14 @@ def _extension():
         try:
             from torch.utils.cpp_extension import load
 
-            logger.info("building the fused CPU TTM lookup (once per machine; cached by torch.utils.cpp_extension)")
+            logger.info("building the fused CPU kernels (once per machine; cached by torch.utils.cpp_extension)")
             flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
             return load(
-                name=f"comera_ttm_cpu_{_host_tag()}", sources=[str(_SOURCE)],
+                name=f"comera_cpu_{_host_tag()}_{_source_tag()}", sources=[str(p) for p in _SOURCES],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
             )
         except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch path still works
-            logger.warning("fused CPU TTM lookup unavailable (%s); lookups use the PyTorch path", exc)
+            logger.warning("fused CPU kernels unavailable (%s); lookups and TT layers use the PyTorch path", exc)
             return None
 
 

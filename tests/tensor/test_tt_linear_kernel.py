@@ -1,0 +1,191 @@
+"""The fused CPU TT linear (kernels/tt_linear_cpu.cpp) against a float64 reference and the BLAS path."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from comera_rec import TTLinear
+from comera_rec.integration.mlp import tt_mlp
+from comera_rec.tensor import kernels
+from comera_rec.tensor.contract import TTLinearFunction, tt_linear
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _kernel_on():
+    assert kernels.cpu_kernel_enabled(), "the fused CPU kernels did not build (see the log for the compiler error)"
+    yield
+    kernels.set_cpu_kernel_enabled(True)
+
+
+def make(batch, n_in, n_out, rank, bias=True, dtype=DT, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, n_in, generator=g, dtype=dtype).requires_grad_()
+    left = (torch.randn(n_in, rank, generator=g, dtype=dtype) / n_in**0.5).requires_grad_()
+    right = (torch.randn(rank, n_out, generator=g, dtype=dtype) / rank**0.5).requires_grad_()
+    b = torch.randn(n_out, generator=g, dtype=dtype).requires_grad_() if bias else None
+    return x, left, right, b
+
+
+def reference(x, left, right, bias, relu):
+    """The same product through two float64 GEMMs and autograd's own ReLU."""
+    y = (x.double() @ left.double()) @ right.double()
+    if bias is not None:
+        y = y + bias.double()
+    return torch.relu(y) if relu else y
+
+
+def grads(y, inputs, g):
+    inputs = [t for t in inputs if t is not None]
+    return torch.autograd.grad(y, inputs, g.to(y.dtype))
+
+
+# (batch, N_in, N_out, r): ranks 5 / 17 / 40 not whole vectors; batches not whole 8-row
+# tiles, and 700 rows: several row chunks with a short last one
+CASES = [
+    (1, 3, 2, 1),
+    (37, 13, 29, 5),
+    (9, 367, 512, 17),
+    (700, 64, 48, 16),
+    (33, 100, 70, 24),
+]
+
+
+@pytest.mark.parametrize("batch,n_in,n_out,rank", CASES)
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_values_and_gradients_equal_the_float64_reference(batch, n_in, n_out, rank, relu, bias) -> None:
+    x, left, right, b = make(batch, n_in, n_out, rank, bias)
+    assert kernels.tt_linear_kernel_applies(x, left, right)
+    y = kernels.tt_linear_cpu(x, left, right, b, relu)
+    want = reference(x, left, right, b, relu)
+    torch.testing.assert_close(y, want)
+    g = torch.randn_like(y)
+    for got, ref in zip(grads(y, [x, left, right, b], g), grads(want, [x, left, right, b], g)):
+        torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("rank", [16, 40, 64])
+def test_float32_against_float64(rank: int) -> None:
+    x, left, right, b = make(300, 96, 80, rank, dtype=torch.float32)
+    y = kernels.tt_linear_cpu(x, left, right, b, True)
+    want = reference(x, left, right, b, True)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    for got, ref in zip(grads(y, [x, left, right, b], g), grads(want, [x, left, right, b], g)):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)  # float32 both: autograd casts back
+
+
+def test_gradcheck() -> None:
+    x, left, right, b = make(11, 7, 5, 3)
+    with torch.no_grad():
+        x += 0.5  # keep pre-activations away from the ReLU's kink
+    assert torch.autograd.gradcheck(lambda *a: kernels.tt_linear_cpu(*a, relu=True), (x, left, right, b))
+    assert torch.autograd.gradcheck(lambda *a: kernels.tt_linear_cpu(*a, relu=False), (x, left, right))
+
+
+def test_input_gradient_only_when_asked() -> None:
+    x, left, right, b = make(20, 12, 10, 4)
+    x.requires_grad_(False)
+    y = kernels.tt_linear_cpu(x, left, right, b, True)
+    got = torch.autograd.grad(y.sum(), [left, right, b])
+    want = torch.autograd.grad(reference(x, left, right, b, True).sum(), [left, right, b])
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_thread_counts_give_identical_results(threads: int) -> None:
+    # weight gradients are summed per row chunk (set by the batch alone), then in chunk order
+    x, left, right, b = make(1000, 40, 24, 9, dtype=torch.float32)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            y = kernels.tt_linear_cpu(x, left, right, b, True)
+            results.append([y, *torch.autograd.grad(y.square().sum(), [x, left, right, b])])
+    finally:
+        torch.set_num_threads(before)
+    for a, c in zip(*results):
+        assert torch.equal(a, c)
+
+
+@given(
+    batch=st.integers(1, 40),
+    n_in=st.integers(1, 40),
+    n_out=st.integers(1, 40),
+    rank=st.integers(1, 32),
+    relu=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_property_shapes_and_ranks(batch, n_in, n_out, rank, relu, seed) -> None:
+    x, left, right, b = make(batch, n_in, n_out, rank, seed=seed)
+    y = kernels.tt_linear_cpu(x, left, right, b, relu)
+    assert y.shape == (batch, n_out)
+    torch.testing.assert_close(y, reference(x, left, right, b, relu))
+
+
+def test_tt_linear_dispatch_matches_the_blas_path() -> None:
+    layer = TTLinear(60, 40, rank=6, shape=((3, 4, 5), (2, 4, 5)), dtype=DT, relu=True)
+    x = torch.randn(3, 5, 60, dtype=DT, requires_grad=True)
+    params = [x, *layer.cores, *layer.controllers, layer.bias]
+    out = layer(x)
+    got = torch.autograd.grad(out.sum(), params)
+    kernels.set_cpu_kernel_enabled(False)
+    inputs, outputs = layer._split()
+    want_out = tt_linear(x, inputs, outputs, 40, layer.bias, relu=True)
+    want = torch.autograd.grad(want_out.sum(), params)
+    torch.testing.assert_close(out, want_out)
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c)
+
+
+def test_dispatch_switches(monkeypatch) -> None:
+    x, left, right, _ = make(4, 6, 5, 3, dtype=torch.float32)
+    assert kernels.tt_linear_kernel_applies(x, left, right)
+    assert not kernels.tt_linear_kernel_applies(x.half(), left.half(), right.half())
+    assert not kernels.tt_linear_kernel_applies(x.to("meta"), left.to("meta"), right.to("meta"))
+    wide = torch.randn(6, 65)
+    assert not kernels.tt_linear_kernel_applies(x, wide, torch.randn(65, 5))  # rank 65 > 4 vectors
+    assert not kernels.tt_linear_kernel_applies(x.double(), torch.randn(6, 33, dtype=DT), torch.randn(33, 5, dtype=DT))
+    monkeypatch.setenv(kernels.ttm_cpu.DISABLE_ENV, "1")
+    assert not kernels.tt_linear_kernel_applies(x, left, right)
+    monkeypatch.setenv(kernels.ttm_cpu.DISABLE_ENV, "0")
+    kernels.set_cpu_kernel_enabled(False)
+    assert not kernels.tt_linear_kernel_applies(x, left, right)
+
+
+def test_bad_shapes_name_what_was_wrong() -> None:
+    x, left, right, b = make(4, 6, 5, 3)
+    with pytest.raises(RuntimeError, match="left has 7 rows for 6 input features"):
+        kernels.tt_linear_cpu(x, torch.randn(7, 3, dtype=DT), right, b)
+    with pytest.raises(RuntimeError, match="left has rank 3, right 4"):
+        kernels.tt_linear_cpu(x, left, torch.randn(4, 5, dtype=DT), b)
+    with pytest.raises(RuntimeError, match="bias of 4 values for 5 outputs"):
+        kernels.tt_linear_cpu(x, left, right, torch.randn(4, dtype=DT))
+
+
+def test_tt_mlp_fuses_the_relu_and_keeps_the_function() -> None:
+    mlp = tt_mlp(13, [64, 48, 16], rank=4, min_gain=1.0, dtype=DT)
+    fused = [p for p in mlp._mlp if isinstance(p._linear, TTLinear)]
+    assert fused and all(p._linear.relu and isinstance(p._activation_fn, torch.nn.Identity) for p in fused)
+    x = torch.randn(10, 13, dtype=DT)
+    y = mlp(x)
+    h = x
+    for p in mlp._mlp:  # the layers one by one, the ReLU applied outside as TorchRec's MLP does
+        lin = p._linear
+        if isinstance(lin, TTLinear):
+            h = torch.relu(torch.nn.functional.linear(h, lin.dense_weight(), lin.bias))
+        else:
+            h = p(h)
+    torch.testing.assert_close(y, h)
+    assert "relu=True" in repr(fused[0]._linear)
+
+
+def test_blas_function_unchanged_by_the_kernel() -> None:
+    # TTLinearFunction is still the path off the CPU kernel: same values as the kernel
+    x, left, right, b = make(16, 10, 12, 4)
+    torch.testing.assert_close(TTLinearFunction.apply(x, left, right, b), kernels.tt_linear_cpu(x, left, right, b))
