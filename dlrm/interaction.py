@@ -8,7 +8,10 @@ pair, the diagonal a zero column: no zero fill, no accumulation), and one batche
 gives the features' gradient: with
 ``U`` the upstream gradient on the upper triangle, the gradient of ``<U, E E^T>`` is
 ``(U + U^T) E``, and the grid filled in both triangles is ``U + U^T``. Same values forward
-(bit for bit), gradients equal up to rounding.
+(bit for bit), gradients equal up to rounding. On CPU a fused kernel
+(``comera_rec/tensor/kernels/interaction_cpu.cpp``) does the whole of it, the
+concatenations included, per sample in one pass (values and gradients equal up to
+rounding).
 
 Shapes in comments: B batch, F sparse features, D embedding dim, n = F + 1.
 """
@@ -17,6 +20,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torchrec.models.dlrm import SparseArch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from comera_rec.tensor import kernels
 
 
 class _PairwiseDots(torch.autograd.Function):
@@ -91,7 +98,37 @@ class PairwiseDotInteraction(nn.Module):
         if sparse_features.dim() != 3 or sparse_features.shape[1] != self.num_sparse_features:
             raise ValueError(f"PairwiseDotInteraction: expected sparse features (B, {self.num_sparse_features}, D), "
                              f"got {tuple(sparse_features.shape)}")
+        if kernels.pairwise_kernel_applies(dense_features, sparse_features):
+            return kernels.pairwise_dots_cpu(dense_features, sparse_features)
         combined = torch.cat([dense_features.unsqueeze(1), sparse_features], dim=1)  # (B, n, D)
         upper, pair_of_cell = self._positions_on(combined.device)
         pairs = _PairwiseDots.apply(combined, upper, pair_of_cell)  # (B, n (n - 1) / 2)
         return torch.cat([dense_features, pairs], dim=1)
+
+
+class FlatSparseArch(SparseArch):
+    """TorchRec's ``SparseArch`` without the split and concatenation of its output when
+    the collection's features already come in the arch's order with one dim: then the
+    ``(B, F * D)`` values are the ``(B, F, D)`` result as they are (a view, no copy).
+
+    Args:
+        embedding_bag_collection: as for ``SparseArch``.
+
+    Example::
+
+        >>> from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+        >>> ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t{i}", embedding_dim=4,
+        ...     num_embeddings=10, feature_names=[f"f{i}"]) for i in range(2)])
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(  # two samples, one id per feature
+        ...     ["f0", "f1"], torch.tensor([1, 2, 3, 4]), torch.tensor([1, 1, 1, 1]))
+        >>> FlatSparseArch(ebc)(kjt).shape
+        torch.Size([2, 2, 4])
+    """
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """``(B, F, D)`` pooled embeddings in ``sparse_feature_names`` order."""
+        sparse = self.embedding_bag_collection(features)
+        if sparse.keys() == self.sparse_feature_names and all(n == self.D for n in sparse.length_per_key()):
+            return sparse.values().reshape(-1, self.F, self.D)
+        values = sparse.to_dict()
+        return torch.cat([values[name] for name in self.sparse_feature_names], dim=1).reshape(-1, self.F, self.D)

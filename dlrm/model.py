@@ -14,7 +14,7 @@ from comera_rec.integration.compress import ModelSize, model_size
 from comera_rec.integration.mlp import TTLowRankCrossNet, tt_mlp
 from comera_rec.integration.policy import CompressionPolicy
 from dlrm.config import DLRMConfig
-from dlrm.interaction import PairwiseDotInteraction
+from dlrm.interaction import FlatSparseArch, PairwiseDotInteraction
 
 
 def criteo_tables(
@@ -81,7 +81,8 @@ def make_dlrm(
         top_mlp: top MLP sizes (last = 1).
         interaction: ``"dot"`` or ``"dcn"``.
         fused_interaction: replace the dot interaction by :class:`PairwiseDotInteraction`
-            (same values, cheaper backward).
+            (same values, cheaper backward; a fused kernel on CPU) and the sparse arch by
+            :class:`FlatSparseArch` (no split and concatenation of the embeddings).
         dcn_num_layers: DCN cross layers.
         dcn_low_rank: DCN inner size.
         policy: compression policy, ``None`` for dense.
@@ -111,6 +112,7 @@ def make_dlrm(
     if interaction == "dot":
         model = DLRM(ebc, dense_in_features, bottom_mlp, top_mlp, dense_device=dense_device)
         if fused_interaction:
+            model.sparse_arch = FlatSparseArch(ebc)
             model.inter_arch = PairwiseDotInteraction(len(tables_features(tables)))
     else:
         model = DLRM_DCN(ebc, dense_in_features, bottom_mlp, top_mlp, dcn_num_layers, dcn_low_rank,

@@ -1,36 +1,89 @@
-"""PairwiseDotInteraction against TorchRec's InteractionArch (float64), gradcheck, and its
+"""PairwiseDotInteraction against TorchRec's InteractionArch (float64), on the fused CPU
+kernel and the PyTorch path, gradcheck; FlatSparseArch against TorchRec's SparseArch; their
 use in the DLRM builder."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torchrec.models.dlrm import InteractionArch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.models.dlrm import InteractionArch, SparseArch
 
+from comera_rec.tensor import kernels
 from dlrm import DLRMConfig, build_dlrm, build_dlrm_train
-from dlrm.interaction import PairwiseDotInteraction
+from dlrm.interaction import FlatSparseArch, PairwiseDotInteraction
 
 from tests.dlrm.test_dlrm import _batch, _config
 
 
-@pytest.mark.parametrize("features,dim,batch", [(1, 4, 3), (5, 3, 7), (26, 16, 9)])
-def test_equals_torchrec_interaction(features: int, dim: int, batch: int) -> None:
+# dims 3 / 19 / 33: not whole vectors (the kernel's tail), 16: one float32 vector
+@pytest.mark.parametrize("features,dim,batch", [(1, 4, 3), (5, 3, 7), (26, 16, 9), (16, 19, 70), (40, 33, 5)])
+def test_equals_torchrec_interaction(features: int, dim: int, batch: int, lookup_path: str) -> None:
     g = torch.Generator().manual_seed(features)
     dense = torch.randn(batch, dim, generator=g, dtype=torch.float64, requires_grad=True)
     sparse = torch.randn(batch, features, dim, generator=g, dtype=torch.float64, requires_grad=True)
     ours = PairwiseDotInteraction(features)(dense, sparse)
     theirs = InteractionArch(features)(dense, sparse)
-    assert torch.equal(ours, theirs)  # the same GEMM and the same picks: bit for bit
+    if lookup_path == "torch":
+        assert torch.equal(ours, theirs)  # the same GEMM and the same picks: bit for bit
+    else:
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
     grad = torch.randn(ours.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad(ours, [dense, sparse], grad), torch.autograd.grad(theirs, [dense, sparse], grad)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_gradcheck() -> None:
+def test_gradcheck(lookup_path: str) -> None:
     g = torch.Generator().manual_seed(0)
     dense = torch.randn(3, 2, generator=g, dtype=torch.float64, requires_grad=True)
     sparse = torch.randn(3, 4, 2, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(PairwiseDotInteraction(4), (dense, sparse))
+
+
+def test_kernel_in_float32_and_across_thread_counts() -> None:
+    g = torch.Generator().manual_seed(1)
+    dense = torch.randn(300, 16, generator=g, requires_grad=True)
+    sparse = torch.randn(300, 26, 16, generator=g, requires_grad=True)
+    grad = torch.randn(300, 16 + 27 * 26 // 2, generator=g)
+    want = InteractionArch(26)(dense.double(), sparse.double())
+    assert kernels.pairwise_kernel_applies(dense, sparse)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):  # every sample is done by one thread: the same bits for any count
+            torch.set_num_threads(n)
+            out = kernels.pairwise_dots_cpu(dense, sparse)
+            results.append([out, *torch.autograd.grad(out, [dense, sparse], grad)])
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(results[0][0].double(), want, rtol=1e-5, atol=1e-5)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def _two_table_ebc() -> EmbeddingBagCollection:
+    return EmbeddingBagCollection([
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"])
+        for i in range(2)
+    ])
+
+
+@pytest.mark.parametrize("reordered", [False, True])
+def test_flat_sparse_arch_equals_torchrec(reordered: bool) -> None:
+    # the collection's order: its values as they are; another order: split and concatenated
+    torch.manual_seed(0)
+    ebc = _two_table_ebc()
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.tensor([1, 2, 3, 4, 5]), torch.tensor([1, 2, 0, 2]))
+    flat, plain = FlatSparseArch(ebc), SparseArch(ebc)
+    if reordered:
+        flat._sparse_feature_names = plain._sparse_feature_names = ["f1", "f0"]
+    ours, theirs = flat(kjt), plain(kjt)
+    assert torch.equal(ours, theirs)
+    grad = torch.randn(ours.shape)
+    (g_ours,) = torch.autograd.grad(ours, [ebc.embedding_bags["t0"].weight], grad)
+    (g_theirs,) = torch.autograd.grad(theirs, [ebc.embedding_bags["t0"].weight], grad)
+    assert torch.equal(g_ours, g_theirs)
 
 
 def test_bad_shapes_are_named() -> None:
@@ -41,17 +94,19 @@ def test_bad_shapes_are_named() -> None:
 
 
 @pytest.mark.parametrize("compressed", [False, True])
-def test_builder_swaps_the_interaction_and_keeps_the_loss(compressed: bool) -> None:
+def test_builder_swaps_the_interaction_and_keeps_the_loss(compressed: bool, lookup_path: str) -> None:
     torch.manual_seed(0)
     plain = build_dlrm_train(_config(compressed=compressed))
     torch.manual_seed(0)
     fused = build_dlrm_train(_config(compressed=compressed, fused_interaction=True))
     assert isinstance(fused.model.inter_arch, PairwiseDotInteraction)
+    assert isinstance(fused.model.sparse_arch, FlatSparseArch)
     assert not isinstance(plain.model.inter_arch, PairwiseDotInteraction)
+    assert plain.model.state_dict().keys() == fused.model.state_dict().keys()  # checkpoints carry over
     batch = _batch()
     loss_plain, _ = plain(batch)
     loss_fused, _ = fused(batch)
-    assert torch.equal(loss_plain, loss_fused)
+    torch.testing.assert_close(loss_plain, loss_fused, rtol=1e-6, atol=1e-7)
     loss_plain.backward()
     loss_fused.backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), fused.named_parameters()):

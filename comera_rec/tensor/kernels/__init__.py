@@ -28,6 +28,7 @@ from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup (built o
     ttm_embedding_bag_cpu,
 )
 from comera_rec.tensor.kernels.tt_linear_cpu import tt_linear_cpu, tt_linear_kernel_applies  # the fused CPU TT linear
+from comera_rec.tensor.kernels.interaction_cpu import pairwise_dots_cpu, pairwise_kernel_applies  # DLRM's dot interaction
 
 DISABLE_ENV = "COMERA_DISABLE_TRITON"
 
@@ -92,6 +93,8 @@ __all__ = [
     "ttm_embedding_bag_cpu",
     "tt_linear_cpu",
     "tt_linear_kernel_applies",
+    "pairwise_dots_cpu",
+    "pairwise_kernel_applies",
     "set_triton_enabled",
     "triton_available",
     "triton_enabled",

@@ -620,12 +620,17 @@ std::vector<torch::Tensor> scatter_blocks(torch::Tensor grad, std::vector<int64_
   return out;
 }
 
-// tt_linear_cpu.cpp: the fused TT linear, bound in this (the extension's one) module
+// The other sources' functions, bound in this (the extension's one) module.
+// tt_linear_cpu.cpp: the fused TT linear
 std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left, torch::Tensor right,
                                              torch::Tensor bias, bool relu);
 std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tensor x, torch::Tensor left,
                                               torch::Tensor right, torch::Tensor t, torch::Tensor y,
                                               bool need_grad_x, bool need_grad_bias);
+
+// interaction_cpu.cpp: the fused pairwise-dot interaction
+torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse);
+std::vector<torch::Tensor> pairwise_dots_backward(torch::Tensor grad, torch::Tensor dense, torch::Tensor sparse);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ttm_bag_forward", &ttm_bag_forward, "fused de-duplicated TTM embedding-bag lookup (forward)");
@@ -634,4 +639,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_blocks", &scatter_blocks, "the gradient of gather_blocks");
   m.def("tt_linear_forward", &tt_linear_forward, "fused TT linear (+ ReLU): forward");
   m.def("tt_linear_backward", &tt_linear_backward, "fused TT linear (+ ReLU): backward");
+  m.def("pairwise_dots_forward", &pairwise_dots_forward, "fused pairwise-dot interaction: forward");
+  m.def("pairwise_dots_backward", &pairwise_dots_backward, "fused pairwise-dot interaction: backward");
 }
