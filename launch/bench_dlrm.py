@@ -41,7 +41,7 @@ from comera_rec.tensor import kernels
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.utils.benchmark import current_rss_bytes, fmt_bytes, peak_rss_bytes, time_interleaved
-from comera_rec.utils.host import keep_freed_memory, minor_page_faults
+from comera_rec.utils.host import freeze_live_objects, keep_freed_memory, minor_page_faults
 from dlrm.config import DLRMConfig
 from dlrm.model import build_dlrm_train
 
@@ -165,6 +165,7 @@ def process_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # r
     data = list(itertools.islice(iter(batches(setup, mlperf, "train", setup.batch_size * 4)), 4))
     base = current_rss_bytes()
     wrapped, bundle = build(variant, setup, mlperf)
+    freeze_live_objects()  # as the trainer does (trainer.freeze_gc), every variant alike
     times = []
     faults_at_start = minor_page_faults()  # read again when the timed steps begin
     for step in range(setup.warmup_steps + setup.timed_steps):
@@ -269,6 +270,7 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     names_ = variants(setup)
     models = {v: build(v, setup, mlperf=False) for v in names_}
     data = list(itertools.islice(iter(batches(setup, False, "train", setup.batch_size * 4)), 4))
+    freeze_live_objects()
     samples: dict[str, dict[str, list[float]]] = {v: {} for v in names_}
     for i in range(repeats + 2):
         for v in names_:
@@ -321,6 +323,7 @@ def kaggle(setup: Setup) -> None:
     if setup.keep_freed_memory:
         keep_freed_memory()
     models = {v: build(v, setup, mlperf=False) for v in names}
+    freeze_live_objects()
     params = {v: model_num_parameters(m[0]) if not v.startswith("dense") else sum(p.numel() for p in m[0].parameters())
               for v, m in models.items()}
     sizes = {v: model_bytes(m[0]) for v, m in models.items()}

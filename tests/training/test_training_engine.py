@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -57,6 +58,19 @@ def test_full_run_learns_and_reports(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["val_auc"] == evals[-1]["auc"]
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_000000040"
+    assert gc.get_freeze_count() == 0  # trainer.freeze_gc froze the set-up; close() released it
+
+
+def test_freeze_gc_freezes_during_the_loop(tmp_path, monkeypatch):
+    import comera_rec.training.engine as engine
+
+    counts = []
+    real = engine.freeze_live_objects
+    monkeypatch.setattr(engine, "freeze_live_objects", lambda: counts.append(real()) or counts[-1])
+    run(tmp_path / "on", 3)
+    assert len(counts) == 1 and counts[0] > 0
+    run(tmp_path / "off", 3, freeze_gc=False)
+    assert len(counts) == 1
 
 
 def test_resume_gives_the_same_losses(tmp_path):

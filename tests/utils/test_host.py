@@ -1,4 +1,5 @@
-"""keep_freed_memory: freed activation-sized buffers are reused, not page-faulted again."""
+"""keep_freed_memory: freed activation-sized buffers are reused, not page-faulted again;
+freeze_live_objects: what lives at the call leaves the collector's walks, later garbage does not."""
 
 import subprocess
 import sys
@@ -37,3 +38,34 @@ def test_keep_freed_memory_stops_page_faults_on_reused_buffers():
     assert before > 1000, f"expected page faults before tuning, got {before}"
     assert after < before / 4, f"page faults per round: {before} before, {after} after"
 
+
+
+FREEZE_PROBE = textwrap.dedent(
+    """
+    import gc
+    from comera_rec.utils.host import freeze_live_objects
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # freed only by the cycle collector
+
+    cycle()  # garbage before the freeze: collected by it
+    frozen = freeze_live_objects()
+    in_young = len(gc.get_objects())  # the frozen ones are no longer listed
+    cycle()  # garbage after the freeze: still collected
+    found = gc.collect()
+    gc.unfreeze()
+    print(frozen, in_young, found, gc.get_freeze_count())
+    """
+)
+
+
+def test_freeze_live_objects_hides_what_lives_and_collects_later_garbage():
+    out = subprocess.run([sys.executable, "-c", FREEZE_PROBE], capture_output=True, text=True, check=True)
+    frozen, listed, found, after_unfreeze = (int(v) for v in out.stdout.split())
+    assert frozen > 1000 and listed < frozen  # the interpreter's and torch's objects, hidden
+    assert found >= 2  # the later cycle's two objects
+    assert after_unfreeze == 0
