@@ -166,7 +166,8 @@ def test_kjt_key_missing_from_configs() -> None:
 
 
 @pytest.mark.parametrize("feature,value", [("f3", 300), ("f2", -1), ("f0", 10)])
-def test_id_out_of_range_names_feature_and_value(feature: str, value: int) -> None:
+def test_id_out_of_range_names_feature_and_value(feature: str, value: int, lookup_path: str) -> None:
+    # lookup_path "kernel": checked by one C++ pass (kernels.check_jagged); "torch": by tensor ops
     ttm = TTMEmbeddingBagCollection(tables(), policy())
     f = kjt().to_dict()
     values = {k: jt.values().clone() for k, jt in f.items()}
@@ -190,3 +191,42 @@ def test_bad_configs() -> None:
         )
     with pytest.raises(ValueError, match="per_table"):
         TTMEmbeddingBagCollection(tables(), CompressionPolicy(per_table={"a": "zip"}))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_dense_tables_called_directly_equal_the_fused_collection(weighted: bool) -> None:
+    # b and c stay dense (below 95 rows) in one FBGEMM lookup; the collection hands it the
+    # ids itself instead of calling FusedEmbeddingBagCollection.forward: same values, same update
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from comera_rec.integration import TableOverride
+    from comera_rec.integration.distributed import EmbeddingOptimizerSpec, _fuse_dense_tables
+    from tests.integration.helpers import SHAPE
+
+    configs = [
+        EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=100, feature_names=["f0", "f1"]),
+        EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=90, feature_names=["f2"]),
+        EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=10, feature_names=["f0"]),
+        EmbeddingBagConfig(name="d", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
+    ]
+    pol = CompressionPolicy(rank=4, min_rows_to_compress=95, min_gain=0.0, per_table={"a": TableOverride(shape=SHAPE)})
+    spec = EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": 0.1, "eps": 1e-8})
+    made = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        ttm = TTMEmbeddingBagCollection(configs, pol, is_weighted=weighted)
+        _fuse_dense_tables(ttm, spec, torch.device("cpu"))
+        made.append(ttm)
+    direct, wrapped = made
+    assert direct._direct_dense_lookup() is not None
+    wrapped._direct_dense_lookup = lambda: None  # FusedEmbeddingBagCollection.forward, as TorchRec calls it
+    batch = kjt(weighted=weighted)
+    outs = [m(batch).values() for m in made]
+    assert torch.equal(outs[0], outs[1])
+    before = {name: direct.table_weight(name).detach().clone() for name in ("b", "c")}
+    grad = torch.randn(outs[0].shape)
+    for out in outs:
+        out.backward(grad)  # FBGEMM's fused row-wise Adagrad updates the dense tables here
+    for name in ("b", "c"):
+        assert not torch.equal(direct.table_weight(name), before[name])  # the update happened
+        assert torch.equal(direct.table_weight(name), wrapped.table_weight(name))

@@ -123,7 +123,8 @@ def with_sparse(batch: Batch, **kjt_args) -> Batch:
     return Batch(dense_features=batch.dense_features, sparse_features=kjt, labels=batch.labels)
 
 
-def test_bad_batches_through_the_task(task_and_model) -> None:
+def test_bad_batches_through_the_task(task_and_model, lookup_path: str) -> None:
+    # both validation paths: one C++ pass ("kernel") and tensor ops ("torch")
     task, wrapped = task_and_model
     b = good_batch(task)
     loss, logits, _ = task.step_loss(wrapped, b)

@@ -165,3 +165,18 @@ def test_dispatch_switches(monkeypatch) -> None:
     monkeypatch.setenv(kernels.ttm_cpu.DISABLE_ENV, "0")
     kernels.set_cpu_kernel_enabled(False)
     assert not kernels.cpu_kernel_applies(cores, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_check_jagged_finds_the_first_problem(dtype) -> None:
+    # 3 keys x batch 2; key 1 unchecked (bound -1)
+    values = torch.tensor([0, 4, 1, 99, -5, 2, 2], dtype=dtype)
+    lengths = torch.tensor([1, 1, 1, 2, 0, 2])
+    assert kernels.check_jagged(values, lengths, None, 2, [5, -1, 3]) == (0, -1, 7, -1)
+    assert kernels.check_jagged(values, lengths, None, 2, [4, -1, 3]) == (3, 1, 7, 0)  # 4 >= 4
+    assert kernels.check_jagged(values, lengths, None, 2, [5, 50, 3]) == (3, 3, 7, 1)  # 99 of key 1
+    assert kernels.check_jagged(values, lengths, None, 2, [5, -1, 2]) == (3, 5, 7, 2)  # 2 >= 2 in key 2
+    assert kernels.check_jagged(values, torch.tensor([1, 1, -1, 2, 0, 2]), None, 2, [5, -1, 3])[:2] == (1, 2)
+    offsets = torch.tensor([0, 1, 2, 3, 4, 5, 7])  # bag 3 holds 1 id, lengths say 2
+    assert kernels.check_jagged(values, lengths, offsets, 2, [5, -1, 3])[:2] == (2, 3)
+    assert kernels.check_jagged(values[:0], torch.zeros(6, dtype=torch.long), None, 2, [1, 1, 1]) == (0, -1, 0, -1)

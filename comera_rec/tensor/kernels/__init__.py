@@ -1,14 +1,18 @@
 """Fused kernels: Triton for CUDA tensors, C++ for CPU ones, and the switches that decide when they run.
 
 Importing this package never imports Triton: the check runs on the first CUDA lookup
-only, so the CPU path pays nothing. The fused lookup is used when
+only, so the CPU path pays nothing. The fused Triton lookup is used when
 
 * the ids are CUDA tensors,
 * ``triton`` can be imported, and
 * it is not disabled: neither ``COMERA_DISABLE_TRITON=1`` in the environment nor
   :func:`set_triton_enabled(False) <set_triton_enabled>`.
 
-See ``docs/gpu.md`` for the design.
+See ``docs/gpu.md`` for the design. On CPU, C++ kernels (one extension, built on first
+use: :mod:`.ttm_cpu`) take the TTM lookup, the TT linear with its ReLU and DLRM's
+pairwise-dot interaction, unless ``COMERA_DISABLE_CPU_KERNEL=1`` or
+:func:`set_cpu_kernel_enabled(False) <set_cpu_kernel_enabled>`; each ``*_applies``
+function says whether its kernel takes a call.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Sequence
 import torch
 
 from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup (built on first use)
+    check_jagged,
     cpu_kernel_applies,
     cpu_kernel_enabled,
     disabled_by_env,
@@ -85,6 +90,7 @@ def ttm_embedding_bag_triton(
 
 
 __all__ = [
+    "check_jagged",
     "DISABLE_ENV",
     "cpu_kernel_applies",
     "cpu_kernel_enabled",

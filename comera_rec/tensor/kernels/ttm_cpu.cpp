@@ -631,6 +631,9 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
 // interaction_cpu.cpp: the fused pairwise-dot interaction
 torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse);
 std::vector<torch::Tensor> pairwise_dots_backward(torch::Tensor grad, torch::Tensor dense, torch::Tensor sparse);
+// checks_cpu.cpp: input checks of a jagged batch
+std::vector<int64_t> check_jagged(torch::Tensor values, torch::Tensor lengths, torch::Tensor offsets, int64_t batch,
+                                  std::vector<int64_t> bounds);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ttm_bag_forward", &ttm_bag_forward, "fused de-duplicated TTM embedding-bag lookup (forward)");
@@ -641,4 +644,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tt_linear_backward", &tt_linear_backward, "fused TT linear (+ ReLU): backward");
   m.def("pairwise_dots_forward", &pairwise_dots_forward, "fused pairwise-dot interaction: forward");
   m.def("pairwise_dots_backward", &pairwise_dots_backward, "fused pairwise-dot interaction: backward");
+  m.def("check_jagged", &check_jagged, "input checks of a jagged batch in one pass");
 }

@@ -31,7 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "COMERA_DISABLE_CPU_KERNEL"
-_SOURCES = [Path(__file__).with_name(name) for name in ("ttm_cpu.cpp", "tt_linear_cpu.cpp", "interaction_cpu.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("ttm_cpu.cpp", "tt_linear_cpu.cpp", "interaction_cpu.cpp", "checks_cpu.cpp")]
 _HEADERS = [Path(__file__).with_name("simd.h")]
 _enabled = True
 _build_lock = threading.Lock()
@@ -146,6 +146,32 @@ class _GatherBlocks(torch.autograd.Function):
     def backward(ctx, grad):
         src, col, width, widths = ctx.map
         return (None, None, None, *_extension().scatter_blocks(grad, widths, src, col, width))
+
+
+def check_jagged(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: torch.Tensor | None,
+    batch: int,
+    bounds: Sequence[int],
+) -> tuple[int, int, int, int]:
+    """Check a key-major jagged batch in one pass (CPU tensors, the kernels built; the caller checks).
+
+    Args:
+        values: the ids, keys one after the other.
+        lengths: ``(keys * batch,)`` bag lengths.
+        offsets: ``(keys * batch + 1,)`` or ``None``.
+        batch: bags per key.
+        bounds: per key, ids must lie in ``[0, bound)``; a negative bound leaves the key unchecked.
+
+    Returns:
+        ``(code, position, sum of lengths, key)``: code 0 all good, 1 a negative length at
+        bag ``position``, 2 offsets that disagree with the lengths at bag ``position``, 3 an
+        id out of its key's range at ``position`` of ``values``.
+    """
+    empty = _EMPTY if offsets is None else offsets
+    code, pos, total, key = _extension().check_jagged(values, lengths, empty, int(batch), list(bounds))
+    return int(code), int(pos), int(total), int(key)
 
 
 def gather_column_blocks(sources: Sequence[torch.Tensor], blocks: Sequence[tuple[int, int]], width: int) -> torch.Tensor:
