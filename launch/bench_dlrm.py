@@ -17,7 +17,7 @@ printed too: sharing a process changes them, see docs/performance.md).
                                                      # and the dense model with it too (dense_fi)
     python launch/bench_dlrm.py --rounds 5      # more fresh processes per variant for the step time
     python launch/bench_dlrm.py --lookup-paths  # adds tt_torch / tt_half_torch: the same models with the
-                                                # PyTorch lookup instead of the fused C++ one
+                                                # fused CPU kernels off (TTM lookup, TT linear, interaction)
 """
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ class Setup:
     rounds: int = 3  # fresh processes per variant, the variants alternating
     keep_freed_memory: bool = True  # glibc malloc reuses freed activations (trainer.keep_freed_memory)
     fused_interaction: bool = False  # PairwiseDotInteraction in the compressed models and in dense_fi
-    lookup_paths: bool = False  # also the compressed models with the PyTorch lookup (tt_torch, tt_half_torch)
+    lookup_paths: bool = False  # also the compressed models with the CPU kernels off (tt_torch, tt_half_torch)
 
 
 VARIANTS = ("dense", "tt", "tt_half")
 DENSE_FUSED = "dense_fi"  # the dense model with PairwiseDotInteraction (--fused-interaction)
 
 
-TORCH_LOOKUP = "_torch"  # suffix: the same compressed model, TTM lookups on the PyTorch path
+TORCH_LOOKUP = "_torch"  # suffix: the same compressed model with the fused CPU kernels off (PyTorch path)
 
 
 def variants(setup: Setup) -> tuple[str, ...]:
@@ -74,7 +74,8 @@ def variants(setup: Setup) -> tuple[str, ...]:
 
 
 def use_lookup_path(variant: str) -> None:
-    """The fused C++ TTM lookup for every variant but the ``_torch`` ones (process-wide switch)."""
+    """The fused CPU kernels (TTM lookup, TT linear, interaction, input checks) for every variant
+    but the ``_torch`` ones (process-wide switch)."""
     kernels.set_cpu_kernel_enabled(not variant.endswith(TORCH_LOOKUP))
 
 
@@ -391,7 +392,7 @@ def main() -> None:
                              "page-fault them in again); the default keeps them, as the trainer does")
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per variant for the step time")
     parser.add_argument("--lookup-paths", action="store_true",
-                        help="also time the compressed models with the PyTorch TTM lookup (tt_torch, tt_half_torch)")
+                        help="also time the compressed models with the fused CPU kernels off (tt_torch, tt_half_torch)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")

@@ -14,6 +14,7 @@ from dlrm import DLRMConfig, build_dlrm, build_dlrm_train
 from dlrm.interaction import FlatSparseArch, PairwiseDotInteraction
 
 from tests.dlrm.test_dlrm import _batch, _config
+from tests.threads import assert_bit_identical, at_thread_counts
 
 
 # dims 3 / 19 / 33: not whole vectors (the kernel's tail), 16: one float32 vector
@@ -47,19 +48,14 @@ def test_kernel_in_float32_and_across_thread_counts() -> None:
     grad = torch.randn(300, 16 + 27 * 26 // 2, generator=g)
     want = InteractionArch(26)(dense.double(), sparse.double())
     assert kernels.pairwise_kernel_applies(dense, sparse)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 2, 3):  # every sample is done by one thread: the same bits for any count
-            torch.set_num_threads(n)
-            out = kernels.pairwise_dots_cpu(dense, sparse)
-            results.append([out, *torch.autograd.grad(out, [dense, sparse], grad)])
-    finally:
-        torch.set_num_threads(before)
+
+    def run():  # every sample is done by one thread: the same bits for any count
+        out = kernels.pairwise_dots_cpu(dense, sparse)
+        return [out, *torch.autograd.grad(out, [dense, sparse], grad)]
+
+    results = at_thread_counts(run, (1, 2, 3))
     torch.testing.assert_close(results[0][0].double(), want, rtol=1e-5, atol=1e-5)
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            assert torch.equal(a, b)
+    assert_bit_identical(results)
 
 
 def _two_table_ebc() -> EmbeddingBagCollection:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import ttm_dense_table, ttm_embedding_bag
+from tests.threads import assert_bit_identical, at_thread_counts
 
 DT = torch.float64
 
@@ -108,17 +109,12 @@ def test_thread_counts_give_identical_results(threads: int) -> None:
     rows, cols, ranks = (5, 6, 7, 4), (2, 2, 2, 2), [6, 9, 4]
     cores = make_cores(2, rows, cols, ranks)
     ids, trains, offsets, _ = make_batch(2, math.prod(rows), n_ids=300)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, threads):
-            torch.set_num_threads(n)
-            out = ttm_embedding_bag(cores, rows, 16, ids, offsets, "sum", None, trains)
-            results.append([out, *torch.autograd.grad(out.square().sum(), cores)])
-    finally:
-        torch.set_num_threads(before)
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+
+    def run():
+        out = ttm_embedding_bag(cores, rows, 16, ids, offsets, "sum", None, trains)
+        return [out, *torch.autograd.grad(out.square().sum(), cores)]
+
+    assert_bit_identical(at_thread_counts(run, (1, threads)))
 
 
 @given(

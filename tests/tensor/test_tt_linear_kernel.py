@@ -9,6 +9,7 @@ from comera_rec import TTLinear
 from comera_rec.integration.mlp import tt_mlp
 from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import TTLinearFunction, tt_linear
+from tests.threads import assert_bit_identical, at_thread_counts
 
 DT = torch.float64
 
@@ -100,17 +101,12 @@ def test_input_gradient_only_when_asked() -> None:
 def test_thread_counts_give_identical_results(threads: int) -> None:
     # weight gradients are summed per row chunk (set by the batch alone), then in chunk order
     x, left, right, b = make(1000, 40, 24, 9, dtype=torch.float32)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, threads):
-            torch.set_num_threads(n)
-            y = kernels.tt_linear_cpu(x, left, right, b, True)
-            results.append([y, *torch.autograd.grad(y.square().sum(), [x, left, right, b])])
-    finally:
-        torch.set_num_threads(before)
-    for a, c in zip(*results):
-        assert torch.equal(a, c)
+
+    def run():
+        y = kernels.tt_linear_cpu(x, left, right, b, True)
+        return [y, *torch.autograd.grad(y.square().sum(), [x, left, right, b])]
+
+    assert_bit_identical(at_thread_counts(run, (1, threads)))
 
 
 @given(
