@@ -31,3 +31,12 @@ def lookup_path(request):
     kernels.set_cpu_kernel_enabled(use_kernel)
     yield request.param
     kernels.set_cpu_kernel_enabled(True)
+
+
+@pytest.fixture
+def kernels_on():
+    """The fused CPU kernels built and on (a failed build fails the test); switched back on
+    afterwards, whatever the test switched."""
+    assert kernels.cpu_kernel_enabled(), "the fused CPU kernels did not build (see the log for the compiler error)"
+    yield
+    kernels.set_cpu_kernel_enabled(True)

@@ -14,11 +14,7 @@ from tests.threads import assert_bit_identical, at_thread_counts
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _kernel_on():
-    assert kernels.cpu_kernel_enabled(), "the fused CPU kernels did not build (see the log for the compiler error)"
-    yield
-    kernels.set_cpu_kernel_enabled(True)
+pytestmark = pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
 
 
 def make(batch, n_in, n_out, rank, bias=True, dtype=DT, seed=0):
