@@ -117,17 +117,22 @@ void backward_tile(const Layer<T>& L, const Grads<T>& d, int64_t b0, T* gL, T* g
   const int64_t rows = std::min(kTile, L.B - b0);
 
   // g = dy, masked by the ReLU, zero past the row's end and past B
+  const vec_t<T> zero = vzero<T>();
   for (int64_t i = 0; i < kTile; ++i) {
     T* gi = G + i * L.Np;
-    std::fill(gi, gi + L.Np, T(0));
-    if (i >= rows) continue;
-    const T* dy = d.gy + (b0 + i) * L.n_out;
-    if (d.y) {
-      const T* yi = d.y + (b0 + i) * L.n_out;
-      for (int64_t c = 0; c < L.n_out; ++c) gi[c] = yi[c] > T(0) ? dy[c] : T(0);
-    } else {
-      std::copy(dy, dy + L.n_out, gi);
+    if (i >= rows) {
+      std::fill(gi, gi + L.Np, T(0));
+      continue;
     }
+    const T* dy = d.gy + (b0 + i) * L.n_out;
+    const T* yi = d.y ? d.y + (b0 + i) * L.n_out : nullptr;
+    int64_t c = 0;
+    for (; c + W <= L.n_out; c += W) {  // whole vectors
+      const vec_t<T> g = vload(dy + c);
+      vstore(gi + c, yi ? (vload(yi + c) > zero ? g : zero) : g);
+    }
+    for (; c < L.n_out; ++c) gi[c] = !yi || yi[c] > T(0) ? dy[c] : T(0);
+    std::fill(gi + L.n_out, gi + L.Np, T(0));
   }
   const T* tr[kTile];
   for (int64_t i = 0; i < kTile; ++i) tr[i] = i < rows ? d.t + (b0 + i) * L.R : L.zeros;
