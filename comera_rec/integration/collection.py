@@ -303,7 +303,8 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         weights = features.weights_or_none()
         if weights is not None and weights.numel() != values.numel():
             raise ValueError(f"{name}: KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values")
-        if values.device.type == "cpu" and lengths.device.type == "cpu" and kernels.cpu_kernel_enabled():
+        one_pass = values.dtype in (torch.int32, torch.int64) and values.device.type == "cpu"
+        if one_pass and lengths.device.type == "cpu" and kernels.cpu_kernel_enabled():
             code, pos, total, key = kernels.check_jagged(values, lengths, offsets, batch, bounds)
             if code == 1:
                 raise negative_length(pos)

@@ -50,9 +50,15 @@ def _host_tag() -> str:
 
 
 def _source_tag() -> str:
-    """A short hash of the headers: ``cpp_extension`` rebuilds when a source changes but
-    does not see the headers they include, so a changed header makes a new build name."""
-    return hashlib.sha1(b"".join(p.read_bytes() for p in _HEADERS)).hexdigest()[:8]
+    """A short hash of where the sources are and of the headers they include.
+
+    ``cpp_extension`` rebuilds when a source changes but does not see the headers, so a
+    changed header makes a new build name; and two checkouts (a clone beside a working
+    copy) get build folders of their own instead of rewriting one folder's build file with
+    their paths, where one process could load a library the other is rebuilding.
+    """
+    parts = [str(_SOURCES[0].parent.resolve()).encode()] + [p.read_bytes() for p in _HEADERS]
+    return hashlib.sha1(b"\0".join(parts)).hexdigest()[:8]
 
 
 @functools.lru_cache(maxsize=None)
