@@ -44,8 +44,10 @@ class DLRMConfig:
     """``"dot"``: TorchRec ``DLRM`` (pairwise dot products); ``"dcn"``: ``DLRM_DCN``."""
     fused_interaction: bool = False
     """Use :class:`dlrm.interaction.PairwiseDotInteraction` for the ``"dot"`` interaction:
-    TorchRec's values, a backward without ``index_put`` accumulation (~1.8x faster on CPU at
-    Kaggle shapes, docs/performance.md). ``False`` keeps TorchRec's ``InteractionArch``."""
+    TorchRec's values, a backward without ``index_put`` accumulation, on CPU one fused kernel
+    (docs/performance.md); and :class:`dlrm.interaction.FlatSparseArch` for the sparse arch
+    (no per-feature split and concatenation). ``False`` keeps TorchRec's ``InteractionArch``
+    and ``SparseArch``."""
     dcn_num_layers: int = 3
     """Cross layers of the DCN interaction."""
     dcn_low_rank: int = 512

@@ -10,21 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import _extension, cpu_kernel_enabled
+from comera_rec.tensor.kernels.ttm_cpu import _extension, cpu_float_tensors_apply
 
 
 def pairwise_kernel_applies(dense: torch.Tensor, sparse: torch.Tensor) -> bool:
     """Whether the interaction is the fused CPU kernel's to do: real CPU float32 / float64
     tensors of one dtype, outside tracing and ``torch.compile``, kernel enabled."""
-    return (
-        dense.device.type == "cpu"
-        and sparse.device.type == "cpu"
-        and dense.dtype in (torch.float32, torch.float64)
-        and sparse.dtype == dense.dtype
-        and not torch.jit.is_tracing()
-        and not torch.compiler.is_compiling()
-        and cpu_kernel_enabled()
-    )
+    return cpu_float_tensors_apply(dense, sparse)
 
 
 class _FusedPairwiseDots(torch.autograd.Function):

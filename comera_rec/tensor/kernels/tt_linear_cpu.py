@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import _extension, cpu_kernel_enabled
+from comera_rec.tensor.kernels.ttm_cpu import _extension, cpu_float_tensors_apply
 
 _MAX_RANK_VECTORS = 4  # the kernel keeps rank vectors in registers: r <= 4 * 64 bytes
 _EMPTY = torch.empty(0)
@@ -24,18 +24,7 @@ def tt_linear_kernel_applies(x: torch.Tensor, left: torch.Tensor, right: torch.T
     float64 matrices of one dtype, ``r <= 64`` (float32; 32 for float64), outside tracing
     and ``torch.compile``, kernel enabled."""
     lanes = 64 // x.element_size()
-    return (
-        x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.float64)
-        and left.dtype == x.dtype
-        and right.dtype == x.dtype
-        and left.device.type == "cpu"
-        and right.device.type == "cpu"
-        and 0 < left.shape[1] <= _MAX_RANK_VECTORS * lanes
-        and not torch.jit.is_tracing()
-        and not torch.compiler.is_compiling()
-        and cpu_kernel_enabled()
-    )
+    return 0 < left.shape[1] <= _MAX_RANK_VECTORS * lanes and cpu_float_tensors_apply(x, left, right)
 
 
 class _FusedTTLinear(torch.autograd.Function):

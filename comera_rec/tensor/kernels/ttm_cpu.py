@@ -100,18 +100,23 @@ def cpu_kernel_enabled() -> bool:
     return not disabled_by_env(DISABLE_ENV) and _enabled and _extension() is not None
 
 
-def cpu_kernel_applies(cores: Sequence[torch.Tensor], ids: torch.Tensor) -> bool:
-    """Whether a lookup is the fused CPU kernel's to do: real CPU float32 / float64
-    tensors of 2 to 4 cores, outside tracing and ``torch.compile``, kernel enabled."""
+def cpu_float_tensors_apply(*tensors: torch.Tensor) -> bool:
+    """Whether the CPU kernels may take these operands: real CPU float32 / float64 tensors
+    of one dtype, outside tracing and ``torch.compile``, kernels enabled (each kernel's
+    ``*_applies`` adds its own shape limits)."""
     return (
-        2 <= len(cores) <= 4
-        and ids.device.type == "cpu"
-        and all(c.device.type == "cpu" and c.dtype in (torch.float32, torch.float64) for c in cores)
-        and len({c.dtype for c in cores}) == 1
+        all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in tensors)
+        and len({t.dtype for t in tensors}) == 1
         and not torch.jit.is_tracing()
         and not torch.compiler.is_compiling()
         and cpu_kernel_enabled()
     )
+
+
+def cpu_kernel_applies(cores: Sequence[torch.Tensor], ids: torch.Tensor) -> bool:
+    """Whether a lookup is the fused CPU kernel's to do: real CPU float32 / float64
+    tensors of 2 to 4 cores, outside tracing and ``torch.compile``, kernel enabled."""
+    return 2 <= len(cores) <= 4 and ids.device.type == "cpu" and cpu_float_tensors_apply(*cores)
 
 
 _EMPTY = torch.empty(0, dtype=torch.long)
