@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -133,22 +134,23 @@ Groups group_by(const Index* slot, int64_t n, int64_t num_slots) {
 }
 
 // The slots of a 2-core half grouped by the index of each of its cores: by (t, i0) and
-// by (t, i1), from the slots' keys t * N + i0 * n1 + i1; key0 is each slot's (t, i0).
+// by (t, i1), from the slots' keys t * N + i0 * n1 + i1; key0 / key1 are each slot's
+// (t, i0) / (t, i1).
 struct CoreGroups {
-  std::vector<int64_t> key0;
+  std::vector<int64_t> key0, key1;
   Groups by0, by1;
 };
 
 CoreGroups group_by_cores(const int64_t* keys, int64_t num_slots, int64_t n0, int64_t n1, int64_t tables) {
   CoreGroups cg;
   cg.key0.resize(num_slots);
-  std::vector<int64_t> key1(num_slots);
+  cg.key1.resize(num_slots);
   for (int64_t s = 0; s < num_slots; ++s) {
     cg.key0[s] = keys[s] / n1;
-    key1[s] = keys[s] / (n0 * n1) * n1 + keys[s] % n1;
+    cg.key1[s] = keys[s] / (n0 * n1) * n1 + keys[s] % n1;
   }
   cg.by0 = group_by(cg.key0.data(), num_slots, tables * n0);
-  cg.by1 = group_by(key1.data(), num_slots, tables * n1);
+  cg.by1 = group_by(cg.key1.data(), num_slots, tables * n1);
   return cg;
 }
 
@@ -240,18 +242,32 @@ std::vector<torch::Tensor> ttm_bag_forward(
   const int64_t* id = ids.data_ptr<int64_t>();
   const int64_t* trp = has_trains ? trains.data_ptr<int64_t>() : nullptr;
   std::vector<int64_t> pkeys(N), skeys(N);
-  for (int64_t i = 0; i < N; ++i) {
-    const int64_t t = trp ? trp[i] : 0;
-    TORCH_CHECK(id[i] >= 0 && id[i] < num_rows, "TTM lookup: id ", id[i], " out of range [0, ", num_rows,
-                ") of the TT row shape");
-    TORCH_CHECK(t >= 0 && t < T, "TTM lookup: table index ", t, " out of range [0, ", T, ")");
-    pkeys[i] = t * Nl + id[i] / Nr;
-    skeys[i] = t * Nr + id[i] % Nr;
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, N, 2048, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t t = trp ? trp[i] : 0;
+      if (id[i] < 0 || id[i] >= num_rows || t < 0 || t >= T) bad = true;
+      pkeys[i] = t * Nl + id[i] / Nr;
+      skeys[i] = t * Nr + id[i] % Nr;
+    }
+  });
+  if (bad) {  // name the first bad id or table index
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = trp ? trp[i] : 0;
+      TORCH_CHECK(id[i] >= 0 && id[i] < num_rows, "TTM lookup: id ", id[i], " out of range [0, ", num_rows,
+                  ") of the TT row shape");
+      TORCH_CHECK(t >= 0 && t < T, "TTM lookup: table index ", t, " out of range [0, ", T, ")");
+    }
   }
   auto iopt = torch::TensorOptions().dtype(torch::kInt);
   auto pslot = torch::empty({N}, iopt), sslot = torch::empty({N}, iopt);
-  auto pdistinct = assign_slots(pkeys, T * Nl, pslot.data_ptr<int32_t>());
-  auto sdistinct = assign_slots(skeys, T * Nr, sslot.data_ptr<int32_t>());
+  std::vector<int64_t> pdistinct, sdistinct;
+  at::parallel_for(0, 2, 1, [&](int64_t b, int64_t e) {  // prefixes and suffixes side by side
+    for (int64_t half = b; half < e; ++half) {
+      if (half == 0) pdistinct = assign_slots(pkeys, T * Nl, pslot.data_ptr<int32_t>());
+      else sdistinct = assign_slots(skeys, T * Nr, sslot.data_ptr<int32_t>());
+    }
+  });
   const int64_t Ul = static_cast<int64_t>(pdistinct.size()), Ur = static_cast<int64_t>(sdistinct.size());
   auto lopt = torch::TensorOptions().dtype(torch::kLong);
   auto pkey_t = torch::from_blob(pdistinct.data(), {Ul}, lopt).clone();
@@ -354,26 +370,37 @@ std::vector<torch::Tensor> ttm_bag_backward(
   const int64_t Ul = pkeys.numel(), Ur = skeys.numel();
 
   auto dptab = torch::empty_like(ptab), dstab = torch::empty_like(stab);  // every row written once
-  std::vector<torch::Tensor> dcores;
-  for (auto& c : cores) dcores.push_back(torch::zeros_like(c));
-  torch::Tensor dleft1 = L.cores == 2 ? torch::zeros_like(tr.left1) : torch::Tensor();
-  torch::Tensor dright0 = R.cores == 2 ? torch::zeros_like(tr.right0) : torch::Tensor();
-  torch::Tensor dweights = weights_need_grad ? torch::zeros({N}, grad_out.options()) : torch::Tensor();
+  // Core gradients: a 1-core half's slices are summed into (zeroed); a 2-core half's are
+  // each written once, every slice (slices no slot uses get zeros), into padded layouts.
+  std::vector<torch::Tensor> dcores(cores.size());
+  if (L.cores == 1) dcores[0] = torch::zeros_like(cores[0]);
+  if (R.cores == 1) dcores[tr.split] = torch::zeros_like(cores[tr.split]);
+  torch::Tensor dleft1 = L.cores == 2 ? torch::empty_like(tr.left1) : torch::Tensor();
+  torch::Tensor dright0 = R.cores == 2 ? torch::empty_like(tr.right0) : torch::Tensor();
+  torch::Tensor dweights = weights_need_grad ? torch::empty({N}, grad_out.options()) : torch::Tensor();
 
-  // each id's bag, and the ids of every prefix / suffix slot
   const int64_t* off = offsets.data_ptr<int64_t>();
-  std::vector<int64_t> bag_of(N);
-  for (int64_t bag = 0; bag < B; ++bag)
-    for (int64_t i = off[bag]; i < off[bag + 1]; ++i) bag_of[i] = bag;
   const int32_t* ps = pslot.data_ptr<int32_t>();
   const int32_t* ss = sslot.data_ptr<int32_t>();
-  const Groups by_prefix = group_by(ps, N, Ul), by_suffix = group_by(ss, N, Ur);
+  const int64_t* pk = pkeys.data_ptr<int64_t>();
+  const int64_t* sk = skeys.data_ptr<int64_t>();
+  // The ids of every prefix / suffix slot, and the slots of every core slice of a 2-core
+  // half: four counting sorts, two per thread (prefix ids with the left half's slots,
+  // suffix ids with the right half's: about equal work).
+  Groups by_prefix, by_suffix;
+  CoreGroups left_groups, right_groups;
+  at::parallel_for(0, 4, 1, [&](int64_t b, int64_t e) {
+    for (int64_t task = b; task < e; ++task) {
+      if (task == 0) by_prefix = group_by(ps, N, Ul);
+      if (task == 1 && L.cores == 2) left_groups = group_by_cores(pk, Ul, L.n0, L.n1, tr.T);
+      if (task == 2) by_suffix = group_by(ss, N, Ur);
+      if (task == 3 && R.cores == 2) right_groups = group_by_cores(sk, Ur, R.n0, R.n1, tr.T);
+    }
+  });
 
   AT_DISPATCH_FLOATING_TYPES(cores[0].scalar_type(), "ttm_bag_backward", [&] {
     using T_ = scalar_t;
     constexpr int64_t W = kLanes<T_>;
-    const int64_t* pk = pkeys.data_ptr<int64_t>();
-    const int64_t* sk = skeys.data_ptr<int64_t>();
     const T_* w = weighted ? weights.data_ptr<T_>() : nullptr;
     const T_* g = grad_out.data_ptr<T_>();
     const T_* P = ptab.data_ptr<T_>();
@@ -381,63 +408,70 @@ std::vector<torch::Tensor> ttm_bag_backward(
     T_* dP = dptab.data_ptr<T_>();
     T_* dS = dstab.data_ptr<T_>();
 
-    // each id's weighted row gradient as (M_l, M_r): its bag's gradient row itself when
-    // unweighted and unpadded, else a zero-padded weighted copy
+    // Each id's row gradient as (M_l, M_r) starts at grows + goff[id]: its bag's gradient
+    // row itself when unweighted and unpadded, else a zero-padded weighted copy. The
+    // offsets are worked out once here, not in the loops below.
     const int64_t MM = Ml * Mr;
     const bool direct = !w && dim == MM;
+    std::vector<int64_t> goff(N);
     std::vector<T_> gpad(direct ? 0 : N * MM, T_(0));
-    if (!direct)
-      at::parallel_for(0, N, 256, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) {
-          const T_ wi = w ? w[i] : T_(1);
-          const T_* gb = g + bag_offset(bag_of[i], dim, batch, streams);
-          for (int64_t col = 0; col < dim; ++col) gpad[i * MM + col] = wi * gb[col];
-        }
-      });
-    auto grow = [&](int64_t i) -> const T_* {
-      return direct ? g + bag_offset(bag_of[i], dim, batch, streams) : gpad.data() + i * MM;
-    };
-    // 1a. prefix slots: dP[s][x, :] = sum over its ids of sum_a g[x, a] S[a, :]
-    for_each_group_range(by_prefix, [&](int64_t b, int64_t e) {
-      for (int64_t s = b; s < e; ++s)
-        for (int64_t x = 0; x < Ml; ++x)
-          for (int64_t c = 0; c < rp; c += W) {
-            Acc4<T_> acc;
-            for (int64_t k = by_prefix.start[s]; k < by_prefix.start[s + 1]; ++k) {
-              const int64_t i = by_prefix.order[k];
-              acc.add(grow(i) + x * Mr, 1, S + ss[i] * Mr * rp + c, rp, Mr);
-            }
-            vstore(dP + (s * Ml + x) * rp + c, acc.sum());
+    T_* dw = weights_need_grad ? dweights.data_ptr<T_>() : nullptr;
+    at::parallel_for(0, B, 128, [&](int64_t b, int64_t e) {
+      for (int64_t bag = b; bag < e; ++bag) {
+        const int64_t row = bag_offset(bag, dim, batch, streams);
+        const T_* gb = g + row;
+        for (int64_t i = off[bag]; i < off[bag + 1]; ++i) {
+          if (direct) {
+            goff[i] = row;
+            continue;
           }
+          const T_ wi = w ? w[i] : T_(1);
+          for (int64_t col = 0; col < dim; ++col) gpad[i * MM + col] = wi * gb[col];
+          goff[i] = i * MM;
+          if (dw) {  // d out[b] / d w_i = <row_i, g[b]>
+            const T_* p = P + ps[i] * Ml * rp;
+            const T_* q = S + ss[i] * Mr * rp;
+            T_ acc = 0;
+            for (int64_t x = 0; x < Ml; ++x)
+              for (int64_t a = 0; a < Mr; ++a)
+                if (x * Mr + a < dim) acc += gb[x * Mr + a] * dot(p + x * rp, q + a * rp, rp);
+            dw[i] = acc;
+          }
+        }
+      }
+    });
+    const T_* grows = direct ? g : gpad.data();
+    // 1a. prefix slots: dP[s][x, :] = sum over its ids of sum_a g[x, a] S[a, :]. Each id is
+    // read once; the slot's rows stay in L1 while its ids are summed into them.
+    for_each_group_range(by_prefix, [&](int64_t b, int64_t e) {
+      for (int64_t s = b; s < e; ++s) {
+        T_* d = dP + s * Ml * rp;
+        std::fill(d, d + Ml * rp, T_(0));
+        for (int64_t k = by_prefix.start[s]; k < by_prefix.start[s + 1]; ++k) {
+          const int64_t i = by_prefix.order[k];
+          const T_* gi = grows + goff[i];
+          const T_* q = S + ss[i] * Mr * rp;
+          for (int64_t x = 0; x < Ml; ++x)
+            for (int64_t c = 0; c < rp; c += W)
+              vstore(d + x * rp + c, vload(d + x * rp + c) + combine(gi + x * Mr, 1, q + c, rp, Mr));
+        }
+      }
     });
     // 1b. suffix slots: dS[s][a, :] = sum over its ids of sum_x g[x, a] P[x, :]
     for_each_group_range(by_suffix, [&](int64_t b, int64_t e) {
-      for (int64_t s = b; s < e; ++s)
-        for (int64_t a = 0; a < Mr; ++a)
-          for (int64_t c = 0; c < rp; c += W) {
-            Acc4<T_> acc;
-            for (int64_t k = by_suffix.start[s]; k < by_suffix.start[s + 1]; ++k) {
-              const int64_t i = by_suffix.order[k];
-              acc.add(grow(i) + a, Mr, P + ps[i] * Ml * rp + c, rp, Ml);
-            }
-            vstore(dS + (s * Mr + a) * rp + c, acc.sum());
-          }
-    });
-    if (weights_need_grad) {  // d out[b] / d w_i = <row_i, g[b]>
-      T_* dw = dweights.data_ptr<T_>();
-      at::parallel_for(0, N, 256, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) {
+      for (int64_t s = b; s < e; ++s) {
+        T_* d = dS + s * Mr * rp;
+        std::fill(d, d + Mr * rp, T_(0));
+        for (int64_t k = by_suffix.start[s]; k < by_suffix.start[s + 1]; ++k) {
+          const int64_t i = by_suffix.order[k];
+          const T_* gi = grows + goff[i];
           const T_* p = P + ps[i] * Ml * rp;
-          const T_* q = S + ss[i] * Mr * rp;
-          const T_* gb = g + bag_offset(bag_of[i], dim, batch, streams);
-          T_ acc = 0;
-          for (int64_t x = 0; x < Ml; ++x)
-            for (int64_t a = 0; a < Mr; ++a)
-              if (x * Mr + a < dim) acc += gb[x * Mr + a] * dot(p + x * rp, q + a * rp, rp);
-          dw[i] = acc;
+          for (int64_t a = 0; a < Mr; ++a)
+            for (int64_t c = 0; c < rp; c += W)
+              vstore(d + a * rp + c, vload(d + a * rp + c) + combine(gi + a, Mr, p + c, rp, Ml));
         }
-      });
-    }
+      }
+    });
 
     // 2. prefix slot gradients -> left cores. Slots sharing a core slice are summed into it
     // by one thread (slots grouped by that core's index), so there are no write conflicts.
@@ -458,13 +492,12 @@ std::vector<torch::Tensor> ttm_bag_backward(
       // dG0 is summed as vectors over its rank j: G1 read as (T, n1, m1, r, rm_p), dG0 as (T, n0, m0, rm_p)
       const int64_t rm = L.r_mid, blk = L.m1 * rp, rmp = padded(rm, W);
       const auto g1t_t = pad_last(cores[1].permute({0, 2, 3, 4, 1}), W);
-      auto dg0t_t = torch::zeros({tr.T, L.n0, L.m0, rmp}, cores[0].options());
+      auto dg0t_t = torch::empty({tr.T, L.n0, L.m0, rmp}, cores[0].options());  // every slice written
       const T_* g1t = g1t_t.data_ptr<T_>();
       T_* d0 = dg0t_t.data_ptr<T_>();
       T_* d1 = dleft1.data_ptr<T_>();
-      const CoreGroups cg = group_by_cores(pk, Ul, L.n0, L.n1, tr.T);
-      const Groups &by0 = cg.by0, &by1 = cg.by1;
-      const std::vector<int64_t>& key0 = cg.key0;
+      const Groups &by0 = left_groups.by0, &by1 = left_groups.by1;
+      const std::vector<int64_t>&key0 = left_groups.key0, &key1 = left_groups.key1;
       // Each core slice's gradient is summed over its slots in registers and stored once.
       // dG0[t, i0][x0, :] = sum over its slots of sum_{x1, k} dP[x0, x1, k] G1[t, :, i1, x1, k]
       for_each_group_range(by0, [&](int64_t b, int64_t e) {
@@ -473,10 +506,9 @@ std::vector<torch::Tensor> ttm_bag_backward(
             for (int64_t c = 0; c < rmp; c += W) {
               Acc4<T_> acc;
               for (int64_t q = by0.start[key]; q < by0.start[key + 1]; ++q) {
-                const int64_t s = by0.order[q], t = pk[s] / Nl, i1 = pk[s] % L.n1;
+                const int64_t s = by0.order[q];
                 for (int64_t x1 = 0; x1 < L.m1; ++x1)
-                  acc.add(dP + s * Ml * rp + x0 * blk + x1 * rp, 1, g1t + ((t * L.n1 + i1) * L.m1 + x1) * r * rmp + c,
-                          rmp, r);
+                  acc.add(dP + s * Ml * rp + x0 * blk + x1 * rp, 1, g1t + (key1[s] * L.m1 + x1) * r * rmp + c, rmp, r);
               }
               vstore(d0 + (key * L.m0 + x0) * rmp + c, acc.sum());
             }
@@ -514,14 +546,19 @@ std::vector<torch::Tensor> ttm_bag_backward(
       // dG1 is summed as vectors over its rank j: G0 read as (T, n0, m0, r, rm_p), dG1 as (T, n1, m1, rm_p)
       const int64_t rm = R.r_mid, rmp = padded(rm, W);
       const auto akj_t = pad_last(cores[tr.split].permute({0, 2, 3, 1, 4}), W);
-      auto dc1t_t = torch::zeros({tr.T, R.n1, R.m1, rmp}, cores[0].options());
+      auto dc1t_t = torch::empty({tr.T, R.n1, R.m1, rmp}, cores[0].options());  // every slice written
       const T_* akj = akj_t.data_ptr<T_>();
       const T_* c1 = cores[tr.split + 1].data_ptr<T_>();
       T_* dA = dright0.data_ptr<T_>();
       T_* dC = dc1t_t.data_ptr<T_>();
-      const CoreGroups cg = group_by_cores(sk, Ur, R.n0, R.n1, tr.T);
-      const Groups &by0 = cg.by0, &by1 = cg.by1;
-      const std::vector<int64_t>& key0 = cg.key0;
+      const Groups &by0 = right_groups.by0, &by1 = right_groups.by1;
+      const std::vector<int64_t>& key0 = right_groups.key0;
+      // each slot's G1[t, 0, i1, :, 0] (rank j at + j * n1 * m1), worked out once
+      std::vector<const T_*> c1_of(Ur);
+      for (int64_t s = 0; s < Ur; ++s) {
+        const int64_t t = right_groups.key1[s] / R.n1, i1 = right_groups.key1[s] % R.n1;
+        c1_of[s] = c1 + (t * rm * R.n1 + i1) * R.m1;
+      }
       // dG0[t, :, i0, x0, j] = sum over its slots of sum_x1 G1[t, j, i1, x1] dS[(x0, x1), :]
       for_each_group_range(by0, [&](int64_t b, int64_t e) {
         for (int64_t key = b; key < e; ++key)
@@ -530,8 +567,8 @@ std::vector<torch::Tensor> ttm_bag_backward(
               for (int64_t c = 0; c < rp; c += W) {
                 Acc4<T_> acc;
                 for (int64_t q = by0.start[key]; q < by0.start[key + 1]; ++q) {
-                  const int64_t s = by0.order[q], t = sk[s] / Nr, i1 = sk[s] % R.n1;
-                  acc.add(c1 + ((t * rm + j) * R.n1 + i1) * R.m1, 1, dS + s * Mr * rp + x0 * R.m1 * rp + c, rp, R.m1);
+                  const int64_t s = by0.order[q];
+                  acc.add(c1_of[s] + j * R.n1 * R.m1, 1, dS + s * Mr * rp + x0 * R.m1 * rp + c, rp, R.m1);
                 }
                 vstore(dA + ((key * R.m0 + x0) * rm + j) * rp + c, acc.sum());
               }
