@@ -23,6 +23,7 @@ from torch import nn
 from torchrec.models.dlrm import SparseArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from comera_rec.integration.fused_tables import fused_tables_lookup, single_lookup
 from comera_rec.tensor import kernels
 
 
@@ -109,7 +110,11 @@ class PairwiseDotInteraction(nn.Module):
 class FlatSparseArch(SparseArch):
     """TorchRec's ``SparseArch`` without the split and concatenation of its output when
     the collection's features already come in the arch's order with one dim: then the
-    ``(B, F * D)`` values are the ``(B, F, D)`` result as they are (a view, no copy).
+    ``(B, F * D)`` values are the ``(B, F, D)`` result as they are (a view, no copy). A
+    plain unsharded ``FusedEmbeddingBagCollection`` whose features the batch holds in
+    that order is looked up through
+    :func:`~comera_rec.integration.fused_tables.fused_tables_lookup` (the fused CPU
+    row-wise Adagrad kernel where it applies; otherwise its FBGEMM lookup directly).
 
     Args:
         embedding_bag_collection: as for ``SparseArch``.
@@ -127,7 +132,15 @@ class FlatSparseArch(SparseArch):
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """``(B, F, D)`` pooled embeddings in ``sparse_feature_names`` order."""
-        sparse = self.embedding_bag_collection(features)
+        ebc = self.embedding_bag_collection
+        lookup = single_lookup(ebc, features.keys()) if features.keys() == self.sparse_feature_names else None
+        if lookup is not None and not features.variable_stride_per_key():
+            # a plain fused collection reading the batch's features in order: its one
+            # lookup takes the ids as they are (fused_tables_lookup)
+            weights = features.weights_or_none() if ebc.is_weighted() else None
+            values = fused_tables_lookup(lookup, features.values(), features.lengths(), weights, features.stride())
+            return values.reshape(-1, self.F, self.D)
+        sparse = ebc(features)
         if sparse.keys() == self.sparse_feature_names and all(n == self.D for n in sparse.length_per_key()):
             return sparse.values().reshape(-1, self.F, self.D)
         values = sparse.to_dict()

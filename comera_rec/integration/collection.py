@@ -22,9 +22,9 @@ from torchrec.modules.embedding_modules import (
     EmbeddingBagCollectionInterface,
     get_embedding_names_by_table,
 )
-from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from comera_rec.integration.fused_tables import fused_tables_lookup, single_lookup
 from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tables
 from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import divide_bags
@@ -345,16 +345,11 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         feature and concatenates them again (~1 ms a step for the Kaggle model's 16 small
         tables); when ``self.dense`` is a plain (unsharded) one with a single lookup whose
         features come in this collection's dense-feature order, the ids are handed to that
-        lookup as the collection already has them: the same FBGEMM call, the same fused
-        update in backward. Sharded (DMP) or otherwise, ``self.dense`` is called as it is.
+        lookup as the collection already has them (:func:`fused_tables_lookup`: the fused
+        CPU row-wise Adagrad kernel on the lookup's own buffers, or the same FBGEMM call).
+        Sharded (DMP) or otherwise, ``self.dense`` is called as it is.
         """
-        d = self.dense
-        if type(d) is not FusedEmbeddingBagCollection or len(getattr(d, "_emb_modules", ())) != 1:
-            return None
-        tables = next(iter(d._key_to_tables.values()))
-        if [f for t in tables for f in t.feature_names] != list(self._dense_features):
-            return None
-        return d._emb_modules[0]
+        return single_lookup(self.dense, self._dense_features)
 
     def _stream_constants_on(self, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(table index (S,), is mean (S,))`` of the group's streams on ``device``.
@@ -439,11 +434,9 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             parts = [stream(f) for f in self._dense_features]
             lookup = self._direct_dense_lookup()
             if lookup is not None:
-                # as FusedEmbeddingBagCollection.forward hands them on: int32 ids and offsets
                 ids = torch.cat([p[0] for p in parts])
-                offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(torch.cat([p[1] for p in parts]))
                 w = torch.cat([p[2] for p in parts]) if weights is not None else None  # type: ignore[misc]
-                dense_values = lookup(ids.int(), offsets.int(), w)
+                dense_values = fused_tables_lookup(lookup, ids, torch.cat([p[1] for p in parts]), w, batch)
             else:
                 # hand the (host) lengths per key on, or TorchRec computes them again (a sync on GPU)
                 sub = KeyedJaggedTensor(

@@ -34,6 +34,11 @@ from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup (built o
 )
 from comera_rec.tensor.kernels.tt_linear_cpu import tt_linear_cpu, tt_linear_kernel_applies  # the fused CPU TT linear
 from comera_rec.tensor.kernels.interaction_cpu import pairwise_dots_cpu, pairwise_kernel_applies  # DLRM's dot interaction
+from comera_rec.tensor.kernels.rowwise_bag_cpu import (  # uncompressed tables, row-wise Adagrad in backward
+    RowwiseTables,
+    rowwise_adagrad_bag,
+    rowwise_bag_kernel_applies,
+)
 
 DISABLE_ENV = "COMERA_DISABLE_TRITON"
 
@@ -101,6 +106,9 @@ __all__ = [
     "tt_linear_kernel_applies",
     "pairwise_dots_cpu",
     "pairwise_kernel_applies",
+    "RowwiseTables",
+    "rowwise_adagrad_bag",
+    "rowwise_bag_kernel_applies",
     "set_triton_enabled",
     "triton_available",
     "triton_enabled",

@@ -31,7 +31,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "COMERA_DISABLE_CPU_KERNEL"
-_SOURCES = [Path(__file__).with_name(name) for name in ("ttm_cpu.cpp", "tt_linear_cpu.cpp", "interaction_cpu.cpp", "checks_cpu.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in (
+    "ttm_cpu.cpp", "tt_linear_cpu.cpp", "interaction_cpu.cpp", "checks_cpu.cpp", "rowwise_bag_cpu.cpp"
+)]
 _HEADERS = [Path(__file__).with_name("simd.h")]
 _enabled = True
 _build_lock = threading.Lock()

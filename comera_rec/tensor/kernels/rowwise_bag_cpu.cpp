@@ -1,0 +1,232 @@
+// Uncompressed embedding tables on CPU: pooled lookup, and a backward that applies the
+// exact row-wise Adagrad update in place (no gradient tensor is formed).
+//
+// The tables lie one after the other in a flat float32 buffer, as a table-batched
+// embedding keeps them; feature f reads table rows starting at table_offset[f] (in
+// values), D_f = dim_offset[f + 1] - dim_offset[f] values a row, and writes the output
+// columns [dim_offset[f], dim_offset[f + 1]). Bags are feature-major: bag f * batch + b.
+//
+//   forward:  out[b, cols of f] = sum over ids i of bag (f, b) of w_i * row(f, id_i)
+//   backward: per distinct row of a table, g = sum over its ids of w_i * grad[b, cols of f];
+//             m[row] += mean(g^2);  row -= lr / (sqrt(m[row]) + eps) * g
+//
+// Each table (all the features that read it) is one thread's: its distinct rows are found
+// with a small open-addressing hash of the ids it got (any table size, nothing the size
+// of a table is touched), their gradients summed in the order the ids come, and each row
+// updated once. The result does not depend on the number of threads.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+using namespace comera;
+
+// dst[0:n] += a * src[0:n]
+inline void axpy(float* __restrict dst, const float* __restrict src, float a, int64_t n) {
+  constexpr int64_t W = kLanes<float>;
+  int64_t d = 0;
+  for (; d + W <= n; d += W) vstore(dst + d, vload(dst + d) + a * vload(src + d));
+  for (; d < n; ++d) dst[d] += a * src[d];
+}
+
+struct Layout {
+  int64_t F = 0, batch = 0, total_dim = 0;
+  const int64_t* table_offset = nullptr;  // (F,) first value of feature f's table in the buffer
+  const int64_t* dim_offset = nullptr;    // (F + 1,) output columns
+  const int64_t* rows = nullptr;          // (F,) rows of feature f's table
+  const int64_t* off = nullptr;           // (F * batch + 1,) bag boundaries
+  const float* w = nullptr;               // per-id weights or null
+};
+
+template <typename Index>
+Layout layout_of(const torch::Tensor& table_offset, const torch::Tensor& dim_offset, const torch::Tensor& rows,
+                 const torch::Tensor& offsets, const torch::Tensor& weights, int64_t batch) {
+  Layout L;
+  L.F = table_offset.numel();
+  L.batch = batch;
+  L.table_offset = table_offset.data_ptr<int64_t>();
+  L.dim_offset = dim_offset.data_ptr<int64_t>();
+  L.rows = rows.data_ptr<int64_t>();
+  L.total_dim = L.dim_offset[L.F];
+  L.off = offsets.data_ptr<int64_t>();
+  L.w = weights.numel() ? weights.data_ptr<float>() : nullptr;
+  return L;
+}
+
+void check_args(const torch::Tensor& buffer, const torch::Tensor& table_offset, const torch::Tensor& dim_offset,
+                const torch::Tensor& rows, const torch::Tensor& ids, const torch::Tensor& offsets,
+                const torch::Tensor& weights, int64_t batch, const char* who) {
+  TORCH_CHECK(buffer.scalar_type() == torch::kFloat && buffer.is_contiguous(), who, ": the table buffer must be contiguous float32");
+  const int64_t F = table_offset.numel();
+  TORCH_CHECK(dim_offset.numel() == F + 1 && rows.numel() == F, who, ": per-feature layout of ", F, " features is inconsistent");
+  TORCH_CHECK(batch >= 0 && offsets.numel() == F * batch + 1, who, ": ", offsets.numel(), " offsets for ", F,
+              " features of batch ", batch);
+  TORCH_CHECK(weights.numel() == 0 || weights.numel() == ids.numel(), who, ": ", weights.numel(), " weights for ",
+              ids.numel(), " ids");
+}
+
+// The first id outside its feature's table, as an error naming it.
+template <typename Index>
+void name_bad_id(const Layout& L, const Index* id) {
+  for (int64_t f = 0; f < L.F; ++f)
+    for (int64_t i = L.off[f * L.batch]; i < L.off[(f + 1) * L.batch]; ++i)
+      TORCH_CHECK(id[i] >= 0 && id[i] < L.rows[f], "embedding lookup: id ", static_cast<int64_t>(id[i]),
+                  " of feature ", f, " out of range [0, ", L.rows[f], ")");
+}
+
+// Open-addressing hash of row -> slot (first-seen order), sized for n keys.
+struct RowSlots {
+  std::vector<int64_t> key;
+  std::vector<int32_t> slot;
+  int64_t mask = 0;
+  int32_t used = 0;
+  explicit RowSlots(int64_t n) {
+    int64_t cap = 16;
+    while (cap < 2 * n) cap <<= 1;
+    key.assign(cap, -1);
+    slot.resize(cap);
+    mask = cap - 1;
+  }
+  int32_t operator()(int64_t row) {
+    uint64_t h = (static_cast<uint64_t>(row) * 0x9E3779B97F4A7C15ull) >> 17;
+    for (;; ++h) {
+      const int64_t at = static_cast<int64_t>(h) & mask;
+      if (key[at] == row) return slot[at];
+      if (key[at] < 0) {
+        key[at] = row;
+        return slot[at] = used++;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+// (batch, total_dim) pooled bags.
+torch::Tensor rowwise_bag_forward(torch::Tensor buffer, torch::Tensor table_offset, torch::Tensor dim_offset,
+                                  torch::Tensor rows, torch::Tensor ids, torch::Tensor offsets, torch::Tensor weights,
+                                  int64_t batch) {
+  check_args(buffer, table_offset, dim_offset, rows, ids, offsets, weights, batch, "rowwise_bag_forward");
+  offsets = offsets.to(torch::kLong).contiguous();
+  ids = ids.contiguous();
+  if (weights.numel()) weights = weights.to(torch::kFloat).contiguous();
+  const Layout L = layout_of<int64_t>(table_offset, dim_offset, rows, offsets, weights, batch);
+  auto out = torch::zeros({batch, L.total_dim}, buffer.options());
+  const float* table = buffer.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "rowwise_bag_forward", [&] {
+    const index_t* id = ids.data_ptr<index_t>();
+    std::atomic<bool> bad{false};
+    at::parallel_for(0, batch, 64, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t f = 0; f < L.F; ++f) {
+          const int64_t D = L.dim_offset[f + 1] - L.dim_offset[f];
+          float* ob = o + b * L.total_dim + L.dim_offset[f];
+          const int64_t bag = f * batch + b;
+          for (int64_t i = L.off[bag]; i < L.off[bag + 1]; ++i) {
+            const int64_t row = id[i];
+            if (row < 0 || row >= L.rows[f]) {
+              bad = true;
+              continue;
+            }
+            axpy(ob, table + L.table_offset[f] + row * D, L.w ? L.w[i] : 1.0f, D);
+          }
+        }
+    });
+    if (bad) name_bad_id(L, id);
+  });
+  return out;
+}
+
+// Row-wise Adagrad on the rows the bags read, in place on buffer and momentum.
+// feature_table: (F,) the table each feature reads (features of one table are summed
+// together); momentum_offset: (F,) the first momentum entry of feature f's table.
+void rowwise_bag_backward_adagrad(torch::Tensor grad, torch::Tensor buffer, torch::Tensor momentum,
+                                  torch::Tensor table_offset, torch::Tensor momentum_offset, torch::Tensor dim_offset,
+                                  torch::Tensor rows, torch::Tensor feature_table, torch::Tensor ids,
+                                  torch::Tensor offsets, torch::Tensor weights, int64_t batch, double lr, double eps) {
+  check_args(buffer, table_offset, dim_offset, rows, ids, offsets, weights, batch, "rowwise_bag_backward_adagrad");
+  TORCH_CHECK(momentum.scalar_type() == torch::kFloat && momentum.is_contiguous(),
+              "rowwise_bag_backward_adagrad: momentum must be contiguous float32");
+  grad = grad.to(torch::kFloat).contiguous();
+  offsets = offsets.to(torch::kLong).contiguous();
+  ids = ids.contiguous();
+  if (weights.numel()) weights = weights.to(torch::kFloat).contiguous();
+  const Layout L = layout_of<int64_t>(table_offset, dim_offset, rows, offsets, weights, batch);
+  TORCH_CHECK(grad.size(0) == batch && grad.size(1) == L.total_dim, "rowwise_bag_backward_adagrad: gradient of shape ",
+              grad.sizes(), " for (", batch, ", ", L.total_dim, ")");
+  const int64_t* mom_off = momentum_offset.data_ptr<int64_t>();
+  const int64_t* ft = feature_table.data_ptr<int64_t>();
+  // features grouped by table, tables in order of first use
+  std::vector<int64_t> tables;
+  std::vector<std::vector<int64_t>> features_of;
+  for (int64_t f = 0; f < L.F; ++f) {
+    auto it = std::find(tables.begin(), tables.end(), ft[f]);
+    if (it == tables.end()) {
+      tables.push_back(ft[f]);
+      features_of.push_back({f});
+    } else {
+      features_of[it - tables.begin()].push_back(f);
+    }
+  }
+  for (const auto& fs : features_of)
+    for (int64_t f : fs)
+      TORCH_CHECK(L.dim_offset[f + 1] - L.dim_offset[f] == L.dim_offset[fs[0] + 1] - L.dim_offset[fs[0]] &&
+                      L.table_offset[f] == L.table_offset[fs[0]] && mom_off[f] == mom_off[fs[0]],
+                  "rowwise_bag_backward_adagrad: features of one table disagree on its layout");
+  const float* g = grad.data_ptr<float>();
+  float* table = buffer.data_ptr<float>();
+  float* mom = momentum.data_ptr<float>();
+  const float rate = static_cast<float>(lr), epsilon = static_cast<float>(eps);
+  AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "rowwise_bag_backward_adagrad", [&] {
+    const index_t* id = ids.data_ptr<index_t>();
+    at::parallel_for(0, static_cast<int64_t>(tables.size()), 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const auto& fs = features_of[t];
+        const int64_t D = L.dim_offset[fs[0] + 1] - L.dim_offset[fs[0]], nrows = L.rows[fs[0]];
+        int64_t n = 0;
+        for (int64_t f : fs) n += L.off[(f + 1) * batch] - L.off[f * batch];
+        RowSlots slot_of(n);
+        std::vector<int64_t> row_of;
+        row_of.reserve(n);
+        std::vector<float> acc;
+        acc.reserve(n * D);
+        for (int64_t f : fs)
+          for (int64_t b = 0; b < batch; ++b) {
+            const float* gb = g + b * L.total_dim + L.dim_offset[f];
+            const int64_t bag = f * batch + b;
+            for (int64_t i = L.off[bag]; i < L.off[bag + 1]; ++i) {
+              const int64_t row = id[i];
+              TORCH_CHECK(row >= 0 && row < nrows, "embedding lookup: id ", row, " of feature ", f,
+                          " out of range [0, ", nrows, ")");
+              const int32_t s = slot_of(row);
+              if (s == static_cast<int32_t>(row_of.size())) {
+                row_of.push_back(row);
+                acc.resize(acc.size() + D, 0.0f);
+              }
+              axpy(acc.data() + s * D, gb, L.w ? L.w[i] : 1.0f, D);
+            }
+          }
+        float* tab = table + L.table_offset[fs[0]];
+        float* m = mom + mom_off[fs[0]];
+        for (size_t s = 0; s < row_of.size(); ++s) {
+          const float* gs = acc.data() + s * D;
+          float sq = 0.0f;
+          for (int64_t d = 0; d < D; ++d) sq += gs[d] * gs[d];
+          const float next = m[row_of[s]] + sq / static_cast<float>(D);
+          m[row_of[s]] = next;
+          axpy(tab + row_of[s] * D, gs, -rate / (std::sqrt(next) + epsilon), D);
+        }
+      }
+    });
+  });
+}
