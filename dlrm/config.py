@@ -46,8 +46,9 @@ class DLRMConfig:
     """Use :class:`dlrm.interaction.PairwiseDotInteraction` for the ``"dot"`` interaction:
     TorchRec's values, a backward without ``index_put`` accumulation, on CPU one fused kernel
     (docs/performance.md); and :class:`dlrm.interaction.FlatSparseArch` for the sparse arch
-    (no per-feature split and concatenation). ``False`` keeps TorchRec's ``InteractionArch``
-    and ``SparseArch``."""
+    (no per-feature split and concatenation; a plain fused collection's tables through the
+    fused CPU row-wise Adagrad kernel). ``False`` keeps TorchRec's ``InteractionArch`` and
+    ``SparseArch``."""
     dcn_num_layers: int = 3
     """Cross layers of the DCN interaction."""
     dcn_low_rank: int = 512

@@ -13,8 +13,12 @@ printed too: sharing a process changes them, see docs/performance.md).
     python launch/bench_dlrm.py --mlperf        # MLPerf DLRM-DCNv2 shapes, compressed only
     python launch/bench_dlrm.py --quick         # a smoke run
     python launch/bench_dlrm.py --parts         # where the step goes, per part
-    python launch/bench_dlrm.py --fused-interaction  # compressed models with PairwiseDotInteraction,
-                                                     # and the dense model with it too (dense_fi)
+    python launch/bench_dlrm.py --no-fused-interaction  # TorchRec's InteractionArch and SparseArch in the
+                                                        # compressed models, and no dense_fi (by default the
+                                                        # compressed models have PairwiseDotInteraction and
+                                                        # FlatSparseArch, and dense_fi, the dense model with
+                                                        # them, credits what they and the fused row-wise
+                                                        # Adagrad lookup give a dense model)
     python launch/bench_dlrm.py --rounds 5      # more fresh processes per variant for the step time
     python launch/bench_dlrm.py --lookup-paths  # adds tt_torch / tt_half_torch: the same models with the
                                                 # fused CPU kernels off (TTM lookup, TT linear, interaction)
@@ -57,12 +61,14 @@ class Setup:
     timed_steps: int = 30  # per process: its median step time is the process's figure
     rounds: int = 3  # fresh processes per variant, the variants alternating
     keep_freed_memory: bool = True  # glibc malloc reuses freed activations (trainer.keep_freed_memory)
-    fused_interaction: bool = False  # PairwiseDotInteraction in the compressed models and in dense_fi
+    fused_interaction: bool = True  # PairwiseDotInteraction + FlatSparseArch in the compressed models and in dense_fi
     lookup_paths: bool = False  # also the compressed models with the CPU kernels off (tt_torch, tt_half_torch)
 
 
 VARIANTS = ("dense", "tt", "tt_half")
-DENSE_FUSED = "dense_fi"  # the dense model with PairwiseDotInteraction (--fused-interaction)
+# the dense model with the parts a dense model shares (not with --no-fused-interaction): PairwiseDotInteraction,
+# FlatSparseArch and through it the fused CPU row-wise Adagrad lookup for all its tables
+DENSE_FUSED = "dense_fi"
 
 
 TORCH_LOOKUP = "_torch"  # suffix: the same compressed model with the fused CPU kernels off (PyTorch path)
@@ -389,8 +395,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per variant")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--fused-interaction", action="store_true",
-                        help="PairwiseDotInteraction in the compressed models; adds dense_fi, the dense model with it")
+    parser.add_argument("--fused-interaction", action=argparse.BooleanOptionalAction, default=True,
+                        help="PairwiseDotInteraction and FlatSparseArch in the compressed models, and dense_fi, the "
+                             "dense model with them (and so with the fused row-wise Adagrad lookup); default on")
     parser.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
                         help="leave glibc malloc as it is (it may return freed activations to the kernel and "
                              "page-fault them in again); the default keeps them, as the trainer does")

@@ -114,7 +114,9 @@ def fused_tables_lookup(
 def _count_step(tbe: nn.Module) -> None:
     """Advance the TBE's step counters as its own forward does (they are checkpointed)."""
     tbe.step += 1
-    if tbe.iter_cpu.item() == 0:
-        tbe.iter_cpu.fill_(tbe.iter.cpu().item())
-    tbe.iter_cpu.add_(1)
+    iter_cpu = getattr(tbe, "iter_cpu", None)
+    if iter_cpu is not None:
+        if iter_cpu.item() == 0:
+            iter_cpu.fill_(tbe.iter.cpu().item())
+        iter_cpu.add_(1)
     tbe.iter.add_(1)
