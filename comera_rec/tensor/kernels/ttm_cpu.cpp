@@ -441,37 +441,30 @@ std::vector<torch::Tensor> ttm_bag_backward(
       }
     });
     const T_* grows = direct ? g : gpad.data();
-    // 1a. prefix slots: dP[s][x, :] = sum over its ids of sum_a g[x, a] S[a, :]. Each id is
-    // read once; the slot's rows stay in L1 while its ids are summed into them.
-    for_each_group_range(by_prefix, [&](int64_t b, int64_t e) {
-      for (int64_t s = b; s < e; ++s) {
-        T_* d = dP + s * Ml * rp;
-        std::fill(d, d + Ml * rp, T_(0));
-        for (int64_t k = by_prefix.start[s]; k < by_prefix.start[s + 1]; ++k) {
-          const int64_t i = by_prefix.order[k];
-          const T_* gi = grows + goff[i];
-          const T_* q = S + ss[i] * Mr * rp;
-          for (int64_t x = 0; x < Ml; ++x)
-            for (int64_t c = 0; c < rp; c += W)
-              vstore(d + x * rp + c, vload(d + x * rp + c) + combine(gi + x * Mr, 1, q + c, rp, Mr));
+    // Slot gradients, each id read once; a slot's rows stay in L1 while its ids are summed
+    // into them. For slot s of one half: d[s][u, :] = sum over its ids of
+    // sum_v g[u * row_step + v * stride] other[v, :], with `other` the id's row of the other half.
+    auto slot_grads = [&](const Groups& by, T_* out, int64_t n_out, const T_* other, const int32_t* other_slot,
+                          int64_t n_other, int64_t row_step, int64_t stride) {
+      for_each_group_range(by, [&](int64_t b, int64_t e) {
+        for (int64_t s = b; s < e; ++s) {
+          T_* d = out + s * n_out * rp;
+          std::fill(d, d + n_out * rp, T_(0));
+          for (int64_t k = by.start[s]; k < by.start[s + 1]; ++k) {
+            const int64_t i = by.order[k];
+            const T_* gi = grows + goff[i];
+            const T_* q = other + other_slot[i] * n_other * rp;
+            for (int64_t u = 0; u < n_out; ++u)
+              for (int64_t c = 0; c < rp; c += W)
+                vstore(d + u * rp + c, vload(d + u * rp + c) + combine(gi + u * row_step, stride, q + c, rp, n_other));
+          }
         }
-      }
-    });
+      });
+    };
+    // 1a. prefix slots: dP[s][x, :] = sum over its ids of sum_a g[x, a] S[a, :]
+    slot_grads(by_prefix, dP, Ml, S, ss, Mr, Mr, 1);
     // 1b. suffix slots: dS[s][a, :] = sum over its ids of sum_x g[x, a] P[x, :]
-    for_each_group_range(by_suffix, [&](int64_t b, int64_t e) {
-      for (int64_t s = b; s < e; ++s) {
-        T_* d = dS + s * Mr * rp;
-        std::fill(d, d + Mr * rp, T_(0));
-        for (int64_t k = by_suffix.start[s]; k < by_suffix.start[s + 1]; ++k) {
-          const int64_t i = by_suffix.order[k];
-          const T_* gi = grows + goff[i];
-          const T_* p = P + ps[i] * Ml * rp;
-          for (int64_t a = 0; a < Mr; ++a)
-            for (int64_t c = 0; c < rp; c += W)
-              vstore(d + a * rp + c, vload(d + a * rp + c) + combine(gi + a, Mr, p + c, rp, Ml));
-        }
-      }
-    });
+    slot_grads(by_suffix, dS, Mr, P, ps, Ml, 1, Mr);
 
     // 2. prefix slot gradients -> left cores. Slots sharing a core slice are summed into it
     // by one thread (slots grouped by that core's index), so there are no write conflicts.
