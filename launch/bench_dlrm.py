@@ -137,6 +137,13 @@ def batches(setup: Setup, mlperf: bool, stream: str, rows: int):
     return SyntheticCriteo(cfg)
 
 
+def train_batches(setup: Setup, mlperf: bool, n: int) -> list:
+    """``n`` distinct training batches, one per timed step. Not a few batches cycled: a dense
+    model trained over and over on four batches fits them within ~40 steps, its gradients
+    become denormal floats and its MLPs' GEMMs slow down several-fold (docs/performance.md)."""
+    return list(itertools.islice(iter(batches(setup, mlperf, "train", setup.batch_size * n)), n))
+
+
 def train_step(wrapped, bundle, batch) -> float:
     loss, _ = wrapped(batch)
     loss.backward()
@@ -169,7 +176,7 @@ def process_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # r
     if setup.keep_freed_memory:
         keep_freed_memory()
     use_lookup_path(variant)
-    data = list(itertools.islice(iter(batches(setup, mlperf, "train", setup.batch_size * 4)), 4))
+    data = train_batches(setup, mlperf, setup.warmup_steps + setup.timed_steps)
     base = current_rss_bytes()
     wrapped, bundle = build(variant, setup, mlperf)
     freeze_live_objects()  # as the trainer does (trainer.freeze_gc), every variant alike
@@ -276,7 +283,7 @@ def parts(setup: Setup, repeats: int = 20) -> None:
         keep_freed_memory()
     names_ = variants(setup)
     models = {v: build(v, setup, mlperf=False) for v in names_}
-    data = list(itertools.islice(iter(batches(setup, False, "train", setup.batch_size * 4)), 4))
+    data = train_batches(setup, False, repeats + 2)
     freeze_live_objects()
     samples: dict[str, dict[str, list[float]]] = {v: {} for v in names_}
     for i in range(repeats + 2):

@@ -30,6 +30,8 @@ namespace {
 
 using namespace comera;
 
+constexpr int64_t kAhead = 4;  // distinct rows ahead whose table rows are prefetched in the update
+
 // dst[0:n] += a * src[0:n]
 inline void axpy(float* __restrict dst, const float* __restrict src, float a, int64_t n) {
   constexpr int64_t W = kLanes<float>;
@@ -132,6 +134,9 @@ torch::Tensor rowwise_bag_forward(torch::Tensor buffer, torch::Tensor table_offs
           const int64_t D = L.dim_offset[f + 1] - L.dim_offset[f];
           float* ob = o + b * L.total_dim + L.dim_offset[f];
           const int64_t bag = f * batch + b;
+          if (b + 2 < b1)  // this feature's rows of two samples ahead
+            for (int64_t i = L.off[bag + 2]; i < L.off[bag + 3]; ++i)
+              if (id[i] >= 0 && id[i] < L.rows[f]) prefetch_range(table + L.table_offset[f] + id[i] * D, D * sizeof(float));
           for (int64_t i = L.off[bag]; i < L.off[bag + 1]; ++i) {
             const int64_t row = id[i];
             if (row < 0 || row >= L.rows[f]) {
@@ -219,6 +224,10 @@ void rowwise_bag_backward_adagrad(torch::Tensor grad, torch::Tensor buffer, torc
         float* tab = table + L.table_offset[fs[0]];
         float* m = mom + mom_off[fs[0]];
         for (size_t s = 0; s < row_of.size(); ++s) {
+          if (s + kAhead < row_of.size()) {
+            prefetch_range(tab + row_of[s + kAhead] * D, D * sizeof(float));
+            __builtin_prefetch(m + row_of[s + kAhead]);
+          }
           const float* gs = acc.data() + s * D;
           float sq = 0.0f;
           for (int64_t d = 0; d < D; ++d) sq += gs[d] * gs[d];

@@ -57,6 +57,13 @@ inline double hsum(vec_t<double> v) {
 }
 #undef COMERA_SHUFFLE
 
+// Ask for the cache lines of [p, p + bytes) ahead of use (rows read in a data-dependent
+// order, whose loads the hardware prefetcher cannot guess).
+inline void prefetch_range(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
+}
+
 inline int64_t padded(int64_t n, int64_t lanes) { return (n + lanes - 1) / lanes * lanes; }
 
 // The last dimension zero-padded to a multiple of `lanes`, contiguous.

@@ -36,6 +36,8 @@ namespace {
 
 using namespace comera;
 
+constexpr int64_t kAhead = 4;  // ids ahead whose rows are prefetched in the per-id loops
+
 // sum_i a[i] b[i] over n = C whole vectors
 template <typename T>
 inline T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
@@ -335,9 +337,14 @@ std::vector<torch::Tensor> ttm_bag_forward(
     const T_* w = weighted ? weights.data_ptr<T_>() : nullptr;
     T_* o = out.data_ptr<T_>();
     at::parallel_for(0, B, 128, [&](int64_t b, int64_t e) {
+      const int64_t last = off[e];
       for (int64_t bag = b; bag < e; ++bag) {
         T_* ob = o + bag_offset(bag, dim, batch, streams);
         for (int64_t i = off[bag]; i < off[bag + 1]; ++i) {
+          if (i + kAhead < last) {
+            prefetch_range(P + ps[i + kAhead] * Ml * rp, Ml * rp * sizeof(T_));
+            prefetch_range(S + ss[i + kAhead] * Mr * rp, Mr * rp * sizeof(T_));
+          }
           const T_ wi = w ? w[i] : T_(1);
           const T_* p = P + ps[i] * Ml * rp;
           const T_* q = S + ss[i] * Mr * rp;
@@ -447,10 +454,16 @@ std::vector<torch::Tensor> ttm_bag_backward(
     auto slot_grads = [&](const Groups& by, T_* out, int64_t n_out, const T_* other, const int32_t* other_slot,
                           int64_t n_other, int64_t row_step, int64_t stride) {
       for_each_group_range(by, [&](int64_t b, int64_t e) {
+        const int64_t last = by.start[e];
         for (int64_t s = b; s < e; ++s) {
           T_* d = out + s * n_out * rp;
           std::fill(d, d + n_out * rp, T_(0));
           for (int64_t k = by.start[s]; k < by.start[s + 1]; ++k) {
+            if (k + kAhead < last) {
+              const int64_t j = by.order[k + kAhead];
+              prefetch_range(grows + goff[j], n_out * n_other * sizeof(T_));
+              prefetch_range(other + other_slot[j] * n_other * rp, n_other * rp * sizeof(T_));
+            }
             const int64_t i = by.order[k];
             const T_* gi = grows + goff[i];
             const T_* q = other + other_slot[i] * n_other * rp;
