@@ -276,8 +276,11 @@ std::vector<torch::Tensor> ttm_bag_forward(
   auto skey_t = torch::from_blob(sdistinct.data(), {Ur}, lopt).clone();
 
   auto fopt = cores[0].options();
-  auto ptab = torch::zeros({Ul, Ml, rp}, fopt), stab = torch::zeros({Ur, Mr, rp}, fopt);
-  auto out = batch > 0 ? torch::zeros({batch, streams * dim}, fopt) : torch::zeros({B, dim}, fopt);
+  // every value of P and S is written below; only rank padding (rp > r) needs zeros
+  auto table = [&](int64_t U, int64_t M) { return rp == r ? torch::empty({U, M, rp}, fopt) : torch::zeros({U, M, rp}, fopt); };
+  auto ptab = table(Ul, Ml), stab = table(Ur, Mr);
+  // each bag's dim values are zeroed by the thread that pools it (the bags tile the output)
+  auto out = batch > 0 ? torch::empty({batch, streams * dim}, fopt) : torch::empty({B, dim}, fopt);
 
   AT_DISPATCH_FLOATING_TYPES(cores[0].scalar_type(), "ttm_bag_forward", [&] {
     using T_ = scalar_t;
@@ -340,6 +343,7 @@ std::vector<torch::Tensor> ttm_bag_forward(
       const int64_t last = off[e];
       for (int64_t bag = b; bag < e; ++bag) {
         T_* ob = o + bag_offset(bag, dim, batch, streams);
+        std::fill(ob, ob + dim, T_(0));
         for (int64_t i = off[bag]; i < off[bag + 1]; ++i) {
           if (i + kAhead < last) {
             prefetch_range(P + ps[i + kAhead] * Ml * rp, Ml * rp * sizeof(T_));
