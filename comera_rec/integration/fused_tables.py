@@ -15,6 +15,8 @@ import weakref
 from typing import Sequence
 
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
@@ -28,7 +30,7 @@ _PLAIN_OPTIMIZER_ARGS = {
     "counter_halflife": -1, "learning_rate_mode": -1, "grad_sum_decay": -1, "regularization_mode": 0,
     "weight_norm_coefficient": 0.0, "use_rowwise_bias_correction": False,
 }
-_layouts: "weakref.WeakKeyDictionary[nn.Module, RowwiseTables | None]" = weakref.WeakKeyDictionary()
+_layouts: "weakref.WeakKeyDictionary[nn.Module, RowwiseTables]" = weakref.WeakKeyDictionary()  # per TBE, made once
 
 
 def single_lookup(collection: nn.Module, feature_names: Sequence[str]) -> nn.Module | None:
@@ -48,11 +50,6 @@ def _plain_tbe(lookup: nn.Module) -> nn.Module | None:
     """The FBGEMM TBE inside a TorchRec fused lookup when the kernel can stand in for it."""
     tbe = getattr(lookup, "_emb_module", None)
     if tbe is None or not hasattr(tbe, "optimizer_args"):
-        return None
-    try:
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
-    except ImportError:  # pragma: no cover - fbgemm is a dependency of torchrec
         return None
     args = tbe.optimizer_args
     if (

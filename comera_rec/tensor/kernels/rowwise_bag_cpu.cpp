@@ -49,7 +49,6 @@ struct Layout {
   const float* w = nullptr;               // per-id weights or null
 };
 
-template <typename Index>
 Layout layout_of(const torch::Tensor& table_offset, const torch::Tensor& dim_offset, const torch::Tensor& rows,
                  const torch::Tensor& offsets, const torch::Tensor& weights, int64_t batch) {
   Layout L;
@@ -121,7 +120,7 @@ torch::Tensor rowwise_bag_forward(torch::Tensor buffer, torch::Tensor table_offs
   offsets = offsets.to(torch::kLong).contiguous();
   ids = ids.contiguous();
   if (weights.numel()) weights = weights.to(torch::kFloat).contiguous();
-  const Layout L = layout_of<int64_t>(table_offset, dim_offset, rows, offsets, weights, batch);
+  const Layout L = layout_of(table_offset, dim_offset, rows, offsets, weights, batch);
   auto out = torch::zeros({batch, L.total_dim}, buffer.options());
   const float* table = buffer.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -166,7 +165,7 @@ void rowwise_bag_backward_adagrad(torch::Tensor grad, torch::Tensor buffer, torc
   offsets = offsets.to(torch::kLong).contiguous();
   ids = ids.contiguous();
   if (weights.numel()) weights = weights.to(torch::kFloat).contiguous();
-  const Layout L = layout_of<int64_t>(table_offset, dim_offset, rows, offsets, weights, batch);
+  const Layout L = layout_of(table_offset, dim_offset, rows, offsets, weights, batch);
   TORCH_CHECK(grad.size(0) == batch && grad.size(1) == L.total_dim, "rowwise_bag_backward_adagrad: gradient of shape ",
               grad.sizes(), " for (", batch, ", ", L.total_dim, ")");
   const int64_t* mom_off = momentum_offset.data_ptr<int64_t>();
