@@ -11,7 +11,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
 from comera_rec.integration.compress import ModelSize, model_size
-from comera_rec.integration.mlp import TTLowRankCrossNet, tt_mlp
+from comera_rec.integration.mlp import TTLowRankCrossNet, fuse_narrow_layers, tt_mlp
 from comera_rec.integration.policy import CompressionPolicy
 from dlrm.config import DLRMConfig
 from dlrm.interaction import FlatSparseArch, PairwiseDotInteraction
@@ -72,7 +72,9 @@ def make_dlrm(
 
     With a ``policy`` the tables go into a :class:`TTMEmbeddingBagCollection` and the
     bottom MLP, top MLP and DCN projections use ``TTLinear`` where it pays; without one
-    the model is TorchRec's dense model.
+    the model is TorchRec's dense model. With a policy or ``fused_interaction``, MLP layers
+    with few inputs (the bottom MLP's first) become ``NarrowLinear`` (same values, one pass
+    forward and one backward on CPU).
 
     Args:
         tables: embedding table configs (one embedding_dim for all).
@@ -81,8 +83,9 @@ def make_dlrm(
         top_mlp: top MLP sizes (last = 1).
         interaction: ``"dot"`` or ``"dcn"``.
         fused_interaction: replace the dot interaction by :class:`PairwiseDotInteraction`
-            (same values, cheaper backward; a fused kernel on CPU) and the sparse arch by
-            :class:`FlatSparseArch` (no split and concatenation of the embeddings).
+            (same values, cheaper backward; a fused kernel on CPU), the sparse arch by
+            :class:`FlatSparseArch` (no split and concatenation of the embeddings) and narrow
+            MLP layers by ``NarrowLinear``: the fused parts a dense model shares.
         dcn_num_layers: DCN cross layers.
         dcn_low_rank: DCN inner size.
         policy: compression policy, ``None`` for dense.
@@ -118,6 +121,8 @@ def make_dlrm(
         model = DLRM_DCN(ebc, dense_in_features, bottom_mlp, top_mlp, dcn_num_layers, dcn_low_rank,
                          dense_device=dense_device)
     if policy is None:
+        if fused_interaction:
+            fuse_narrow_layers(model.dense_arch.model)
         return model
     rank = policy.mlp_rank
     if policy.compress_mlps:
@@ -126,6 +131,7 @@ def make_dlrm(
         over_in = model.over_arch.model[0]._mlp[0]._linear.in_features
         model.over_arch.model[0] = tt_mlp(over_in, top_mlp[:-1], rank=rank, min_gain=policy.min_gain,
                                           device=device)
+    fuse_narrow_layers(model.dense_arch.model)
     if interaction == "dcn" and policy.compress_crossnet:
         n = (len(tables_features(tables)) + 1) * dim
         model.inter_arch.crossnet = TTLowRankCrossNet(

@@ -17,8 +17,9 @@ printed too: sharing a process changes them, see docs/performance.md).
                                                         # compressed models, and no dense_fi (by default the
                                                         # compressed models have PairwiseDotInteraction and
                                                         # FlatSparseArch, and dense_fi, the dense model with
-                                                        # them, credits what they and the fused row-wise
-                                                        # Adagrad lookup give a dense model)
+                                                        # them, credits what they, the fused row-wise
+                                                        # Adagrad lookup and the fused narrow first layer
+                                                        # give a dense model)
     python launch/bench_dlrm.py --rounds 5      # more fresh processes per variant for the step time
     python launch/bench_dlrm.py --lookup-paths  # adds tt_torch / tt_half_torch: the same models with the
                                                 # fused CPU kernels off (TTM lookup, TT linear, interaction)
@@ -61,7 +62,7 @@ class Setup:
     timed_steps: int = 30  # per process: its median step time is the process's figure
     rounds: int = 3  # fresh processes per variant, the variants alternating
     keep_freed_memory: bool = True  # glibc malloc reuses freed activations (trainer.keep_freed_memory)
-    fused_interaction: bool = True  # PairwiseDotInteraction + FlatSparseArch in the compressed models and in dense_fi
+    fused_interaction: bool = True  # PairwiseDotInteraction + FlatSparseArch (+ NarrowLinear) in the compressed models and in dense_fi
     lookup_paths: bool = False  # also the compressed models with the CPU kernels off (tt_torch, tt_half_torch)
 
 

@@ -13,7 +13,7 @@ from comera_rec.integration.distributed import (
     rewrap_after_truncation,
     wrap_model,
 )
-from comera_rec.integration.mlp import TTLowRankCrossNet, tt_mlp
+from comera_rec.integration.mlp import TTLowRankCrossNet, fuse_narrow_layers, tt_mlp
 from comera_rec.integration.policy import (
     CompressionPolicy,
     TableOverride,
@@ -44,6 +44,7 @@ __all__ = [
     "plan_tables",
     "replicated_parameter_groups",
     "rewrap_after_truncation",
+    "fuse_narrow_layers",
     "tt_mlp",
     "wrap_model",
 ]

@@ -15,7 +15,7 @@ from torchrec.modules.crossnet import LowRankCrossNet
 from torchrec.modules.mlp import MLP
 
 from comera_rec.integration.policy import linear_pays
-from comera_rec.tensor.linear import TTLinear
+from comera_rec.tensor.linear import NarrowLinear, TTLinear
 
 Activation = Union[str, Callable[[torch.Tensor], torch.Tensor], nn.Module]
 
@@ -62,6 +62,28 @@ def tt_mlp(
             perceptron._linear = TTLinear(
                 linear.in_features, linear.out_features, rank, bias=bias, device=device, dtype=dtype, relu=relu
             )
+            if relu:
+                perceptron._activation_fn = nn.Identity()
+    return mlp
+
+
+def fuse_narrow_layers(mlp: MLP) -> MLP:
+    """Make the plain ``nn.Linear`` layers of ``mlp`` with at most
+    ``NarrowLinear.MAX_FUSED_INPUTS`` inputs :class:`NarrowLinear` (sharing their
+    parameters; a ReLU activation is fused in), in place. The values are the same; on CPU
+    the layer's forward and backward are one pass each. Returns ``mlp``.
+
+    Example::
+
+        >>> mlp = fuse_narrow_layers(MLP(13, [512, 256]))
+        >>> [type(p._linear).__name__ for p in mlp._mlp]
+        ['NarrowLinear', 'Linear']
+    """
+    for perceptron in mlp._mlp:
+        linear = perceptron._linear
+        if type(linear) is nn.Linear and linear.in_features <= NarrowLinear.MAX_FUSED_INPUTS:
+            relu = is_relu(perceptron._activation_fn)
+            perceptron._linear = NarrowLinear.from_linear(linear, relu=relu)
             if relu:
                 perceptron._activation_fn = nn.Identity()
     return mlp

@@ -12,13 +12,14 @@ from comera_rec.tensor.contract import (
     ttm_rows,
 )
 from comera_rec.tensor.embedding import TTMEmbeddingBag, set_static_shapes, ttm_shape
-from comera_rec.tensor.linear import TTLinear
+from comera_rec.tensor.linear import NarrowLinear, TTLinear
 from comera_rec.tensor.shapes import factorize, tt_linear_shapes, ttm_row_shape
 from comera_rec.tensor.svd import tt_svd
 from comera_rec.tensor.train import TensorTrainModule, parameter_groups, tensor_train_modules
 from comera_rec.tensor.validation import check_bags
 
 __all__ = [
+    "NarrowLinear",
     "TTLinear",
     "TTMEmbeddingBag",
     "TensorTrainModule",

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import merge_input_chain, merge_output_chain, tt_linear
 from comera_rec.tensor.shapes import check_shape, tt_linear_shapes
 from comera_rec.tensor.svd import tt_svd
@@ -170,3 +171,79 @@ class TTLinear(TensorTrainModule):
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone())
         return layer
+
+
+class NarrowLinear(nn.Linear):
+    """``nn.Linear`` (optionally followed by a ReLU) for a layer with few inputs, such as
+    DLRM's first bottom layer (13 dense features -> 512).
+
+    On CPU it runs as the fused TT linear kernel with an identity input chain:
+    ``relu((x @ I) @ W^T + b)``, forward and backward each one pass over the batch in
+    tiles of rows, the bias, the ReLU and its mask applied on the way (BLAS computes the
+    narrow weight gradient ``g^T x`` in a slow layout, and the ReLU, its mask and the bias
+    gradient each take a pass of their own over the wide output). Elsewhere, or with more
+    than :attr:`MAX_FUSED_INPUTS` inputs, it is ``F.linear`` (+ ``relu``). Parameters,
+    state-dict names and initialisation are ``nn.Linear``'s.
+
+    Args:
+        in_features: size of each input sample.
+        out_features: size of each output sample.
+        bias: learn an additive bias.
+        relu: apply a ReLU to the output.
+        device: where to allocate.
+        dtype: parameter dtype.
+
+    Example::
+
+        >>> layer = NarrowLinear(13, 512, relu=True)
+        >>> x = torch.randn(4, 13)
+        >>> torch.allclose(layer(x), torch.relu(F.linear(x, layer.weight, layer.bias)), atol=1e-6)
+        True
+    """
+
+    MAX_FUSED_INPUTS = 32  # the identity chain's width: rank vectors the kernel holds in registers
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        relu: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.relu = relu
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, relu: bool = False) -> "NarrowLinear":
+        """The same layer, sharing ``linear``'s parameters."""
+        out = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, relu=relu, device="meta")
+        out.weight = linear.weight
+        out.bias = linear.bias
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, in_features) -> (B, out_features)`` (any leading dims on the unfused path)."""
+        if x.dim() == 2 and self.in_features <= self.MAX_FUSED_INPUTS:
+            identity = _identity(self.in_features, self.weight)
+            right = self.weight.t()  # (in, out)
+            if kernels.tt_linear_kernel_applies(x, identity, right):
+                return kernels.tt_linear_cpu(x, identity, right, self.bias, self.relu)
+        y = F.linear(x, self.weight, self.bias)
+        return torch.relu(y) if self.relu else y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", relu=True" if self.relu else "")
+
+
+_IDENTITIES: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _identity(n: int, like: torch.Tensor) -> torch.Tensor:
+    """An ``n x n`` identity of ``like``'s dtype and device, made once."""
+    key = (n, like.dtype, like.device)
+    if key not in _IDENTITIES:
+        _IDENTITIES[key] = torch.eye(n, dtype=like.dtype, device=like.device)
+    return _IDENTITIES[key]

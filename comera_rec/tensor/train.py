@@ -202,15 +202,19 @@ class TensorTrainModule(nn.Module):
 
     # ------------------------------------------------------------------ helpers
     def scaled_cores(self) -> list[torch.Tensor]:
-        """Cores with each controller folded into the core on its left: G_k * D_k."""
-        out = []
-        for k, core in enumerate(self.cores):
-            if k < len(self.controllers):
-                d = self.controllers[k]
-                # (*batch, r) -> (*batch, 1, ..., 1, r) to scale the last (rank) dim
-                shape = d.shape[:-1] + (1,) * (core.dim() - d.dim()) + d.shape[-1:]
-                core = core * d.reshape(shape)
-            out.append(core)
+        """Cores with each controller folded in: ``G_k D_k G_{k+1}`` as ``(G_k D_k) G_{k+1}`` or
+        ``G_k (D_k G_{k+1})``, whichever of the two cores is smaller (the product is the same;
+        scaling a large core costs a pass over it forward and two backward)."""
+        out = list(self.cores)
+        for k, d in enumerate(self.controllers):
+            left, right = out[k], out[k + 1]
+            batch, r = d.shape[:-1], d.shape[-1:]
+            if self.cores[k + 1].numel() < self.cores[k].numel():
+                # (*batch, r) -> (*batch, r, 1, ..., 1) to scale core k + 1's first rank dim
+                out[k + 1] = right * d.reshape(batch + r + (1,) * (right.dim() - d.dim()))
+            else:
+                # (*batch, r) -> (*batch, 1, ..., 1, r) to scale core k's last rank dim
+                out[k] = left * d.reshape(batch + (1,) * (left.dim() - d.dim()) + r)
         return out
 
     @torch.no_grad()

@@ -9,7 +9,7 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.models.dlrm import InteractionArch, SparseArch
 
-from comera_rec.tensor import kernels
+from comera_rec.tensor import NarrowLinear, kernels
 from dlrm import DLRMConfig, build_dlrm, build_dlrm_train
 from dlrm.interaction import FlatSparseArch, PairwiseDotInteraction
 
@@ -98,6 +98,10 @@ def test_builder_swaps_the_interaction_and_keeps_the_loss(compressed: bool, look
     assert isinstance(fused.model.inter_arch, PairwiseDotInteraction)
     assert isinstance(fused.model.sparse_arch, FlatSparseArch)
     assert not isinstance(plain.model.inter_arch, PairwiseDotInteraction)
+    # the bottom MLP's first layer (13 inputs) is fused for compressed models and with the flag
+    first = lambda train: train.model.dense_arch.model._mlp[0]._linear  # noqa: E731
+    assert isinstance(first(fused), NarrowLinear) and first(fused).relu
+    assert isinstance(first(plain), NarrowLinear) == compressed
     assert plain.model.state_dict().keys() == fused.model.state_dict().keys()  # checkpoints carry over
     batch = _batch()
     loss_plain, _ = plain(batch)

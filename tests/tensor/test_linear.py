@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from comera_rec import TTLinear
+from comera_rec.tensor import NarrowLinear
 from comera_rec.tensor.contract import TTLinearFunction
 
 from .reference import linear_weight
@@ -163,3 +164,61 @@ def test_bad_input() -> None:
     layer = TTLinear(8, 8, rank=2)
     with pytest.raises(ValueError, match="last dimension 8"):
         layer(torch.randn(2, 9))
+
+
+def test_scaled_cores_fold_each_controller_into_the_smaller_neighbour() -> None:
+    # in (2, 3, 20) x out (2, 2, 5), rank 6: core sizes 12, 108, 720, 72, 72, 30
+    layer = TTLinear(120, 20, rank=6, shape=((2, 3, 20), (2, 2, 5)), dtype=DT)
+    randomize_controllers(layer)
+    scaled = layer.scaled_cores()
+    sizes = [c.numel() for c in layer.cores]
+    for k in range(len(layer.controllers)):
+        smaller = k + 1 if sizes[k + 1] < sizes[k] else k
+        assert scaled[smaller] is not layer.cores[smaller]
+    untouched = [k for k in range(len(sizes)) if scaled[k] is layer.cores[k]]
+    assert untouched, "a core whose neighbours are both smaller is left as it is"
+    assert 2 in untouched  # the (6, 20, 6) core is larger than both its neighbours
+    torch.testing.assert_close(layer.dense_weight(), linear_weight(layer))
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("n_in", [1, 13, 32, 40])
+def test_narrow_linear_equals_linear(n_in: int, relu: bool, bias: bool, lookup_path: str) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(n_in, 70, bias=bias, dtype=DT)
+    layer = NarrowLinear.from_linear(linear, relu=relu)
+    assert layer.weight is linear.weight and list(layer.state_dict()) == list(linear.state_dict())
+    x = torch.randn(37, n_in, dtype=DT, requires_grad=True)  # not whole 8-row tiles
+    want = linear(x)
+    want = torch.relu(want) if relu else want
+    got = layer(x)
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(got)
+    params = [x, *linear.parameters()]
+    for a, b in zip(torch.autograd.grad(got, params, g), torch.autograd.grad(want, params, g)):
+        torch.testing.assert_close(a, b)
+
+
+def test_narrow_linear_gradcheck_and_leading_dims() -> None:
+    layer = NarrowLinear(5, 9, relu=True, dtype=DT)
+    x = (torch.rand(6, 5, dtype=DT) + 0.5).requires_grad_()
+    assert torch.autograd.gradcheck(lambda v: layer(v), (x,))
+    x3 = torch.randn(2, 3, 5, dtype=DT)  # not a matrix: the F.linear path
+    torch.testing.assert_close(layer(x3), torch.relu(F.linear(x3, layer.weight, layer.bias)))
+    assert "relu=True" in repr(layer)
+
+
+def test_narrow_linear_float32_weight_gradient_against_float64() -> None:
+    # the first DLRM layer's shape: 13 inputs, 512 outputs, a batch of 300
+    torch.manual_seed(1)
+    layer = NarrowLinear(13, 512, relu=True)
+    x = torch.randn(300, 13).abs()
+    g = torch.randn(300, 512)
+    layer(x).backward(g)
+    ref = NarrowLinear(13, 512, relu=True, dtype=DT)
+    ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    ref.weight.grad = None
+    torch.relu(F.linear(x.double(), ref.weight, ref.bias)).backward(g.double())
+    torch.testing.assert_close(layer.weight.grad.double(), ref.weight.grad, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(layer.bias.grad.double(), ref.bias.grad, rtol=1e-5, atol=1e-4)

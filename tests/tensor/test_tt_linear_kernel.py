@@ -93,6 +93,25 @@ def test_input_gradient_only_when_asked() -> None:
         torch.testing.assert_close(a, c)
 
 
+def test_constant_left_gets_no_gradient_and_the_rest_are_unchanged() -> None:
+    # a left chain that needs no gradient (NarrowLinear's identity): the kernel skips dt
+    x, left, right, b = make(45, 12, 30, 12)
+    x.requires_grad_(False)
+    left.requires_grad_(False)
+    y = kernels.tt_linear_cpu(x, left, right, b, True)
+    got = torch.autograd.grad(y.sum(), [right, b])
+    want = torch.autograd.grad(reference(x, left, right, b, True).sum(), [right, b])
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c)
+    # and with x needing its gradient, dt is still formed for it
+    x.requires_grad_(True)
+    y = kernels.tt_linear_cpu(x, left, right, b, True)
+    got = torch.autograd.grad(y.sum(), [x, right])
+    want = torch.autograd.grad(reference(x, left, right, b, True).sum(), [x, right])
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c)
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_thread_counts_give_identical_results(threads: int) -> None:
     # weight gradients are summed per row chunk (set by the batch alone), then in chunk order

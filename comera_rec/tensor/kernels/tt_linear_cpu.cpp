@@ -107,6 +107,7 @@ struct Grads {
   const T* right_t = nullptr;  // (n_out, R): right transposed
   const T* left_t = nullptr;   // (r, Nip): left transposed
   T* gx = nullptr;             // (B, n_in) or null
+  bool left = true;            // grad_left wanted (else dt is needed only for gx)
 };
 
 // One tile's share of every gradient; gL (n_in, R), gR (r, Np), gB (Np) are its chunk's
@@ -170,6 +171,8 @@ void backward_tile(const Layer<T>& L, const Grads<T>& d, int64_t b0, T* gL, T* g
     }
   }
 
+  if (!d.gx && !d.left) return;  // a constant left (NarrowLinear's identity): no dt
+
   // dt = g @ right^T: (kTile, R)
   vec_t<T> dt[kTile][V];
   for (int64_t i = 0; i < kTile; ++i)
@@ -199,6 +202,7 @@ void backward_tile(const Layer<T>& L, const Grads<T>& d, int64_t b0, T* gL, T* g
     }
   }
 
+  if (!d.left) return;
   // grad_left[k] += sum_i x_ik dt_i
   const T* xr[kTile];
   for (int64_t i = 0; i < kTile; ++i) xr[i] = i < rows ? L.x + (b0 + i) * L.n_in : L.zeros;
@@ -329,11 +333,11 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
   return {y, t};
 }
 
-// (grad_x or empty, grad_left (n_in, r), grad_right (r, n_out), grad_bias or empty).
+// (grad_x or empty, grad_left (n_in, r) or empty, grad_right (r, n_out), grad_bias or empty).
 // y: the forward's output when it applied the ReLU, else empty.
 std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tensor x, torch::Tensor left,
                                               torch::Tensor right, torch::Tensor t, torch::Tensor y,
-                                              bool need_grad_x, bool need_grad_bias) {
+                                              bool need_grad_x, bool need_grad_bias, bool need_grad_left) {
   x = x.contiguous();
   grad_y = grad_y.contiguous();
   y = y.contiguous();
@@ -360,6 +364,7 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
     d.right_t = right_t.data_ptr<T>();
     d.left_t = left_t.data_ptr<T>();
     d.gx = need_grad_x ? grad_x.data_ptr<T>() : nullptr;
+    d.left = need_grad_left;
 
     const int64_t chunks = num_chunks(B);
     const int64_t chunk_rows = padded((B + chunks - 1) / chunks, kTile);  // whole tiles
@@ -371,11 +376,13 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
     T* gB = need_grad_bias ? gR + used * sR : nullptr;
     with_vectors<T, BackwardRows>(R / W, L, d, used, chunk_rows, gL, gR, gB);
 
-    auto gl = torch::empty({n_in, R}, x.options());
+    if (need_grad_left) {
+      auto gl = torch::empty({n_in, R}, x.options());
+      sum_chunks(gL, used, sL, gl.data_ptr<T>());
+      grad_left = gl.narrow(1, 0, r);
+    }
     auto gr = torch::empty({r, Np}, x.options());
-    sum_chunks(gL, used, sL, gl.data_ptr<T>());
     sum_chunks(gR, used, sR, gr.data_ptr<T>());
-    grad_left = gl.narrow(1, 0, r);
     grad_right = gr.narrow(1, 0, n_out);
     if (need_grad_bias) {
       auto gb = torch::empty({Np}, x.options());
@@ -383,6 +390,6 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
       grad_bias = gb.narrow(0, 0, n_out);
     }
   });
-  return {grad_x.defined() ? grad_x : torch::Tensor(), grad_left, grad_right,
+  return {grad_x.defined() ? grad_x : torch::Tensor(), grad_left.defined() ? grad_left : torch::Tensor(), grad_right,
           grad_bias.defined() ? grad_bias : torch::Tensor()};
 }

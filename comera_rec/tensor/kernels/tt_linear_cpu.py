@@ -41,7 +41,7 @@ class _FusedTTLinear(torch.autograd.Function):
         x, left, right, t, y = ctx.saved_tensors
         need_bias = ctx.has_bias and bool(ctx.needs_input_grad[3])
         grad_x, grad_left, grad_right, grad_bias = _extension().tt_linear_backward(
-            grad_y, x, left, right, t, y, bool(ctx.needs_input_grad[0]), need_bias
+            grad_y, x, left, right, t, y, bool(ctx.needs_input_grad[0]), need_bias, bool(ctx.needs_input_grad[1])
         )
         return grad_x, grad_left, grad_right, grad_bias, None
 

@@ -8,7 +8,7 @@
 // with P the left half's product for the prefix index, S the right half's product for
 // the suffix index (stored transposed: rank last), r the middle rank. The lookup
 //
-//   1. maps every id's prefix and suffix key to a slot, in first-seen order, through
+//   1. maps every id's prefix and suffix key to a slot, in key order, through
 //      direct-address arrays over the (small) key spaces T * N_l and T * N_r: the
 //      tensor-index-level de-duplication without a sort;
 //   2. contracts each distinct prefix and suffix once (a few small matrix products);
@@ -47,30 +47,95 @@ inline T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
   return hsum(acc);
 }
 
-// Four independent vector accumulators, so that multiply-adds do not wait on each other:
-// add() accumulates sum_j coef[j * cstride] * rows[j * rstride : + one vector], j < n.
-template <typename T>
-struct Acc4 {
-  vec_t<T> a0 = vzero<T>(), a1 = vzero<T>(), a2 = vzero<T>(), a3 = vzero<T>();
-  inline void add(const T* coef, int64_t cstride, const T* rows, int64_t rstride, int64_t n) {
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-      a0 += coef[j * cstride] * vload(rows + j * rstride);
-      a1 += coef[(j + 1) * cstride] * vload(rows + (j + 1) * rstride);
-      a2 += coef[(j + 2) * cstride] * vload(rows + (j + 2) * rstride);
-      a3 += coef[(j + 3) * cstride] * vload(rows + (j + 3) * rstride);
-    }
-    for (; j < n; ++j) ((j & 1) ? a1 : a0) += coef[j * cstride] * vload(rows + j * rstride);
-  }
-  inline vec_t<T> sum() const { return (a0 + a1) + (a2 + a3); }
+// A small contraction summed over a list of entries (ids or slots), the shape of every
+// gradient product of the backward and of the forward's half products:
+//
+//   out[j * ostride + c] = sum_e sum_{k1 < K1, k2 < K2} a(e)[k1 * ak1 + k2 * ak2 + j * aj] * b(e)[k1 * bk1 + k2 * bk2 + c]
+//
+// for rows j < rows and columns c < cols (a whole number of vectors). The output is made
+// tile by tile in registers, JB rows by CB vectors: each (k1, k2) step broadcasts JB
+// values of a and loads CB vectors of b for JB * CB multiply-adds (a loop that made one
+// output vector at a time did one multiply-add per two loads), and each tile is stored
+// once. Small tiles alternate two sets of accumulators over k2, so that consecutive
+// multiply-adds do not wait on each other.
+struct Contraction {
+  int64_t rows = 1, cols = 0, ostride = 0;  // output: rows x cols, rows ostride apart
+  int64_t K1 = 1, K2 = 1;                   // summed indices per entry
+  int64_t ak1 = 0, ak2 = 0, aj = 0;         // strides of a: k1, k2, row
+  int64_t bk1 = 0, bk2 = 0;                 // strides of b: k1, k2 (columns contiguous)
 };
 
-template <typename T>
-inline vec_t<T> combine(const T* coef, int64_t cstride, const T* rows, int64_t rstride, int64_t n) {
-  Acc4<T> acc;
-  acc.add(coef, cstride, rows, rstride, n);
-  return acc.sum();
+template <int JB, int CB, int U, typename T, typename AOf, typename BOf, typename Ahead>
+inline void contract_tile(T* out, const Contraction& k, const int64_t* entries, int64_t count, AOf a_of, BOf b_of,
+                          Ahead ahead, int64_t j0, int64_t c0) {
+  constexpr int64_t W = kLanes<T>;
+  vec_t<T> acc[U][JB][CB];
+  for (int u = 0; u < U; ++u)
+    for (int j = 0; j < JB; ++j)
+      for (int c = 0; c < CB; ++c) acc[u][j][c] = vzero<T>();
+  auto step = [&](vec_t<T>(&sum)[JB][CB], const T* ak, const T* bk) {
+    vec_t<T> bv[CB];
+    for (int c = 0; c < CB; ++c) bv[c] = vload(bk + c * W);
+    for (int j = 0; j < JB; ++j) {
+      const T s = ak[j * k.aj];
+      for (int c = 0; c < CB; ++c) sum[j][c] += s * bv[c];
+    }
+  };
+  for (int64_t q = 0; q < count; ++q) {
+    if (j0 == 0 && c0 == 0 && q + kAhead < count) ahead(entries[q + kAhead]);
+    const T* a = a_of(entries[q]) + j0 * k.aj;
+    const T* b = b_of(entries[q]) + c0;
+    for (int64_t k1 = 0; k1 < k.K1; ++k1) {
+      const T* a1 = a + k1 * k.ak1;
+      const T* b1 = b + k1 * k.bk1;
+      int64_t k2 = 0;
+      if constexpr (U == 2)
+        for (; k2 + 2 <= k.K2; k2 += 2) {
+          step(acc[0], a1 + k2 * k.ak2, b1 + k2 * k.bk2);
+          step(acc[1], a1 + (k2 + 1) * k.ak2, b1 + (k2 + 1) * k.bk2);
+        }
+      for (; k2 < k.K2; ++k2) step(acc[0], a1 + k2 * k.ak2, b1 + k2 * k.bk2);
+    }
+  }
+  for (int j = 0; j < JB; ++j)
+    for (int c = 0; c < CB; ++c) {
+      vec_t<T> v = acc[0][j][c];
+      if constexpr (U == 2) v += acc[1][j][c];
+      vstore(out + (j0 + j) * k.ostride + c0 + c * W, v);
+    }
 }
+
+template <int CB, typename T, typename AOf, typename BOf, typename Ahead>
+inline void contract_rows(T* out, const Contraction& k, const int64_t* entries, int64_t count, AOf a_of, BOf b_of,
+                          Ahead ahead, int64_t c0) {
+  constexpr int JB = CB >= 4 ? 4 : 8;  // 16 or 8 accumulators
+  int64_t j = 0;
+  for (; j + JB <= k.rows; j += JB) contract_tile<JB, CB, 1>(out, k, entries, count, a_of, b_of, ahead, j, c0);
+  if (JB > 4 && j + 4 <= k.rows) {
+    contract_tile<4, CB, 1>(out, k, entries, count, a_of, b_of, ahead, j, c0);
+    j += 4;
+  }
+  if (j + 2 <= k.rows) {
+    contract_tile<2, CB, 2>(out, k, entries, count, a_of, b_of, ahead, j, c0);
+    j += 2;
+  }
+  if (j < k.rows) contract_tile<1, CB, 2>(out, k, entries, count, a_of, b_of, ahead, j, c0);
+}
+
+// out = the contraction over entries[0 : count]; ahead(e) is called for the entry kAhead
+// places on (prefetching what a_of / b_of will read).
+template <typename T, typename AOf, typename BOf, typename Ahead>
+inline void contract(T* out, const Contraction& k, const int64_t* entries, int64_t count, AOf a_of, BOf b_of,
+                     Ahead ahead) {
+  constexpr int64_t W = kLanes<T>;
+  const int64_t cv = k.cols / W;
+  int64_t c = 0;
+  for (; c + 4 <= cv; c += 4) contract_rows<4>(out, k, entries, count, a_of, b_of, ahead, c * W);
+  for (; c + 2 <= cv; c += 2) contract_rows<2>(out, k, entries, count, a_of, b_of, ahead, c * W);
+  for (; c < cv; ++c) contract_rows<1>(out, k, entries, count, a_of, b_of, ahead, c * W);
+}
+
+constexpr auto kNoPrefetch = [](int64_t) {};
 
 // Shape of one half: 1 or 2 cores.
 struct Half {
@@ -101,19 +166,20 @@ Half half_of(const std::vector<torch::Tensor>& cores, int64_t begin, int64_t end
   return h;
 }
 
-// Slots of keys in first-seen order; returns the distinct keys.
+// Slots of keys in ascending key order; returns the distinct keys. Two passes over a
+// direct-address array: mark the keys present, number them in key order (so slots that
+// share a core slice are neighbours, and the loops over slots read the cores in order).
 std::vector<int64_t> assign_slots(const std::vector<int64_t>& keys, int64_t key_space, int32_t* slot) {
   std::vector<int32_t> map(static_cast<size_t>(key_space), -1);
+  for (const int64_t key : keys) map[static_cast<size_t>(key)] = 0;
   std::vector<int64_t> distinct;
   distinct.reserve(keys.size() / 2 + 16);
-  for (size_t i = 0; i < keys.size(); ++i) {
-    int32_t& s = map[static_cast<size_t>(keys[i])];
-    if (s < 0) {
-      s = static_cast<int32_t>(distinct.size());
-      distinct.push_back(keys[i]);
+  for (int64_t key = 0; key < key_space; ++key)
+    if (map[key] == 0) {
+      map[key] = static_cast<int32_t>(distinct.size());
+      distinct.push_back(key);
     }
-    slot[i] = s;
-  }
+  for (size_t i = 0; i < keys.size(); ++i) slot[i] = map[static_cast<size_t>(keys[i])];
   return distinct;
 }
 
@@ -302,11 +368,11 @@ std::vector<torch::Tensor> ttm_bag_forward(
           const T_* g1 = tr.left1.data_ptr<T_>();
           const int64_t i0 = pi / L.n1, i1 = pi % L.n1, rm = L.r_mid, blk = L.m1 * rp;
           const T_* rows = g1 + (t * rm * L.n1 + i1) * blk;  // row j at + j * n1 * blk
-          for (int64_t x0 = 0; x0 < L.m0; ++x0) {
-            const T_* a = g0 + ((t * L.n0 + i0) * L.m0 + x0) * rm;
-            for (int64_t c = 0; c < blk; c += kLanes<T_>)
-              vstore(p + x0 * blk + c, combine(a, 1, rows + c, L.n1 * blk, rm));
-          }
+          Contraction k;
+          k.rows = L.m0, k.cols = blk, k.ostride = blk, k.K1 = rm, k.ak1 = 1, k.aj = rm, k.bk1 = L.n1 * blk;
+          const int64_t one = 0;
+          contract(p, k, &one, 1, [&](int64_t) { return g0 + (t * L.n0 + i0) * L.m0 * rm; },
+                   [&](int64_t) { return rows; }, kNoPrefetch);
         }
       }
     });
@@ -324,11 +390,13 @@ std::vector<torch::Tensor> ttm_bag_forward(
           const T_* c1 = cores[tr.split + 1].data_ptr<T_>();
           const int64_t i0 = si / R.n1, i1 = si % R.n1, rm = R.r_mid;
           const T_* coef = c1 + (t * rm * R.n1 + i1) * R.m1;  // (j, x1) at + j * n1 * m1 + x1
+          Contraction k;
+          k.rows = R.m1, k.cols = rp, k.ostride = rp, k.K1 = rm, k.ak1 = R.n1 * R.m1, k.aj = 1, k.bk1 = rp;
+          const int64_t one = 0;
           for (int64_t x0 = 0; x0 < R.m0; ++x0) {
             const T_* rows = a0 + ((t * R.n0 + i0) * R.m0 + x0) * rm * rp;  // row j at + j * rp
-            for (int64_t x1 = 0; x1 < R.m1; ++x1)
-              for (int64_t c = 0; c < rp; c += kLanes<T_>)
-                vstore(q + (x0 * R.m1 + x1) * rp + c, combine(coef + x1, R.n1 * R.m1, rows + c, rp, rm));
+            contract(q + x0 * R.m1 * rp, k, &one, 1, [&](int64_t) { return coef; }, [&](int64_t) { return rows; },
+                     kNoPrefetch);
           }
         }
       }
@@ -457,25 +525,17 @@ std::vector<torch::Tensor> ttm_bag_backward(
     // sum_v g[u * row_step + v * stride] other[v, :], with `other` the id's row of the other half.
     auto slot_grads = [&](const Groups& by, T_* out, int64_t n_out, const T_* other, const int32_t* other_slot,
                           int64_t n_other, int64_t row_step, int64_t stride) {
+      Contraction k;
+      k.rows = n_out, k.cols = rp, k.ostride = rp, k.K1 = n_other, k.ak1 = stride, k.aj = row_step, k.bk1 = rp;
+      auto a_of = [&](int64_t i) { return grows + goff[i]; };
+      auto b_of = [&](int64_t i) { return other + other_slot[i] * n_other * rp; };
+      auto ahead = [&](int64_t i) {
+        prefetch_range(grows + goff[i], n_out * n_other * sizeof(T_));
+        prefetch_range(other + other_slot[i] * n_other * rp, n_other * rp * sizeof(T_));
+      };
       for_each_group_range(by, [&](int64_t b, int64_t e) {
-        const int64_t last = by.start[e];
-        for (int64_t s = b; s < e; ++s) {
-          T_* d = out + s * n_out * rp;
-          std::fill(d, d + n_out * rp, T_(0));
-          for (int64_t k = by.start[s]; k < by.start[s + 1]; ++k) {
-            if (k + kAhead < last) {
-              const int64_t j = by.order[k + kAhead];
-              prefetch_range(grows + goff[j], n_out * n_other * sizeof(T_));
-              prefetch_range(other + other_slot[j] * n_other * rp, n_other * rp * sizeof(T_));
-            }
-            const int64_t i = by.order[k];
-            const T_* gi = grows + goff[i];
-            const T_* q = other + other_slot[i] * n_other * rp;
-            for (int64_t u = 0; u < n_out; ++u)
-              for (int64_t c = 0; c < rp; c += W)
-                vstore(d + u * rp + c, vload(d + u * rp + c) + combine(gi + u * row_step, stride, q + c, rp, n_other));
-          }
-        }
+        for (int64_t s = b; s < e; ++s)
+          contract(out + s * n_out * rp, k, by.order.data() + by.start[s], by.start[s + 1] - by.start[s], a_of, b_of, ahead);
       });
     };
     // 1a. prefix slots: dP[s][x, :] = sum over its ids of sum_a g[x, a] S[a, :]
@@ -510,32 +570,25 @@ std::vector<torch::Tensor> ttm_bag_backward(
       const std::vector<int64_t>&key0 = left_groups.key0, &key1 = left_groups.key1;
       // Each core slice's gradient is summed over its slots in registers and stored once.
       // dG0[t, i0][x0, :] = sum over its slots of sum_{x1, k} dP[x0, x1, k] G1[t, :, i1, x1, k]
+      Contraction k0;
+      k0.rows = L.m0, k0.cols = rmp, k0.ostride = rmp, k0.K1 = L.m1, k0.K2 = r;
+      k0.ak1 = rp, k0.ak2 = 1, k0.aj = blk, k0.bk1 = r * rmp, k0.bk2 = rmp;
+      auto dp_of = [&](int64_t s) { return dP + s * Ml * rp; };
+      auto g1_of = [&](int64_t s) { return g1t + key1[s] * L.m1 * r * rmp; };
       for_each_group_range(by0, [&](int64_t b, int64_t e) {
         for (int64_t key = b; key < e; ++key)
-          for (int64_t x0 = 0; x0 < L.m0; ++x0)
-            for (int64_t c = 0; c < rmp; c += W) {
-              Acc4<T_> acc;
-              for (int64_t q = by0.start[key]; q < by0.start[key + 1]; ++q) {
-                const int64_t s = by0.order[q];
-                for (int64_t x1 = 0; x1 < L.m1; ++x1)
-                  acc.add(dP + s * Ml * rp + x0 * blk + x1 * rp, 1, g1t + (key1[s] * L.m1 + x1) * r * rmp + c, rmp, r);
-              }
-              vstore(d0 + (key * L.m0 + x0) * rmp + c, acc.sum());
-            }
+          contract(d0 + key * L.m0 * rmp, k0, by0.order.data() + by0.start[key], by0.start[key + 1] - by0.start[key],
+                   dp_of, g1_of, kNoPrefetch);
       });
       // dG1[t, j, i1][:] = sum over its slots of sum_x0 G0[t, 0, i0, x0, j] dP[x0, :]
+      Contraction k1;
+      k1.rows = rm, k1.cols = blk, k1.ostride = L.n1 * blk, k1.K1 = L.m0, k1.ak1 = rm, k1.aj = 1, k1.bk1 = blk;
+      auto g0_of = [&](int64_t s) { return g0 + key0[s] * L.m0 * rm; };
       for_each_group_range(by1, [&](int64_t b, int64_t e) {
         for (int64_t key = b; key < e; ++key) {
           const int64_t t = key / L.n1, i1 = key % L.n1;
-          for (int64_t j = 0; j < rm; ++j)
-            for (int64_t c = 0; c < blk; c += W) {
-              Acc4<T_> acc;
-              for (int64_t q = by1.start[key]; q < by1.start[key + 1]; ++q) {
-                const int64_t s = by1.order[q];
-                acc.add(g0 + key0[s] * L.m0 * rm + j, rm, dP + s * Ml * rp + c, blk, L.m0);
-              }
-              vstore(d1 + ((t * rm + j) * L.n1 + i1) * blk + c, acc.sum());
-            }
+          contract(d1 + (t * rm * L.n1 + i1) * blk, k1, by1.order.data() + by1.start[key],
+                   by1.start[key + 1] - by1.start[key], g0_of, dp_of, kNoPrefetch);
         }
       });
       dcores[0] = dg0t_t.narrow(-1, 0, rm).reshape(cores[0].sizes()).contiguous();
@@ -570,32 +623,27 @@ std::vector<torch::Tensor> ttm_bag_backward(
         c1_of[s] = c1 + (t * rm * R.n1 + i1) * R.m1;
       }
       // dG0[t, :, i0, x0, j] = sum over its slots of sum_x1 G1[t, j, i1, x1] dS[(x0, x1), :]
+      Contraction ka;
+      ka.rows = rm, ka.cols = rp, ka.ostride = rp, ka.K1 = R.m1, ka.ak1 = 1, ka.aj = R.n1 * R.m1, ka.bk1 = rp;
+      auto c1_at = [&](int64_t s) { return c1_of[s]; };
       for_each_group_range(by0, [&](int64_t b, int64_t e) {
         for (int64_t key = b; key < e; ++key)
-          for (int64_t j = 0; j < rm; ++j)
-            for (int64_t x0 = 0; x0 < R.m0; ++x0)
-              for (int64_t c = 0; c < rp; c += W) {
-                Acc4<T_> acc;
-                for (int64_t q = by0.start[key]; q < by0.start[key + 1]; ++q) {
-                  const int64_t s = by0.order[q];
-                  acc.add(c1_of[s] + j * R.n1 * R.m1, 1, dS + s * Mr * rp + x0 * R.m1 * rp + c, rp, R.m1);
-                }
-                vstore(dA + ((key * R.m0 + x0) * rm + j) * rp + c, acc.sum());
-              }
+          for (int64_t x0 = 0; x0 < R.m0; ++x0) {
+            auto ds_of = [&](int64_t s) { return dS + s * Mr * rp + x0 * R.m1 * rp; };
+            contract(dA + (key * R.m0 + x0) * rm * rp, ka, by0.order.data() + by0.start[key],
+                     by0.start[key + 1] - by0.start[key], c1_at, ds_of, kNoPrefetch);
+          }
       });
       // dG1[t, :, i1, x1] = sum over its slots of sum_{x0, k} dS[(x0, x1), k] G0[t, k, i0, x0, :]
+      Contraction kc;
+      kc.rows = R.m1, kc.cols = rmp, kc.ostride = rmp, kc.K1 = R.m0, kc.K2 = r;
+      kc.ak1 = R.m1 * rp, kc.ak2 = 1, kc.aj = rp, kc.bk1 = r * rmp, kc.bk2 = rmp;
+      auto ds_of = [&](int64_t s) { return dS + s * Mr * rp; };
+      auto akj_of = [&](int64_t s) { return akj + key0[s] * R.m0 * r * rmp; };
       for_each_group_range(by1, [&](int64_t b, int64_t e) {
         for (int64_t key = b; key < e; ++key)
-          for (int64_t x1 = 0; x1 < R.m1; ++x1)
-            for (int64_t c = 0; c < rmp; c += W) {
-              Acc4<T_> acc;
-              for (int64_t q = by1.start[key]; q < by1.start[key + 1]; ++q) {
-                const int64_t s = by1.order[q];
-                for (int64_t x0 = 0; x0 < R.m0; ++x0)
-                  acc.add(dS + s * Mr * rp + (x0 * R.m1 + x1) * rp, 1, akj + (key0[s] * R.m0 + x0) * r * rmp + c, rmp, r);
-              }
-              vstore(dC + (key * R.m1 + x1) * rmp + c, acc.sum());
-            }
+          contract(dC + key * R.m1 * rmp, kc, by1.order.data() + by1.start[key], by1.start[key + 1] - by1.start[key],
+                   ds_of, akj_of, kNoPrefetch);
       });
       // (T, n1, m1, rm) -> (T, rm, n1, m1, 1)
       dcores[tr.split + 1] = dc1t_t.narrow(-1, 0, rm).permute({0, 3, 1, 2}).unsqueeze(-1).contiguous();
@@ -673,7 +721,7 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
                                              torch::Tensor bias, bool relu);
 std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tensor x, torch::Tensor left,
                                               torch::Tensor right, torch::Tensor t, torch::Tensor y,
-                                              bool need_grad_x, bool need_grad_bias);
+                                              bool need_grad_x, bool need_grad_bias, bool need_grad_left);
 
 // interaction_cpu.cpp: the fused pairwise-dot interaction
 torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse);
