@@ -257,7 +257,9 @@ struct Train {
   torch::Tensor right0;  // right 2-core halves: core 0 as (T, n0, m0, r_mid, rp)
 };
 
-Train describe(std::vector<torch::Tensor>& cores, const char* who) {
+// `layouts`: also make the forward's permuted, padded copies (left1, right0); the
+// backward needs only the shapes.
+Train describe(std::vector<torch::Tensor>& cores, const char* who, bool layouts) {
   Train tr;
   tr.d = static_cast<int64_t>(cores.size());
   TORCH_CHECK(tr.d >= 2 && tr.d <= 4, who, ": need 2 to 4 cores, got ", tr.d);
@@ -276,8 +278,8 @@ Train describe(std::vector<torch::Tensor>& cores, const char* who) {
   tr.Mr = tr.R.cols();
   tr.Nl = tr.L.rows();
   tr.Nr = tr.R.rows();
-  if (tr.L.cores == 2) tr.left1 = pad_last(cores[1], lanes);
-  if (tr.R.cores == 2) tr.right0 = pad_last(cores[tr.split].permute({0, 2, 3, 4, 1}), lanes);
+  if (layouts && tr.L.cores == 2) tr.left1 = pad_last(cores[1], lanes);
+  if (layouts && tr.R.cores == 2) tr.right0 = pad_last(cores[tr.split].permute({0, 2, 3, 4, 1}), lanes);
   return tr;
 }
 
@@ -288,7 +290,7 @@ Train describe(std::vector<torch::Tensor>& cores, const char* who) {
 std::vector<torch::Tensor> ttm_bag_forward(
     std::vector<torch::Tensor> cores, torch::Tensor ids, torch::Tensor trains, torch::Tensor offsets,
     torch::Tensor weights, int64_t dim, int64_t batch) {
-  const Train tr = describe(cores, "ttm_bag_forward");
+  const Train tr = describe(cores, "ttm_bag_forward", true);
   const Half &L = tr.L, &R = tr.R;
   const int64_t T = tr.T, r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
   const int64_t num_rows = Nl * Nr;
@@ -438,7 +440,7 @@ std::vector<torch::Tensor> ttm_bag_backward(
     torch::Tensor grad_out, std::vector<torch::Tensor> cores, torch::Tensor offsets, torch::Tensor weights,
     torch::Tensor pslot, torch::Tensor sslot, torch::Tensor pkeys, torch::Tensor skeys, torch::Tensor ptab,
     torch::Tensor stab, bool weights_need_grad, int64_t dim, int64_t batch) {
-  const Train tr = describe(cores, "ttm_bag_backward");
+  const Train tr = describe(cores, "ttm_bag_backward", false);
   const Half &L = tr.L, &R = tr.R;
   const int64_t r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
   grad_out = grad_out.to(cores[0].scalar_type()).contiguous();
@@ -450,12 +452,13 @@ std::vector<torch::Tensor> ttm_bag_backward(
 
   auto dptab = torch::empty_like(ptab), dstab = torch::empty_like(stab);  // every row written once
   // Core gradients: a 1-core half's slices are summed into (zeroed); a 2-core half's are
-  // each written once, every slice (slices no slot uses get zeros), into padded layouts.
+  // each written once, every slice (slices no slot uses get zeros), in the cores' own
+  // layouts or (rank padding) padded ones.
   std::vector<torch::Tensor> dcores(cores.size());
   if (L.cores == 1) dcores[0] = torch::zeros_like(cores[0]);
   if (R.cores == 1) dcores[tr.split] = torch::zeros_like(cores[tr.split]);
-  torch::Tensor dleft1 = L.cores == 2 ? torch::empty_like(tr.left1) : torch::Tensor();
-  torch::Tensor dright0 = R.cores == 2 ? torch::empty_like(tr.right0) : torch::Tensor();
+  const auto fopt = cores[0].options();
+  torch::Tensor dleft1 = L.cores == 2 ? torch::empty({tr.T, L.r_mid, L.n1, L.m1, rp}, fopt) : torch::Tensor();
   torch::Tensor dweights = weights_need_grad ? torch::empty({N}, grad_out.options()) : torch::Tensor();
 
   const int64_t* off = offsets.data_ptr<int64_t>();
@@ -606,52 +609,79 @@ std::vector<torch::Tensor> ttm_bag_backward(
         }
       });
     } else {
-      // dG1 is summed as vectors over its rank j: G0 read as (T, n0, m0, r, rm_p), dG1 as (T, n1, m1, rm_p)
+      // dG1 is summed as vectors over its rank j, dG1 as (T, n1, m1, rm_p). When rm is whole
+      // vectors, G0 is read and dG0 written in G0's own layout (T, r, n0, m0, rm), summed as
+      // vectors over j too; else both in (T, n0, m0, r, rm_p) / (T, n0, m0, rm, rp) copies.
       const int64_t rm = R.r_mid, rmp = padded(rm, W);
-      const auto akj_t = pad_last(cores[tr.split].permute({0, 2, 3, 1, 4}), W);
-      auto dc1t_t = torch::empty({tr.T, R.n1, R.m1, rmp}, cores[0].options());  // every slice written
-      const T_* akj = akj_t.data_ptr<T_>();
+      const bool own_layout = rm == rmp;
+      const auto g0_src = own_layout ? cores[tr.split] : pad_last(cores[tr.split].permute({0, 2, 3, 1, 4}), W);
+      const T_* g0r = g0_src.data_ptr<T_>();
+      auto dc1t_t = torch::empty({tr.T, R.n1, R.m1, rmp}, fopt);  // every slice written
       const T_* c1 = cores[tr.split + 1].data_ptr<T_>();
-      T_* dA = dright0.data_ptr<T_>();
       T_* dC = dc1t_t.data_ptr<T_>();
       const Groups &by0 = right_groups.by0, &by1 = right_groups.by1;
-      const std::vector<int64_t>& key0 = right_groups.key0;
-      // each slot's G1[t, 0, i1, :, 0] (rank j at + j * n1 * m1), worked out once
-      std::vector<const T_*> c1_of(Ur);
-      for (int64_t s = 0; s < Ur; ++s) {
-        const int64_t t = right_groups.key1[s] / R.n1, i1 = right_groups.key1[s] % R.n1;
-        c1_of[s] = c1 + (t * rm * R.n1 + i1) * R.m1;
-      }
-      // dG0[t, :, i0, x0, j] = sum over its slots of sum_x1 G1[t, j, i1, x1] dS[(x0, x1), :]
-      Contraction ka;
-      ka.rows = rm, ka.cols = rp, ka.ostride = rp, ka.K1 = R.m1, ka.ak1 = 1, ka.aj = R.n1 * R.m1, ka.bk1 = rp;
-      auto c1_at = [&](int64_t s) { return c1_of[s]; };
-      for_each_group_range(by0, [&](int64_t b, int64_t e) {
-        for (int64_t key = b; key < e; ++key)
-          for (int64_t x0 = 0; x0 < R.m0; ++x0) {
-            auto ds_of = [&](int64_t s) { return dS + s * Mr * rp + x0 * R.m1 * rp; };
-            contract(dA + (key * R.m0 + x0) * rm * rp, ka, by0.order.data() + by0.start[key],
-                     by0.start[key + 1] - by0.start[key], c1_at, ds_of, kNoPrefetch);
+      const std::vector<int64_t>&key0 = right_groups.key0, &key1 = right_groups.key1;
+      if (own_layout) {
+        // dG0[t, :, i0, x0, :] (r rows of rm) = sum over its slots of sum_x1 dS[(x0, x1), :]^T G1[t, :, i1, x1]
+        dcores[tr.split] = torch::empty_like(cores[tr.split]);  // every slice written
+        T_* dA = dcores[tr.split].data_ptr<T_>();
+        const auto c1t_t = cores[tr.split + 1].permute({0, 2, 3, 4, 1}).contiguous();  // (T, n1, m1, 1, rm): small
+        const T_* c1t = c1t_t.data_ptr<T_>();
+        Contraction ka;
+        ka.rows = r, ka.cols = rm, ka.ostride = R.n0 * R.m0 * rm, ka.K1 = R.m1, ka.ak1 = rp, ka.aj = 1, ka.bk1 = rm;
+        auto c1t_of = [&](int64_t s) { return c1t + key1[s] * R.m1 * rm; };
+        for_each_group_range(by0, [&](int64_t b, int64_t e) {
+          for (int64_t key = b; key < e; ++key) {
+            const int64_t t = key / R.n0, i0 = key % R.n0;
+            for (int64_t x0 = 0; x0 < R.m0; ++x0) {
+              auto ds_of = [&](int64_t s) { return dS + s * Mr * rp + x0 * R.m1 * rp; };
+              contract(dA + ((t * r * R.n0 + i0) * R.m0 + x0) * rm, ka, by0.order.data() + by0.start[key],
+                       by0.start[key + 1] - by0.start[key], ds_of, c1t_of, kNoPrefetch);
+            }
           }
-      });
+        });
+      } else {
+        auto dright0 = torch::empty({tr.T, R.n0, R.m0, rm, rp}, fopt);  // every slice written
+        T_* dA = dright0.data_ptr<T_>();
+        // each slot's G1[t, 0, i1, :, 0] (rank j at + j * n1 * m1), worked out once
+        std::vector<const T_*> c1_of(Ur);
+        for (int64_t s = 0; s < Ur; ++s) c1_of[s] = c1 + (key1[s] / R.n1 * rm * R.n1 + key1[s] % R.n1) * R.m1;
+        // dG0[t, :, i0, x0, j] = sum over its slots of sum_x1 G1[t, j, i1, x1] dS[(x0, x1), :]
+        Contraction ka;
+        ka.rows = rm, ka.cols = rp, ka.ostride = rp, ka.K1 = R.m1, ka.ak1 = 1, ka.aj = R.n1 * R.m1, ka.bk1 = rp;
+        auto c1_at = [&](int64_t s) { return c1_of[s]; };
+        for_each_group_range(by0, [&](int64_t b, int64_t e) {
+          for (int64_t key = b; key < e; ++key)
+            for (int64_t x0 = 0; x0 < R.m0; ++x0) {
+              auto ds_of = [&](int64_t s) { return dS + s * Mr * rp + x0 * R.m1 * rp; };
+              contract(dA + (key * R.m0 + x0) * rm * rp, ka, by0.order.data() + by0.start[key],
+                       by0.start[key + 1] - by0.start[key], c1_at, ds_of, kNoPrefetch);
+            }
+        });
+        // (T, n0, m0, rm, rp) -> (T, r, n0, m0, rm)
+        dcores[tr.split] = dright0.narrow(-1, 0, r).permute({0, 4, 1, 2, 3}).contiguous();
+      }
       // dG1[t, :, i1, x1] = sum over its slots of sum_{x0, k} dS[(x0, x1), k] G0[t, k, i0, x0, :]
       Contraction kc;
       kc.rows = R.m1, kc.cols = rmp, kc.ostride = rmp, kc.K1 = R.m0, kc.K2 = r;
-      kc.ak1 = R.m1 * rp, kc.ak2 = 1, kc.aj = rp, kc.bk1 = r * rmp, kc.bk2 = rmp;
+      kc.ak1 = R.m1 * rp, kc.ak2 = 1, kc.aj = rp;
+      kc.bk1 = own_layout ? rm : r * rmp, kc.bk2 = own_layout ? R.n0 * R.m0 * rm : rmp;
       auto ds_of = [&](int64_t s) { return dS + s * Mr * rp; };
-      auto akj_of = [&](int64_t s) { return akj + key0[s] * R.m0 * r * rmp; };
+      auto g0_of = [&](int64_t s) {
+        const int64_t t = key0[s] / R.n0, i0 = key0[s] % R.n0;
+        return own_layout ? g0r + (t * r * R.n0 + i0) * R.m0 * rm : g0r + key0[s] * R.m0 * r * rmp;
+      };
       for_each_group_range(by1, [&](int64_t b, int64_t e) {
         for (int64_t key = b; key < e; ++key)
           contract(dC + key * R.m1 * rmp, kc, by1.order.data() + by1.start[key], by1.start[key + 1] - by1.start[key],
-                   ds_of, akj_of, kNoPrefetch);
+                   ds_of, g0_of, kNoPrefetch);
       });
       // (T, n1, m1, rm) -> (T, rm, n1, m1, 1)
       dcores[tr.split + 1] = dc1t_t.narrow(-1, 0, rm).permute({0, 3, 1, 2}).unsqueeze(-1).contiguous();
     }
   });
-  // padded layouts back to the cores' own: drop the padding, (T, n, m, r', r) -> (T, r, n, m, r')
-  if (L.cores == 2) dcores[1] = dleft1.narrow(-1, 0, r).contiguous();
-  if (R.cores == 2) dcores[tr.split] = dright0.narrow(-1, 0, r).permute({0, 4, 1, 2, 3}).contiguous();
+  // the padded layout back to the core's own: drop the rank padding (no copy without)
+  if (L.cores == 2) dcores[1] = rp == r ? dleft1 : dleft1.narrow(-1, 0, r).contiguous();
   dcores.push_back(dweights);
   return dcores;
 }
