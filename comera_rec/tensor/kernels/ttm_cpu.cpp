@@ -257,6 +257,35 @@ struct Train {
   torch::Tensor right0;  // right 2-core halves: core 0 as (T, n0, m0, r_mid, rp)
 };
 
+// A core (T, r, ...) with its first rank moved last and zero-padded to whole vectors:
+// (T, r, n, m, r') -> (T, n, m, r', rp), the same as pad_last(core.permute({0, 2, 3, 4, 1})).
+// Each table's (r, X) matrix is transposed in blocks of 64 columns that stay in L1 (a
+// strided copy of the permuted view gathers every value from another cache line).
+torch::Tensor rank_last(const torch::Tensor& core, int64_t lanes) {
+  const auto c = core.contiguous();
+  const int64_t T = c.size(0), r = c.size(1), X = c.numel() / std::max<int64_t>(1, T * r), rp = padded(r, lanes);
+  auto out = rp == r ? torch::empty({T, X, rp}, c.options()) : torch::zeros({T, X, rp}, c.options());
+  constexpr int64_t kCols = 64;
+  const int64_t blocks = (X + kCols - 1) / kCols;
+  AT_DISPATCH_FLOATING_TYPES(c.scalar_type(), "rank_last", [&] {
+    const scalar_t* src = c.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T * blocks, 16, [&](int64_t b, int64_t e) {
+      for (int64_t tb = b; tb < e; ++tb) {
+        const int64_t t = tb / blocks, x0 = tb % blocks * kCols, x1 = std::min(X, x0 + kCols);
+        const scalar_t* in = src + t * r * X;
+        scalar_t* o = dst + t * X * rp;
+        for (int64_t k = 0; k < r; ++k)
+          for (int64_t x = x0; x < x1; ++x) o[x * rp + k] = in[k * X + x];
+      }
+    });
+  });
+  std::vector<int64_t> shape(c.sizes().begin() + 2, c.sizes().end());
+  shape.insert(shape.begin(), T);
+  shape.push_back(rp);
+  return out.view(shape);
+}
+
 // `layouts`: also make the forward's permuted, padded copies (left1, right0); the
 // backward needs only the shapes.
 Train describe(std::vector<torch::Tensor>& cores, const char* who, bool layouts) {
@@ -279,7 +308,7 @@ Train describe(std::vector<torch::Tensor>& cores, const char* who, bool layouts)
   tr.Nl = tr.L.rows();
   tr.Nr = tr.R.rows();
   if (layouts && tr.L.cores == 2) tr.left1 = pad_last(cores[1], lanes);
-  if (layouts && tr.R.cores == 2) tr.right0 = pad_last(cores[tr.split].permute({0, 2, 3, 4, 1}), lanes);
+  if (layouts && tr.R.cores == 2) tr.right0 = rank_last(cores[tr.split], lanes);
   return tr;
 }
 
@@ -564,7 +593,7 @@ std::vector<torch::Tensor> ttm_bag_backward(
     } else {
       // dG0 is summed as vectors over its rank j: G1 read as (T, n1, m1, r, rm_p), dG0 as (T, n0, m0, rm_p)
       const int64_t rm = L.r_mid, blk = L.m1 * rp, rmp = padded(rm, W);
-      const auto g1t_t = pad_last(cores[1].permute({0, 2, 3, 4, 1}), W);
+      const auto g1t_t = rank_last(cores[1], W);
       auto dg0t_t = torch::empty({tr.T, L.n0, L.m0, rmp}, cores[0].options());  // every slice written
       const T_* g1t = g1t_t.data_ptr<T_>();
       T_* d0 = dg0t_t.data_ptr<T_>();
