@@ -121,7 +121,7 @@ torch::Tensor rowwise_bag_forward(torch::Tensor buffer, torch::Tensor table_offs
   ids = ids.contiguous();
   if (weights.numel()) weights = weights.to(torch::kFloat).contiguous();
   const Layout L = layout_of(table_offset, dim_offset, rows, offsets, weights, batch);
-  auto out = torch::zeros({batch, L.total_dim}, buffer.options());
+  auto out = torch::empty({batch, L.total_dim}, buffer.options());  // each bag zeroed by the thread that pools it
   const float* table = buffer.data_ptr<float>();
   float* o = out.data_ptr<float>();
   AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "rowwise_bag_forward", [&] {
@@ -133,6 +133,7 @@ torch::Tensor rowwise_bag_forward(torch::Tensor buffer, torch::Tensor table_offs
           const int64_t D = L.dim_offset[f + 1] - L.dim_offset[f];
           float* ob = o + b * L.total_dim + L.dim_offset[f];
           const int64_t bag = f * batch + b;
+          std::fill(ob, ob + D, 0.0f);
           if (b + 2 < b1)  // this feature's rows of two samples ahead
             for (int64_t i = L.off[bag + 2]; i < L.off[bag + 3]; ++i)
               if (id[i] >= 0 && id[i] < L.rows[f]) prefetch_range(table + L.table_offset[f] + id[i] * D, D * sizeof(float));
