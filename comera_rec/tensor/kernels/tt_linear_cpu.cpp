@@ -289,6 +289,10 @@ struct BackwardRows {
     at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
       std::vector<T> G(kTile * L.Np);
       for (int64_t c = lo; c < hi; ++c) {
+        // the chunk's partials, zeroed by the thread that sums into them
+        std::fill(gL + c * sL, gL + (c + 1) * sL, T(0));
+        std::fill(gR + c * sR, gR + (c + 1) * sR, T(0));
+        if (gB) std::fill(gB + c * sB, gB + (c + 1) * sB, T(0));
         const int64_t end = std::min(L.B, (c + 1) * chunk_rows);
         for (int64_t b0 = c * chunk_rows; b0 < end; b0 += kTile)
           backward_tile<T, V>(L, d, b0, gL + c * sL, gR + c * sR, gB ? gB + c * sB : nullptr, G.data());
@@ -370,7 +374,7 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
     const int64_t chunk_rows = padded((B + chunks - 1) / chunks, kTile);  // whole tiles
     const int64_t used = (B + chunk_rows - 1) / chunk_rows;
     const int64_t sL = n_in * R, sR = r * Np, sB = Np;
-    auto parts = torch::zeros({used * (sL + sR + (need_grad_bias ? sB : 0))}, x.options());
+    auto parts = torch::empty({used * (sL + sR + (need_grad_bias ? sB : 0))}, x.options());  // zeroed per chunk
     T* gL = parts.data_ptr<T>();
     T* gR = gL + used * sL;
     T* gB = need_grad_bias ? gR + used * sR : nullptr;
