@@ -413,10 +413,17 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             lens = torch.cat([p[1] for p in parts]).long()
             w = torch.cat([p[2] for p in parts]) if weights is not None else None  # type: ignore[misc]
             stream_train, stream_mean = self._stream_constants_on(g, ids.device)
-            # (N_g,): each id's table. A stream's ids are contiguous, so its table repeats
-            # once per id of the stream (a repeat per stream, not per bag)
-            stream_ids = torch.tensor([length_per_key[index[f]] for f, _, _ in streams], device=ids.device)
-            trains = torch.repeat_interleave(stream_train, stream_ids, output_size=ids.numel())
+            # (N_g,): each id's table. A stream's ids are contiguous: on the host, its table
+            # repeats once per id of the stream (from the host lengths per key, one repeat
+            # per stream); static shapes / devices repeat per bag from device tensors (no
+            # tensor from Python data: capturable in a CUDA graph)
+            if ids.device.type == "cpu" and not self.static_shapes:
+                stream_ids = torch.tensor([length_per_key[index[f]] for f, _, _ in streams])
+                trains = torch.repeat_interleave(stream_train, stream_ids, output_size=ids.numel())
+            else:
+                trains = torch.repeat_interleave(
+                    stream_train.unsqueeze(1).expand(-1, batch).reshape(-1), lens, output_size=ids.numel()
+                )
             offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
             out = group(ids, offsets, trains, w, stream_batch=batch if by_blocks else 0)
             if any(mean for _, _, mean in streams):
