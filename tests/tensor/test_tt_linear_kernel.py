@@ -83,14 +83,18 @@ def test_gradcheck() -> None:
     assert torch.autograd.gradcheck(lambda *a: kernels.tt_linear_cpu(*a, relu=False), (x, left, right))
 
 
+def assert_grads_match_reference(x, left, right, b, wrt) -> None:
+    """The kernel's gradients of ``sum(y)`` with respect to ``wrt`` equal the reference's."""
+    got = torch.autograd.grad(kernels.tt_linear_cpu(x, left, right, b, True).sum(), wrt)
+    want = torch.autograd.grad(reference(x, left, right, b, True).sum(), wrt)
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c)
+
+
 def test_input_gradient_only_when_asked() -> None:
     x, left, right, b = make(20, 12, 10, 4)
     x.requires_grad_(False)
-    y = kernels.tt_linear_cpu(x, left, right, b, True)
-    got = torch.autograd.grad(y.sum(), [left, right, b])
-    want = torch.autograd.grad(reference(x, left, right, b, True).sum(), [left, right, b])
-    for a, c in zip(got, want):
-        torch.testing.assert_close(a, c)
+    assert_grads_match_reference(x, left, right, b, [left, right, b])
 
 
 def test_constant_left_gets_no_gradient_and_the_rest_are_unchanged() -> None:
@@ -98,18 +102,10 @@ def test_constant_left_gets_no_gradient_and_the_rest_are_unchanged() -> None:
     x, left, right, b = make(45, 12, 30, 12)
     x.requires_grad_(False)
     left.requires_grad_(False)
-    y = kernels.tt_linear_cpu(x, left, right, b, True)
-    got = torch.autograd.grad(y.sum(), [right, b])
-    want = torch.autograd.grad(reference(x, left, right, b, True).sum(), [right, b])
-    for a, c in zip(got, want):
-        torch.testing.assert_close(a, c)
+    assert_grads_match_reference(x, left, right, b, [right, b])
     # and with x needing its gradient, dt is still formed for it
     x.requires_grad_(True)
-    y = kernels.tt_linear_cpu(x, left, right, b, True)
-    got = torch.autograd.grad(y.sum(), [x, right])
-    want = torch.autograd.grad(reference(x, left, right, b, True).sum(), [x, right])
-    for a, c in zip(got, want):
-        torch.testing.assert_close(a, c)
+    assert_grads_match_reference(x, left, right, b, [x, right])
 
 
 @pytest.mark.parametrize("threads", [2, 3])
