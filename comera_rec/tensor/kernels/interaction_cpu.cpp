@@ -91,6 +91,9 @@ void backward_rows(const T* grad, const T* dense, const T* sparse, T* grad_dense
         for (; d + W <= D; d += W) {
           vec_t<T> acc[kRows];
           for (int64_t u = 0; u < kRows; ++u) acc[u] = (i0 + u == 0) ? vload(gb + d) : vzero<T>();
+          // the same loop twice: with the count a compile-time constant the whole block's
+          // accumulators stay in registers (one loop with a run-time count, or a lambda
+          // over both, measured ~7% slower)
           if (rows_here == kRows) {
             for (int64_t j = 0; j < n; ++j) {
               const vec_t<T> e = vload(rows[j] + d);

@@ -137,6 +137,13 @@ inline void contract(T* out, const Contraction& k, const int64_t* entries, int64
 
 constexpr auto kNoPrefetch = [](int64_t) {};
 
+// The contraction of one entry whose a and b are given directly.
+template <typename T>
+inline void contract_one(T* out, const Contraction& k, const T* a, const T* b) {
+  const int64_t entry = 0;
+  contract(out, k, &entry, 1, [a](int64_t) { return a; }, [b](int64_t) { return b; }, kNoPrefetch);
+}
+
 // Shape of one half: 1 or 2 cores.
 struct Half {
   int64_t cores = 0;    // 1 or 2
@@ -401,9 +408,7 @@ std::vector<torch::Tensor> ttm_bag_forward(
           const T_* rows = g1 + (t * rm * L.n1 + i1) * blk;  // row j at + j * n1 * blk
           Contraction k;
           k.rows = L.m0, k.cols = blk, k.ostride = blk, k.K1 = rm, k.ak1 = 1, k.aj = rm, k.bk1 = L.n1 * blk;
-          const int64_t one = 0;
-          contract(p, k, &one, 1, [&](int64_t) { return g0 + (t * L.n0 + i0) * L.m0 * rm; },
-                   [&](int64_t) { return rows; }, kNoPrefetch);
+          contract_one(p, k, g0 + (t * L.n0 + i0) * L.m0 * rm, rows);
         }
       }
     });
@@ -423,12 +428,8 @@ std::vector<torch::Tensor> ttm_bag_forward(
           const T_* coef = c1 + (t * rm * R.n1 + i1) * R.m1;  // (j, x1) at + j * n1 * m1 + x1
           Contraction k;
           k.rows = R.m1, k.cols = rp, k.ostride = rp, k.K1 = rm, k.ak1 = R.n1 * R.m1, k.aj = 1, k.bk1 = rp;
-          const int64_t one = 0;
-          for (int64_t x0 = 0; x0 < R.m0; ++x0) {
-            const T_* rows = a0 + ((t * R.n0 + i0) * R.m0 + x0) * rm * rp;  // row j at + j * rp
-            contract(q + x0 * R.m1 * rp, k, &one, 1, [&](int64_t) { return coef; }, [&](int64_t) { return rows; },
-                     kNoPrefetch);
-          }
+          for (int64_t x0 = 0; x0 < R.m0; ++x0)  // rows j of G0 at + j * rp
+            contract_one(q + x0 * R.m1 * rp, k, coef, a0 + ((t * R.n0 + i0) * R.m0 + x0) * rm * rp);
         }
       }
     });
