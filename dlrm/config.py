@@ -65,6 +65,8 @@ class DLRMConfig:
     """Compress a table or layer only if dense / TT parameters >= this."""
     share_shapes: float = 4.0
     """Tables within this factor in size share one TT shape and are looked up together (0: off)."""
+    two_cores_within: float = 2.0
+    """Give a table 2 cores when they take at most this many times the parameters of its default 3 or 4 (0: off)."""
     per_table: dict[str, TableRule] = field(default_factory=dict)
     """Per-table overrides by table name (``"t_cat_3"``): ``"dense"``, ``"compress"``, a rank or a TableOverride."""
     feature_names: list[str] | None = None
@@ -91,7 +93,7 @@ class DLRMConfig:
         return CompressionPolicy(
             rank=self.rank, min_rows_to_compress=self.min_rows_to_compress, min_gain=self.min_gain,
             per_table=dict(self.per_table), linear_rank=self.mlp_rank,
-            share_shapes=self.share_shapes,
+            share_shapes=self.share_shapes, two_cores_within=self.two_cores_within,
         )
 
     @classmethod

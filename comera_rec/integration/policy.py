@@ -48,6 +48,11 @@ class CompressionPolicy:
     """Tables with fewer rows stay dense (FBGEMM kernels, sharded by TorchRec)."""
     min_gain: float = 2.0
     """A table or layer is compressed only if dense parameters / TT parameters >= this."""
+    two_cores_within: float = 2.0
+    """A table whose default shape has 3 or 4 cores gets 2 cores instead when these take at
+    most this many times its parameters: a 2-core lookup multiplies each id's two core
+    slices, where 3 or 4 cores add a product per distinct prefix or suffix forward and two
+    backward (docs/performance.md). 0 keeps the default number of cores."""
     per_table: Mapping[str, TableRule] = field(default_factory=dict)
     """Overrides by table name: a :class:`TableOverride`, ``"dense"``, ``"compress"`` or an int rank."""
     linear_rank: int | None = None
@@ -105,6 +110,20 @@ def ttm_num_parameters(shape: Shape, ranks: Sequence[int]) -> int:
     return cores + sum(ranks)
 
 
+def _default_shape(num_embeddings: int, embedding_dim: int, rank: int, two_cores_within: float) -> Shape:
+    """:func:`ttm_shape`'s shape, or 2 cores when they cost at most ``two_cores_within`` times its parameters."""
+    shape = ttm_shape(num_embeddings, embedding_dim, rank)
+    if len(shape[0]) == 2 or two_cores_within <= 0:
+        return shape
+    two = ttm_shape(num_embeddings, embedding_dim, rank, num_cores=2)
+
+    def size(s: Shape) -> int:
+        modes = [n * m for n, m in zip(*s)]
+        return ttm_num_parameters(s, cap_ranks([rank] * (len(modes) - 1), modes))
+
+    return two if size(two) <= two_cores_within * size(shape) else shape
+
+
 def plan_table(name: str, num_embeddings: int, embedding_dim: int, policy: CompressionPolicy) -> TablePlan:
     """Decide how one table is stored.
 
@@ -127,7 +146,7 @@ def plan_table(name: str, num_embeddings: int, embedding_dim: int, policy: Compr
             )
         shape: Shape = (tuple(rows), tuple(cols))
     else:
-        shape = ttm_shape(num_embeddings, embedding_dim, rank)
+        shape = _default_shape(num_embeddings, embedding_dim, rank, policy.two_cores_within)
     modes = [n * m for n, m in zip(*shape)]
     ranks = tuple(cap_ranks(check_rank(f"table {name!r}", rank, len(modes) - 1), modes))
     if rule.dense is False:
