@@ -72,9 +72,15 @@ def test_values_and_gradients_equal_the_torch_path(rows, cols, ranks, mode, weig
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_rows_equal_the_dense_tables_in_float32() -> None:
-    # float32 runs whole 16-lane vectors (float64 runs 8): checked against a float64 dense table
-    rows, cols, ranks = (6, 5, 4, 7), (2, 2, 2, 2), [16, 16, 16]
+# float32 runs whole 16-lane vectors (float64 runs 8); a 4 x 4 row of 16 floats is pooled
+# as one vector (kernels/ttm_cpu.cpp, pool_one_vector): ranks of one, two and (padded) three vectors
+@pytest.mark.parametrize("rows, cols, ranks", [
+    ((6, 5, 4, 7), (2, 2, 2, 2), [16, 16, 16]),
+    ((6, 5, 4, 7), (2, 2, 2, 2), [32, 32, 32]),
+    ((30, 27), (4, 4), [40]),
+    ((6, 5, 4), (2, 2, 4), [8, 24]),
+])
+def test_rows_equal_the_dense_tables_in_float32(rows, cols, ranks) -> None:
     cores64 = make_cores(2, rows, cols, ranks)
     cores32 = [c.detach().float().requires_grad_() for c in cores64]
     ids = torch.arange(math.prod(rows)).repeat(2)

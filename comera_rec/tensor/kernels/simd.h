@@ -55,6 +55,31 @@ inline double hsum(vec_t<double> v) {
   v += COMERA_SHUFFLE(v, 1, 0, 1, 0, 1, 0, 1, 0);
   return v[0];
 }
+// The lane sums of 16 float vectors as one vector: lane c = sum of the lanes of v[c]. Four
+// levels, each adding the two halves of every vector's partial sums while packing two
+// vectors' partials into one (30 shuffles and 15 adds, where 16 hsums take 64 and 64).
+#if defined(__clang__)
+#define COMERA_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define COMERA_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, typename Simd<T>::index{__VA_ARGS__})
+#endif
+
+inline vec_t<float> hsum16(const vec_t<float> (&v)[16]) {
+  using T = float;
+  vec_t<float> l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i)  // blocks of 8 partials: (v[2i] | v[2i + 1])
+    l1[i] = COMERA_SHUFFLE2(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            COMERA_SHUFFLE2(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // blocks of 4
+    l2[i] = COMERA_SHUFFLE2(l1[2 * i], l1[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            COMERA_SHUFFLE2(l1[2 * i], l1[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // blocks of 2
+    l3[i] = COMERA_SHUFFLE2(l2[2 * i], l2[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            COMERA_SHUFFLE2(l2[2 * i], l2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return COMERA_SHUFFLE2(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         COMERA_SHUFFLE2(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#undef COMERA_SHUFFLE2
 #undef COMERA_SHUFFLE
 
 // Ask for the cache lines of [p, p + bytes) ahead of use (rows read in a data-dependent
