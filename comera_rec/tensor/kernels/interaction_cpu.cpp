@@ -54,9 +54,9 @@ void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F,
             a1 += e[d + 1] * vload(&et[(d + 1) * np + j0]);
           }
           if (d < D) a0 += e[d] * vload(&et[d * np + j0]);
-          const vec_t<T> a = a0 + a1;
           const int64_t first = std::max(j0, i + 1), last = std::min(j0 + W, n);
-          for (int64_t j = first; j < last; ++j) *pair++ = a[j - j0];
+          store_lanes(pair, a0 + a1, first - j0, last - j0);  // pairs (i, first) .. (i, last - 1)
+          pair += last - first;
         }
       }
     }

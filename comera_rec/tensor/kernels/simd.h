@@ -6,6 +6,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace comera {
 
 // Rank vectors are padded to whole 64-byte vectors (16 floats, 8 doubles): every loop
@@ -87,6 +91,20 @@ inline vec_t<float> hsum16(const vec_t<float> (&v)[16]) {
 inline void prefetch_range(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
+}
+
+// Lanes [from, to) of v to dst[0 : to - from): one masked store of 16 floats with
+// AVX-512, else lane by lane. Only dst[0 : to - from) is written.
+template <typename T>
+inline void store_lanes(T* dst, vec_t<T> v, int64_t from, int64_t to) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __mmask16 mask = static_cast<__mmask16>(((1u << to) - 1u) & ~((1u << from) - 1u));
+    _mm512_mask_storeu_ps(dst - from, mask, reinterpret_cast<__m512&>(v));  // masked-off lanes: no access
+    return;
+  }
+#endif
+  for (int64_t l = from; l < to; ++l) dst[l - from] = v[l];
 }
 
 inline int64_t padded(int64_t n, int64_t lanes) { return (n + lanes - 1) / lanes * lanes; }
