@@ -6,7 +6,9 @@
 // zero-padded gather into the grid and a second batched GEMM. Here each sample is done
 // in one go while its n rows are in cache: forward, the rows are transposed into a
 // (D, n) block so that one multiply-add gives a vector of dot products (n = 27, D = 16:
-// 16 multiply-adds per 16 pairs); backward, grad e_i = sum_{j != i} g_ij e_j for eight rows
+// 16 multiply-adds per 16 pairs), four rows at a time (each load of the block feeds four
+// rows' sums, which do not wait on each other), each row's dots stored by one masked
+// store; backward, grad e_i = sum_{j != i} g_ij e_j for eight rows
 // i at a time (each load of e_j feeds eight multiply-adds). Samples are independent: the
 // result does not depend on the number of threads.
 
@@ -32,6 +34,7 @@ inline const T* row_of(const T* dense, const T* sparse, int64_t b, int64_t i, in
 template <typename T>
 void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F, int64_t D) {
   constexpr int64_t W = kLanes<T>;
+  constexpr int64_t kRows = 4;  // rows whose dot products share every load of the transposed block
   const int64_t n = F + 1, np = padded(n, W), width = D + n * (n - 1) / 2;
   at::parallel_for(0, B, 64, [&](int64_t lo, int64_t hi) {
     std::vector<T> et(D * np, T(0));  // (D, np): the sample's rows transposed, zero past n
@@ -42,21 +45,34 @@ void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F,
       }
       T* o = out + b * width;
       std::copy(dense + b * D, dense + (b + 1) * D, o);
-      T* pair = o + D;
-      for (int64_t i = 0; i + 1 < n; ++i) {
-        const T* e = row_of(dense, sparse, b, i, F, D);
-        // dots of e_i with e_j for j in the vector blocks from the one holding i + 1
-        for (int64_t j0 = (i + 1) / W * W; j0 < n; j0 += W) {
-          vec_t<T> a0 = vzero<T>(), a1 = vzero<T>();
+      // dots of rows i0 .. i0 + 3 with e_j for j in the vector blocks from the one holding
+      // i0 + 1: each load of a block of et feeds four rows (eight independent sums)
+      for (int64_t i0 = 0; i0 + 1 < n; i0 += kRows) {
+        const int64_t rows_here = std::min<int64_t>(kRows, n - 1 - i0);
+        const T* e[kRows];
+        for (int64_t u = 0; u < kRows; ++u) e[u] = row_of(dense, sparse, b, u < rows_here ? i0 + u : i0, F, D);
+        for (int64_t j0 = (i0 + 1) / W * W; j0 < n; j0 += W) {
+          vec_t<T> a0[kRows], a1[kRows];
+          for (int64_t u = 0; u < kRows; ++u) a0[u] = a1[u] = vzero<T>();
           int64_t d = 0;
           for (; d + 2 <= D; d += 2) {
-            a0 += e[d] * vload(&et[d * np + j0]);
-            a1 += e[d + 1] * vload(&et[(d + 1) * np + j0]);
+            const vec_t<T> v0 = vload(&et[d * np + j0]), v1 = vload(&et[(d + 1) * np + j0]);
+            for (int64_t u = 0; u < kRows; ++u) {
+              a0[u] += e[u][d] * v0;
+              a1[u] += e[u][d + 1] * v1;
+            }
           }
-          if (d < D) a0 += e[d] * vload(&et[d * np + j0]);
-          const int64_t first = std::max(j0, i + 1), last = std::min(j0 + W, n);
-          store_lanes(pair, a0 + a1, first - j0, last - j0);  // pairs (i, first) .. (i, last - 1)
-          pair += last - first;
+          if (d < D) {
+            const vec_t<T> v0 = vload(&et[d * np + j0]);
+            for (int64_t u = 0; u < kRows; ++u) a0[u] += e[u][d] * v0;
+          }
+          for (int64_t u = 0; u < rows_here; ++u) {
+            const int64_t i = i0 + u, first = std::max(j0, i + 1), last = std::min(j0 + W, n);
+            if (first >= last) continue;
+            // row i's pairs start at D + sum_{k < i} (n - 1 - k) of the sample's output
+            T* pair = o + D + i * (n - 1) - i * (i - 1) / 2 + (first - i - 1);
+            store_lanes(pair, a0[u] + a1[u], first - j0, last - j0);  // pairs (i, first) .. (i, last - 1)
+          }
         }
       }
     }
