@@ -418,8 +418,8 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             # per stream); static shapes / devices repeat per bag from device tensors (no
             # tensor from Python data: capturable in a CUDA graph)
             if ids.device.type == "cpu" and not self.static_shapes:
-                stream_ids = torch.tensor([length_per_key[index[f]] for f, _, _ in streams])
-                trains = torch.repeat_interleave(stream_train, stream_ids, output_size=ids.numel())
+                ids_per_stream = torch.tensor([length_per_key[index[f]] for f, _, _ in streams])
+                trains = torch.repeat_interleave(stream_train, ids_per_stream, output_size=ids.numel())
             else:
                 trains = torch.repeat_interleave(
                     stream_train.unsqueeze(1).expand(-1, batch).reshape(-1), lens, output_size=ids.numel()

@@ -285,7 +285,7 @@ struct ForwardRows {
 template <typename T, int V>
 struct BackwardRows {
   static void run(const Layer<T>& L, const Grads<T>& d, int64_t chunks, int64_t chunk_rows, T* gL, T* gR, T* gB) {
-    const int64_t sL = L.n_in * L.R, sR = L.r * L.Np, sB = L.Np;
+    const int64_t sL = d.left ? L.n_in * L.R : 0, sR = L.r * L.Np, sB = L.Np;  // a chunk's partials (see below)
     at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
       std::vector<T> G(kTile * L.Np);
       for (int64_t c = lo; c < hi; ++c) {
@@ -373,7 +373,7 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
     const int64_t chunks = num_chunks(B);
     const int64_t chunk_rows = padded((B + chunks - 1) / chunks, kTile);  // whole tiles
     const int64_t used = (B + chunk_rows - 1) / chunk_rows;
-    const int64_t sL = n_in * R, sR = r * Np, sB = Np;
+    const int64_t sL = need_grad_left ? n_in * R : 0, sR = r * Np, sB = Np;  // as BackwardRows lays them out
     auto parts = torch::empty({used * (sL + sR + (need_grad_bias ? sB : 0))}, x.options());  // zeroed per chunk
     T* gL = parts.data_ptr<T>();
     T* gR = gL + used * sL;
