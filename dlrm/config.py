@@ -61,10 +61,13 @@ class DLRMConfig:
     """TT rank of MLP and cross-net layers (``rank`` when ``None``)."""
     min_rows_to_compress: int = 10_000
     """Tables with fewer rows stay dense (FBGEMM kernels, sharded by TorchRec)."""
+    min_params_to_compress: int = 1_000_000
+    """Tables with fewer dense parameters (rows x dim) stay dense too."""
     min_gain: float = 2.0
     """Compress a table or layer only if dense / TT parameters >= this."""
-    share_shapes: float = 4.0
-    """Tables within this factor in size share one TT shape and are looked up together (0: off)."""
+    share_shapes_within: float = 2.0
+    """A table takes a larger one's TT shape, to be looked up with it in one call, when that
+    costs at most this many times its own TT parameters (0: off)."""
     two_cores_within: float = 2.0
     """Give a table 2 cores when they take at most this many times the parameters of its default 3 or 4 (0: off)."""
     per_table: dict[str, TableRule] = field(default_factory=dict)
@@ -91,9 +94,10 @@ class DLRMConfig:
     def policy(self) -> CompressionPolicy:
         """The compression policy these fields describe."""
         return CompressionPolicy(
-            rank=self.rank, min_rows_to_compress=self.min_rows_to_compress, min_gain=self.min_gain,
+            rank=self.rank, min_rows_to_compress=self.min_rows_to_compress,
+            min_params_to_compress=self.min_params_to_compress, min_gain=self.min_gain,
             per_table=dict(self.per_table), linear_rank=self.mlp_rank,
-            share_shapes=self.share_shapes, two_cores_within=self.two_cores_within,
+            share_shapes_within=self.share_shapes_within, two_cores_within=self.two_cores_within,
         )
 
     @classmethod

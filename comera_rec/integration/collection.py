@@ -501,7 +501,7 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             >>> ebc = EmbeddingBagCollection([EmbeddingBagConfig(
             ...     name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])])
             >>> ttm = TTMEmbeddingBagCollection.from_embedding_bag_collection(
-            ...     ebc, CompressionPolicy(rank=64, min_rows_to_compress=0, min_gain=0.0))
+            ...     ebc, CompressionPolicy(rank=64, min_rows_to_compress=0, min_params_to_compress=0, min_gain=0.0))
             >>> ttm.compressed_tables()
             ['t']
         """

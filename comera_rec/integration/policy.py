@@ -46,6 +46,10 @@ class CompressionPolicy:
     """TT rank of compressed embedding tables."""
     min_rows_to_compress: int = 10_000
     """Tables with fewer rows stay dense (FBGEMM kernels, sharded by TorchRec)."""
+    min_params_to_compress: int = 1_000_000
+    """Tables with fewer dense parameters (rows x dim) stay dense too: a TTM lookup call
+    costs about as much for a small table as for a large one, and below a million
+    parameters (4 MB in float32) it saves little memory (docs/performance.md)."""
     min_gain: float = 2.0
     """A table or layer is compressed only if dense parameters / TT parameters >= this."""
     two_cores_within: float = 2.0
@@ -61,10 +65,13 @@ class CompressionPolicy:
     """Replace MLP linear layers by ``TTLinear`` where it pays."""
     compress_crossnet: bool = True
     """Replace DCN low-rank projections by ``TTLinear`` where it pays."""
-    share_shapes: float = 4.0
-    """A compressed table with at least 1/share_shapes the rows of a larger one (same dim
-    and rank, automatic shape) takes that table's TT shape, so they are stacked and looked
-    up in one call; 0 gives every table its own shape."""
+    share_shapes_within: float = 2.0
+    """A compressed table takes the TT shape (and ranks) of a larger one of the same dim,
+    rank and number of cores, automatic shapes both, when that costs at most this many
+    times its own TT parameters: the tables are then stacked and looked up in one call,
+    and each call saved is worth more than the few parameters (docs/performance.md). A
+    table never changes its number of cores by it (that would change its lookup's work
+    per id). 0 gives every table its own shape."""
 
     def override(self, table: str) -> TableOverride:
         """The normalised override of ``table`` (an empty one when there is none)."""
@@ -151,7 +158,7 @@ def plan_table(name: str, num_embeddings: int, embedding_dim: int, policy: Compr
     ranks = tuple(cap_ranks(check_rank(f"table {name!r}", rank, len(modes) - 1), modes))
     if rule.dense is False:
         return TablePlan(name, True, shape, ranks)
-    if num_embeddings < policy.min_rows_to_compress:
+    if num_embeddings < policy.min_rows_to_compress or num_embeddings * embedding_dim < policy.min_params_to_compress:
         return TablePlan(name, compressed=False)
     gain = num_embeddings * embedding_dim / ttm_num_parameters(shape, ranks)
     if gain < policy.min_gain:
@@ -166,36 +173,46 @@ def plan_tables(
 
     Args:
         tables: ``(name, num_embeddings, embedding_dim)`` of each table.
-        policy: the compression policy (``share_shapes`` sets how similar is similar).
+        policy: the compression policy (``share_shapes_within`` sets how similar is similar).
 
     Returns:
         Plans by table name.
 
     Example::
 
-        >>> plans = plan_tables([("a", 1_000_000, 16), ("b", 600_000, 16), ("c", 20_000, 16)],
+        >>> plans = plan_tables([("a", 1_000_000, 16), ("b", 600_000, 16), ("c", 70_000, 16)],
         ...                     CompressionPolicy(rank=8))
         >>> plans["a"].shape == plans["b"].shape != plans["c"].shape
         True
     """
     plans = {name: plan_table(name, rows, dim, policy) for name, rows, dim in tables}
-    if policy.share_shapes <= 0:
+    if policy.share_shapes_within <= 0:
         return plans
-    # largest first: each table joins the class of the first leader it fits under
+
+    def rank_of(name: str) -> int:
+        rule = policy.override(name)
+        return rule.rank if rule.rank is not None else policy.rank
+
+    # largest first: each table joins the class of the first leader with as many cores
+    # whose shape costs it at most share_shapes_within times its own parameters
     shareable = sorted(
         ((rows, dim, name) for name, rows, dim in tables
          if plans[name].compressed and policy.override(name).shape is None),
         reverse=True,
     )
-    leaders: list[tuple[int, int, str]] = []
+    leaders: list[tuple[int, str]] = []
     for rows, dim, name in shareable:
-        for lead_rows, lead_dim, lead in leaders:
-            same = lead_dim == dim and plans[lead].ranks == plans[name].ranks
-            if same and lead_rows <= policy.share_shapes * rows:
-                plans[name] = TablePlan(name, True, plans[lead].shape, plans[lead].ranks)
+        own = ttm_num_parameters(plans[name].shape, plans[name].ranks)
+        for lead_dim, lead in leaders:
+            lead_plan = plans[lead]
+            if lead_dim != dim or rank_of(lead) != rank_of(name) or len(lead_plan.shape[0]) != len(plans[name].shape[0]):
+                continue
+            # the lead's shape must hold this table's rows (it does: the lead is larger)
+            if ttm_num_parameters(lead_plan.shape, lead_plan.ranks) <= policy.share_shapes_within * own:
+                plans[name] = TablePlan(name, True, lead_plan.shape, lead_plan.ranks)
                 break
         else:
-            leaders.append((rows, dim, name))
+            leaders.append((dim, name))
     return plans
 
 

@@ -19,7 +19,7 @@ SIZES = [5000, 3000, 40]
 
 def _config(**kw) -> DLRMConfig:
     base = dict(table_sizes=SIZES, embedding_dim=8, dense_in_features=4, bottom_mlp=[64, 8], top_mlp=[64, 32, 1],
-                rank=4, min_rows_to_compress=1000, dcn_num_layers=2, dcn_low_rank=32)
+                rank=4, min_rows_to_compress=1000, min_params_to_compress=0, dcn_num_layers=2, dcn_low_rank=32)
     return DLRMConfig(**{**base, **kw})
 
 

@@ -11,6 +11,7 @@ TINY = [
     "model.rank=4",
     "model.mlp_rank=4",
     "model.min_rows_to_compress=10000",
+    "model.min_params_to_compress=0",
     "data.batch_size=256",
     "data.synthetic_train_rows=65536",
     "data.synthetic_val_rows=4096",

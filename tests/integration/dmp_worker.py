@@ -33,7 +33,7 @@ def build_model() -> DLRMTrain:
     tables = criteo_tables(SIZES, DIM, FEATURES)
     shared = TableOverride(shape=((25, 24), (2, 2)))  # one TT shape: the two tables are stacked
     policy = CompressionPolicy(
-        rank=3, min_rows_to_compress=100, min_gain=0.0, per_table={"t_cat_0": shared, "t_cat_1": shared}
+        rank=3, min_rows_to_compress=100, min_params_to_compress=0, min_gain=0.0, per_table={"t_cat_0": shared, "t_cat_1": shared}
     )
     model = make_dlrm(tables, dense_in_features=3, bottom_mlp=[16, DIM], top_mlp=[8, 1], policy=policy)
     return DLRMTrain(model)

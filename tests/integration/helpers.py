@@ -26,7 +26,7 @@ def tables(pooling: PoolingType = PoolingType.SUM) -> list[EmbeddingBagConfig]:
 
 def policy(rank: int = 4) -> CompressionPolicy:
     return CompressionPolicy(
-        rank=rank, min_rows_to_compress=50, min_gain=0.0,
+        rank=rank, min_rows_to_compress=50, min_params_to_compress=0, min_gain=0.0,
         per_table={"a": TableOverride(shape=SHAPE), "b": TableOverride(shape=SHAPE)},
     )
 

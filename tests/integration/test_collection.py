@@ -213,7 +213,7 @@ def test_dense_tables_called_directly_equal_the_fused_collection(weighted: bool,
         EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=10, feature_names=["f0"]),
         EmbeddingBagConfig(name="d", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
     ]
-    pol = CompressionPolicy(rank=4, min_rows_to_compress=95, min_gain=0.0, per_table={"a": TableOverride(shape=SHAPE)})
+    pol = CompressionPolicy(rank=4, min_rows_to_compress=95, min_params_to_compress=0, min_gain=0.0, per_table={"a": TableOverride(shape=SHAPE)})
     spec = EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": 0.1, "eps": 1e-8})
     made = []
     for _ in range(2):

@@ -63,7 +63,7 @@ def test_compress_torchrec_dlrm_full_rank_keeps_outputs() -> None:
         model = _dlrm(dcn)
         dense, sparse = _inputs()
         expected = model(dense, sparse)
-        policy = CompressionPolicy(rank=512, min_rows_to_compress=100, min_gain=0.0)
+        policy = CompressionPolicy(rank=512, min_rows_to_compress=100, min_params_to_compress=0, min_gain=0.0)
         report = compress(model, policy)
         names = [m.name for m in report.modules]
         assert "sparse_arch.embedding_bag_collection" in names
@@ -79,7 +79,7 @@ def test_compress_torchrec_dlrm_full_rank_keeps_outputs() -> None:
 def test_compress_at_low_rank_reports_savings() -> None:
     model = _dlrm()
     before = sum(p.numel() for p in model.parameters())
-    report = compress(model, CompressionPolicy(rank=2, min_rows_to_compress=100, min_gain=1.5))
+    report = compress(model, CompressionPolicy(rank=2, min_rows_to_compress=100, min_params_to_compress=0, min_gain=1.5))
     after = sum(p.numel() for p in model.parameters())
     assert report.params_before - report.params_after == before - after > 0
     assert all(m.ratio >= 1.5 for m in report.modules)

@@ -186,7 +186,7 @@ def _collection() -> TTMEmbeddingBagCollection:
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=n, feature_names=[f"f{i}"],
                                  pooling=PoolingType.MEAN if i else PoolingType.SUM)
               for i, n in enumerate([60, 50])]
-    return TTMEmbeddingBagCollection(tables, CompressionPolicy(rank=3, min_rows_to_compress=0, min_gain=0.0),
+    return TTMEmbeddingBagCollection(tables, CompressionPolicy(rank=3, min_rows_to_compress=0, min_params_to_compress=0, min_gain=0.0),
                                      is_weighted=True)
 
 
