@@ -91,6 +91,11 @@ class CompressionPolicy:
             f"or an int rank, got {rule!r}"
         )
 
+    def table_rank(self, table: str) -> int:
+        """The rank ``table`` asks for: its override's, else the policy's."""
+        rank = self.override(table).rank
+        return rank if rank is not None else self.rank
+
     @property
     def mlp_rank(self) -> int:
         return self.linear_rank if self.linear_rank is not None else self.rank
@@ -142,7 +147,7 @@ def plan_table(name: str, num_embeddings: int, embedding_dim: int, policy: Compr
     rule = policy.override(name)
     if rule.dense is True:
         return TablePlan(name, compressed=False)
-    rank = rule.rank if rule.rank is not None else policy.rank
+    rank = policy.table_rank(name)
     if rule.shape is not None:
         rows = check_shape(f"table {name!r} rows", num_embeddings, rule.shape[0])
         cols = check_shape(f"table {name!r} columns", embedding_dim, rule.shape[1])
@@ -158,7 +163,8 @@ def plan_table(name: str, num_embeddings: int, embedding_dim: int, policy: Compr
     ranks = tuple(cap_ranks(check_rank(f"table {name!r}", rank, len(modes) - 1), modes))
     if rule.dense is False:
         return TablePlan(name, True, shape, ranks)
-    if num_embeddings < policy.min_rows_to_compress or num_embeddings * embedding_dim < policy.min_params_to_compress:
+    small = num_embeddings < policy.min_rows_to_compress
+    if small or num_embeddings * embedding_dim < policy.min_params_to_compress:
         return TablePlan(name, compressed=False)
     gain = num_embeddings * embedding_dim / ttm_num_parameters(shape, ranks)
     if gain < policy.min_gain:
@@ -189,10 +195,6 @@ def plan_tables(
     if policy.share_shapes_within <= 0:
         return plans
 
-    def rank_of(name: str) -> int:
-        rule = policy.override(name)
-        return rule.rank if rule.rank is not None else policy.rank
-
     # largest first: each table joins the class of the first leader with as many cores
     # whose shape costs it at most share_shapes_within times its own parameters
     shareable = sorted(
@@ -202,10 +204,12 @@ def plan_tables(
     )
     leaders: list[tuple[int, str]] = []
     for rows, dim, name in shareable:
-        own = ttm_num_parameters(plans[name].shape, plans[name].ranks)
+        plan = plans[name]
+        own = ttm_num_parameters(plan.shape, plan.ranks)
         for lead_dim, lead in leaders:
             lead_plan = plans[lead]
-            if lead_dim != dim or rank_of(lead) != rank_of(name) or len(lead_plan.shape[0]) != len(plans[name].shape[0]):
+            alike = lead_dim == dim and policy.table_rank(lead) == policy.table_rank(name)
+            if not alike or len(lead_plan.shape[0]) != len(plan.shape[0]):
                 continue
             # the lead's shape must hold this table's rows (it does: the lead is larger)
             if ttm_num_parameters(lead_plan.shape, lead_plan.ranks) <= policy.share_shapes_within * own:
