@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import multiprocessing as mp
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -192,6 +194,17 @@ def process_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # r
     faults = (minor_page_faults() - faults_at_start) / setup.timed_steps
     queue.put({"base": base, "peak": peak_rss_bytes(), "step_s": statistics.median_high(times[setup.warmup_steps:]),
                "faults": faults})
+    queue.close()
+    queue.join_thread()  # the result is in the pipe
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Leave without the interpreter's teardown. Triton (which torch imports for TorchRec)
+    prints a hundred lines of nanobind leak warnings at a normal exit, in every process."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_in_process(variant: str, setup: Setup, mlperf: bool) -> dict:
@@ -425,6 +438,7 @@ def main() -> None:
         parts(setup)
     else:
         mlperf(setup) if args.mlperf else kaggle(setup)
+    _exit_now()
 
 
 if __name__ == "__main__":
