@@ -163,8 +163,8 @@ def plan_table(name: str, num_embeddings: int, embedding_dim: int, policy: Compr
     ranks = tuple(cap_ranks(check_rank(f"table {name!r}", rank, len(modes) - 1), modes))
     if rule.dense is False:
         return TablePlan(name, True, shape, ranks)
-    small = num_embeddings < policy.min_rows_to_compress
-    if small or num_embeddings * embedding_dim < policy.min_params_to_compress:
+    few_rows = num_embeddings < policy.min_rows_to_compress
+    if few_rows or num_embeddings * embedding_dim < policy.min_params_to_compress:
         return TablePlan(name, compressed=False)
     gain = num_embeddings * embedding_dim / ttm_num_parameters(shape, ranks)
     if gain < policy.min_gain:
