@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from comera_rec import TTLinear
-from comera_rec.tensor import NarrowLinear
+from comera_rec.tensor import NarrowLinear, kernels
 from comera_rec.tensor.contract import TTLinearFunction
 
 from .reference import linear_weight
@@ -64,9 +64,10 @@ def test_backward_saves_only_input_and_rank_intermediate(lookup_path: str) -> No
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x).sum()
     batch_sized = [s for s in saved if 100 in s]
-    # x (100, 64) and x @ left (100, r) (the kernel pads r to whole 64-byte vectors: 8
-    # doubles); never a (100, 64)-sized output intermediate twice.
-    rank_width = 8 if lookup_path == "kernel" else 4
+    # x (100, 64) and x @ left (100, r) (the kernel pads r to whole vectors: 8 doubles with
+    # AVX-512, 4 with AVX2); never a (100, 64)-sized output intermediate twice.
+    lanes = kernels.cpu_vector_bytes() // 8
+    rank_width = -(-4 // lanes) * lanes if lookup_path == "kernel" else 4
     assert sorted(batch_sized) == [(100, rank_width), (100, 64)]
 
 

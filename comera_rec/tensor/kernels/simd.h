@@ -1,4 +1,4 @@
-// Vector helpers shared by the fused CPU kernels (ttm_cpu.cpp, tt_linear_cpu.cpp).
+// Vector helpers shared by the fused CPU kernels (ttm_cpu.cpp, tt_linear_cpu.cpp, ...).
 #pragma once
 
 #include <torch/extension.h>
@@ -6,23 +6,47 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
+// The vector width of this build: the widest the target has (the build uses -march=native),
+// 64 bytes with AVX-512, 32 with AVX / AVX2, 16 elsewhere. A width the target lacks is
+// emulated by the compiler through memory, several times slower than the PyTorch path
+// (docs/performance.md: 64-byte vectors on an AVX2 machine); -DCOMERA_VECTOR_BYTES=N
+// forces N, which the tests use to check the kernels at another width than the host's.
+#ifndef COMERA_VECTOR_BYTES
+#if defined(__AVX512F__)
+#define COMERA_VECTOR_BYTES 64
+#elif defined(__AVX__)
+#define COMERA_VECTOR_BYTES 32
+#else
+#define COMERA_VECTOR_BYTES 16
+#endif
+#endif
+static_assert(COMERA_VECTOR_BYTES == 16 || COMERA_VECTOR_BYTES == 32 || COMERA_VECTOR_BYTES == 64,
+              "COMERA_VECTOR_BYTES must be 16, 32 or 64");
+
 namespace comera {
 
-// Rank vectors are padded to whole 64-byte vectors (16 floats, 8 doubles): every loop
-// over ranks runs over whole vectors held in registers (GCC / Clang vector extensions, which
-// become AVX-512 or pairs of AVX2 registers, or narrower ones elsewhere).
+constexpr int64_t kVectorBytes = COMERA_VECTOR_BYTES;
+// Architectural vector registers: what a register tile of accumulators may fill.
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+
+// Rank vectors are padded to whole vectors (kVectorBytes): every loop over ranks runs over
+// whole vectors held in registers (GCC / Clang vector extensions).
 template <typename T>
 struct Simd {
-  static constexpr int64_t W = 64 / sizeof(T);
-  typedef T vec __attribute__((vector_size(64)));
-  typedef T uvec __attribute__((vector_size(64), aligned(sizeof(T)), may_alias));
+  static constexpr int64_t W = kVectorBytes / sizeof(T);
+  typedef T vec __attribute__((vector_size(kVectorBytes)));
+  typedef T uvec __attribute__((vector_size(kVectorBytes), aligned(sizeof(T)), may_alias));
   // lane indices of a shuffle: integers of T's width
   typedef std::conditional_t<sizeof(T) == 4, int32_t, int64_t> lane_int;
-  typedef lane_int index __attribute__((vector_size(64)));
+  typedef lane_int index __attribute__((vector_size(kVectorBytes)));
 };
 template <typename T>
 using vec_t = typename Simd<T>::vec;
@@ -36,40 +60,39 @@ inline void vstore(T* p, vec_t<T> v) { *reinterpret_cast<typename Simd<T>::uvec*
 template <typename T>
 inline vec_t<T> vzero() { return vec_t<T>{}; }
 
-// Sum of the lanes, by halving in registers (a shuffle and an add per level).
-#if defined(__clang__)
-#define COMERA_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define COMERA_SHUFFLE(v, ...) __builtin_shuffle(v, typename Simd<T>::index{__VA_ARGS__})
-#endif
-
-inline float hsum(vec_t<float> v) {
-  using T = float;
-  v += COMERA_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += COMERA_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += COMERA_SHUFFLE(v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-  v += COMERA_SHUFFLE(v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-  return v[0];
+// Sum of the lanes, by halving in registers: the upper half added to the lower, down to
+// one lane (an extract and an add per level).
+template <typename V>
+inline auto hsum_halving(V v) {
+  using T = std::remove_reference_t<decltype(v[0])>;
+  constexpr int64_t n = sizeof(V) / sizeof(T);
+  if constexpr (n == 1) {
+    return v[0];
+  } else {
+    typedef T half __attribute__((vector_size(sizeof(V) / 2)));
+    half lo, hi;
+    __builtin_memcpy(&lo, &v, sizeof(half));
+    __builtin_memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(half), sizeof(half));
+    return hsum_halving(lo + hi);
+  }
 }
 
-inline double hsum(vec_t<double> v) {
-  using T = double;
-  v += COMERA_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += COMERA_SHUFFLE(v, 2, 3, 0, 1, 2, 3, 0, 1);
-  v += COMERA_SHUFFLE(v, 1, 0, 1, 0, 1, 0, 1, 0);
-  return v[0];
-}
-// The lane sums of 16 float vectors as one vector: lane c = sum of the lanes of v[c]. Four
-// levels, each adding the two halves of every vector's partial sums while packing two
-// vectors' partials into one (30 shuffles and 15 adds, where 16 hsums take 64 and 64).
+inline float hsum(vec_t<float> v) { return hsum_halving(v); }
+inline double hsum(vec_t<double> v) { return hsum_halving(v); }
+
+// The lane sums of W vectors of W lanes (W = kLanes<float>) as one vector: lane c = sum of
+// the lanes of v[c]. Each level adds the two halves of every vector's partial sums while
+// packing two vectors' partials into one (for 16 lanes: 30 shuffles and 15 adds, where 16
+// hsums take 64 and 64).
 #if defined(__clang__)
 #define COMERA_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define COMERA_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, typename Simd<T>::index{__VA_ARGS__})
 #endif
 
-inline vec_t<float> hsum16(const vec_t<float> (&v)[16]) {
+inline vec_t<float> hsum_transpose(const vec_t<float> (&v)[kLanes<float>]) {
   using T = float;
+#if COMERA_VECTOR_BYTES == 64
   vec_t<float> l1[8], l2[4], l3[2];
   for (int i = 0; i < 8; ++i)  // blocks of 8 partials: (v[2i] | v[2i + 1])
     l1[i] = COMERA_SHUFFLE2(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -82,9 +105,24 @@ inline vec_t<float> hsum16(const vec_t<float> (&v)[16]) {
             COMERA_SHUFFLE2(l2[2 * i], l2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return COMERA_SHUFFLE2(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          COMERA_SHUFFLE2(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif COMERA_VECTOR_BYTES == 32
+  vec_t<float> l1[4], l2[2];
+  for (int i = 0; i < 4; ++i)  // blocks of 4 partials: (v[2i] | v[2i + 1])
+    l1[i] = COMERA_SHUFFLE2(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+            COMERA_SHUFFLE2(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // blocks of 2
+    l2[i] = COMERA_SHUFFLE2(l1[2 * i], l1[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+            COMERA_SHUFFLE2(l1[2 * i], l1[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return COMERA_SHUFFLE2(l2[0], l2[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         COMERA_SHUFFLE2(l2[0], l2[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+  vec_t<float> l1[2];
+  for (int i = 0; i < 2; ++i)  // blocks of 2 partials: (v[2i] | v[2i + 1])
+    l1[i] = COMERA_SHUFFLE2(v[2 * i], v[2 * i + 1], 0, 1, 4, 5) + COMERA_SHUFFLE2(v[2 * i], v[2 * i + 1], 2, 3, 6, 7);
+  return COMERA_SHUFFLE2(l1[0], l1[1], 0, 2, 4, 6) + COMERA_SHUFFLE2(l1[0], l1[1], 1, 3, 5, 7);
+#endif
 }
 #undef COMERA_SHUFFLE2
-#undef COMERA_SHUFFLE
 
 // Ask for the cache lines of [p, p + bytes) ahead of use (rows read in a data-dependent
 // order, whose loads the hardware prefetcher cannot guess).
@@ -93,14 +131,22 @@ inline void prefetch_range(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
 }
 
-// Lanes [from, to) of v to dst[0 : to - from): one masked store of 16 floats with
-// AVX-512, else lane by lane. Only dst[0 : to - from) is written.
+// Lanes [from, to) of v to dst[0 : to - from): one masked store with AVX-512 or AVX (float),
+// else lane by lane. Only dst[0 : to - from) is written: masked-off lanes are not accessed.
 template <typename T>
 inline void store_lanes(T* dst, vec_t<T> v, int64_t from, int64_t to) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && COMERA_VECTOR_BYTES == 64
   if constexpr (std::is_same_v<T, float>) {
     const __mmask16 mask = static_cast<__mmask16>(((1u << to) - 1u) & ~((1u << from) - 1u));
-    _mm512_mask_storeu_ps(dst - from, mask, reinterpret_cast<__m512&>(v));  // masked-off lanes: no access
+    _mm512_mask_storeu_ps(dst - from, mask, reinterpret_cast<__m512&>(v));
+    return;
+  }
+#elif defined(__AVX__) && COMERA_VECTOR_BYTES == 32
+  if constexpr (std::is_same_v<T, float>) {
+    typedef int32_t lanes8 __attribute__((vector_size(32)));
+    const lanes8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    const lanes8 mask = (lane >= static_cast<int32_t>(from)) & (lane < static_cast<int32_t>(to));
+    _mm256_maskstore_ps(dst - from, reinterpret_cast<const __m256i&>(mask), reinterpret_cast<__m256&>(v));
     return;
   }
 #endif

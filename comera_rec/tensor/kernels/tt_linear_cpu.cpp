@@ -30,6 +30,31 @@ using namespace comera;
 
 constexpr int64_t kTile = 8;  // rows that share every load of left / right
 
+// Rows whose (rows x V) rank accumulators are made at once in the two products with a rank
+// output (t = x @ left, dt = g @ right^T): they and the V loaded vectors must fit the vector
+// registers. All 8 of a tile with AVX-512's 32; with AVX2's 16 the tile goes in groups of
+// fewer rows for more rank vectors (8 rows of 4 vectors spilled, several times slower).
+template <int V>
+constexpr int64_t group_rows() {
+  if constexpr (kVectorRegisters >= 32) return kTile;
+  int64_t g = kTile;
+  while (g > 1 && g * V + V + 1 > kVectorRegisters) g /= 2;
+  return g;
+}
+
+// The most rank vectors a tile takes: 256 bytes of rank (r <= 64 float32), at most 8 vectors.
+constexpr int kMaxVectors = std::min<int>(8, 256 / kVectorBytes);
+
+// g[0] + ... + g[N - 1], as a balanced tree of adds.
+template <int64_t N, typename T>
+inline vec_t<T> tree_sum(const vec_t<T>* g) {
+  if constexpr (N == 1) {
+    return g[0];
+  } else {
+    return tree_sum<N / 2, T>(g) + tree_sum<N - N / 2, T>(g + N / 2);
+  }
+}
+
 // Chunks of about 256 rows, their number set by B alone (see the header).
 inline int64_t num_chunks(int64_t B) { return std::max<int64_t>(1, std::min<int64_t>(64, (B + 255) / 256)); }
 
@@ -56,47 +81,85 @@ inline void store_head(T* p, vec_t<T> v, int64_t n) {
   }
 }
 
+// The products of a tile's rank rows with a matrix of rank rows: for the columns [0, cols)
+// (whole vectors), out(i, c) = init(c) + sum_{j < r} s[i * lds + j] m[j * ldm + c] for the
+// tile's rows i, each (row, vector) handed to done(i, c, value). Made in blocks of 8 sums
+// kept in registers: 8 rows x 1 vector with AVX-512 (one load of m and 8 broadcasts per
+// j), 4 rows x 2 vectors with 16 registers (2 loads and 4 broadcasts per 8 multiply-adds,
+// where 9 loads per 8 bound the loop).
+constexpr int kOutVectors = kVectorRegisters >= 32 ? 1 : 2;
+
+template <typename T, int CB, typename Init, typename Done>
+inline void rank_block(const T* s, int64_t lds, const T* m, int64_t ldm, int64_t r, int64_t c, Init init, Done done) {
+  constexpr int64_t W = kLanes<T>;
+  constexpr int64_t kRows = kTile / CB;
+  for (int64_t i0 = 0; i0 < kTile; i0 += kRows) {
+    vec_t<T> a[kRows][CB];
+    for (int u = 0; u < CB; ++u) {
+      const vec_t<T> start = init(c + u * W);
+      for (int64_t i = 0; i < kRows; ++i) a[i][u] = start;
+    }
+    for (int64_t j = 0; j < r; ++j) {
+      vec_t<T> mj[CB];
+      for (int u = 0; u < CB; ++u) mj[u] = vload(m + j * ldm + c + u * W);
+      for (int64_t i = 0; i < kRows; ++i) {
+        const T sij = s[(i0 + i) * lds + j];
+        for (int u = 0; u < CB; ++u) a[i][u] += sij * mj[u];
+      }
+    }
+    for (int64_t i = 0; i < kRows; ++i)
+      for (int u = 0; u < CB; ++u) done(i0 + i, c + u * W, a[i][u]);
+  }
+}
+
+template <typename T, typename Init, typename Done>
+inline void rank_product(const T* s, int64_t lds, const T* m, int64_t ldm, int64_t r, int64_t cols, Init init,
+                         Done done) {
+  constexpr int64_t W = kLanes<T>;
+  int64_t c = 0;
+  if constexpr (kOutVectors == 2)
+    for (; c + 2 * W <= cols; c += 2 * W) rank_block<T, 2>(s, lds, m, ldm, r, c, init, done);
+  for (; c < cols; c += W) rank_block<T, 1>(s, lds, m, ldm, r, c, init, done);
+}
+
 template <typename T, int V>
 void forward_tile(const Layer<T>& L, int64_t b0, bool relu, T* t_out, T* y) {
   constexpr int64_t W = kLanes<T>;
+  constexpr int64_t kGroup = group_rows<V>();
   const int64_t rows = std::min(kTile, L.B - b0);
   const T* xr[kTile];
   for (int64_t i = 0; i < kTile; ++i) xr[i] = i < rows ? L.x + (b0 + i) * L.n_in : L.zeros;
 
-  // t = x @ left: (kTile, R)
-  vec_t<T> acc[kTile][V];
-  for (int64_t i = 0; i < kTile; ++i)
-    for (int v = 0; v < V; ++v) acc[i][v] = vzero<T>();
-  for (int64_t k = 0; k < L.n_in; ++k) {
-    vec_t<T> lk[V];
-    for (int v = 0; v < V; ++v) lk[v] = vload(L.left + k * L.R + v * W);
-    for (int64_t i = 0; i < kTile; ++i) {
-      const T xik = xr[i][k];
-      for (int v = 0; v < V; ++v) acc[i][v] += xik * lk[v];
-    }
-  }
+  // t = x @ left: (kTile, R), kGroup rows at a time
   alignas(64) T t[kTile][V * W];
-  for (int64_t i = 0; i < kTile; ++i)
-    for (int v = 0; v < V; ++v) {
-      vstore(&t[i][v * W], acc[i][v]);
-      if (i < rows) vstore(t_out + (b0 + i) * L.R + v * W, acc[i][v]);
+  for (int64_t i0 = 0; i0 < kTile; i0 += kGroup) {
+    vec_t<T> acc[kGroup][V];
+    for (int64_t i = 0; i < kGroup; ++i)
+      for (int v = 0; v < V; ++v) acc[i][v] = vzero<T>();
+    for (int64_t k = 0; k < L.n_in; ++k) {
+      vec_t<T> lk[V];
+      for (int v = 0; v < V; ++v) lk[v] = vload(L.left + k * L.R + v * W);
+      for (int64_t i = 0; i < kGroup; ++i) {
+        const T xik = xr[i0 + i][k];
+        for (int v = 0; v < V; ++v) acc[i][v] += xik * lk[v];
+      }
     }
+    for (int64_t i = 0; i < kGroup; ++i)
+      for (int v = 0; v < V; ++v) {
+        vstore(&t[i0 + i][v * W], acc[i][v]);
+        if (i0 + i < rows) vstore(t_out + (b0 + i0 + i) * L.R + v * W, acc[i][v]);
+      }
+  }
 
   // y = t @ right + bias, then the activation
   const vec_t<T> zero = vzero<T>();
-  for (int64_t c = 0; c < L.Np; c += W) {
-    const vec_t<T> b = L.bias ? vload(L.bias + c) : zero;
-    vec_t<T> a[kTile];
-    for (int64_t i = 0; i < kTile; ++i) a[i] = b;
-    for (int64_t j = 0; j < L.r; ++j) {
-      const vec_t<T> rj = vload(L.right + j * L.Np + c);
-      for (int64_t i = 0; i < kTile; ++i) a[i] += t[i][j] * rj;
-    }
-    for (int64_t i = 0; i < rows; ++i) {
-      if (relu) a[i] = a[i] > zero ? a[i] : zero;
-      store_head(y + (b0 + i) * L.n_out + c, a[i], L.n_out - c);
-    }
-  }
+  rank_product(
+      &t[0][0], V * W, L.right, L.Np, L.r, L.Np, [&](int64_t c) { return L.bias ? vload(L.bias + c) : zero; },
+      [&](int64_t i, int64_t c, vec_t<T> a) {
+        if (i >= rows) return;
+        if (relu) a = a > zero ? a : zero;
+        store_head(y + (b0 + i) * L.n_out + c, a, L.n_out - c);
+      });
 }
 
 template <typename T>
@@ -110,12 +173,13 @@ struct Grads {
   bool left = true;            // grad_left wanted (else dt is needed only for gx)
 };
 
-// One tile's share of every gradient; gL (n_in, R), gR (r, Np), gB (Np) are its chunk's
-// partials, G a (kTile, Np) scratch.
+// One tile's share of every gradient: rows b0 .. min(b0 + kTile, end); gL (n_in, R),
+// gR (r, Np), gB (Np) are its chunk's partials, G a (kTile, Np) scratch.
 template <typename T, int V>
-void backward_tile(const Layer<T>& L, const Grads<T>& d, int64_t b0, T* gL, T* gR, T* gB, T* G) {
+void backward_tile(const Layer<T>& L, const Grads<T>& d, int64_t b0, int64_t end, T* gL, T* gR, T* gB, T* G) {
   constexpr int64_t W = kLanes<T>;
-  const int64_t rows = std::min(kTile, L.B - b0);
+  constexpr int64_t kGroup = group_rows<V>();
+  const int64_t rows = std::min(kTile, end - b0);
 
   // g = dy, masked by the ReLU, zero past the row's end and past B
   const vec_t<T> zero = vzero<T>();
@@ -142,11 +206,7 @@ void backward_tile(const Layer<T>& L, const Grads<T>& d, int64_t b0, T* gL, T* g
   for (int64_t c = 0; c < L.Np; c += W) {
     vec_t<T> g[kTile];
     for (int64_t i = 0; i < kTile; ++i) g[i] = vload(G + i * L.Np + c);
-    if (gB) {
-      vec_t<T> s = (g[0] + g[1]) + (g[2] + g[3]);
-      s += (g[4] + g[5]) + (g[6] + g[7]);
-      vstore(gB + c, vload(gB + c) + s);
-    }
+    if (gB) vstore(gB + c, vload(gB + c) + tree_sum<kTile, T>(g));
     // four rows of grad_right at a time: four independent chains of multiply-adds
     int64_t j = 0;
     for (; j + 4 <= L.r; j += 4) {
@@ -173,41 +233,44 @@ void backward_tile(const Layer<T>& L, const Grads<T>& d, int64_t b0, T* gL, T* g
 
   if (!d.gx && !d.left) return;  // a constant left (NarrowLinear's identity): no dt
 
-  // dt = g @ right^T: (kTile, R)
-  vec_t<T> dt[kTile][V];
-  for (int64_t i = 0; i < kTile; ++i)
-    for (int v = 0; v < V; ++v) dt[i][v] = vzero<T>();
-  for (int64_t c = 0; c < L.n_out; ++c) {
-    vec_t<T> rc[V];
-    for (int v = 0; v < V; ++v) rc[v] = vload(d.right_t + c * L.R + v * W);
-    for (int64_t i = 0; i < kTile; ++i) {
-      const T gic = G[i * L.Np + c];
-      for (int v = 0; v < V; ++v) dt[i][v] += gic * rc[v];
-    }
-  }
+  // dt = g @ right^T: (kTile, R), kGroup rows at a time
   alignas(64) T dts[kTile][V * W];
-  for (int64_t i = 0; i < kTile; ++i)
-    for (int v = 0; v < V; ++v) vstore(&dts[i][v * W], dt[i][v]);
+  vec_t<T> dt[kGroup][V];  // the last group's, kept in registers when they are the whole tile
+  for (int64_t i0 = 0; i0 < kTile; i0 += kGroup) {
+    for (int64_t i = 0; i < kGroup; ++i)
+      for (int v = 0; v < V; ++v) dt[i][v] = vzero<T>();
+    for (int64_t c = 0; c < L.n_out; ++c) {
+      vec_t<T> rc[V];
+      for (int v = 0; v < V; ++v) rc[v] = vload(d.right_t + c * L.R + v * W);
+      for (int64_t i = 0; i < kGroup; ++i) {
+        const T gic = G[(i0 + i) * L.Np + c];
+        for (int v = 0; v < V; ++v) dt[i][v] += gic * rc[v];
+      }
+    }
+    for (int64_t i = 0; i < kGroup; ++i)
+      for (int v = 0; v < V; ++v) vstore(&dts[i0 + i][v * W], dt[i][v]);
+  }
 
   // dx = dt @ left^T
-  if (d.gx) {
-    for (int64_t k = 0; k < L.Nip; k += W) {
-      vec_t<T> a[kTile];
-      for (int64_t i = 0; i < kTile; ++i) a[i] = vzero<T>();
-      for (int64_t j = 0; j < L.r; ++j) {
-        const vec_t<T> lj = vload(d.left_t + j * L.Nip + k);
-        for (int64_t i = 0; i < kTile; ++i) a[i] += dts[i][j] * lj;
-      }
-      for (int64_t i = 0; i < rows; ++i) store_head(d.gx + (b0 + i) * L.n_in + k, a[i], L.n_in - k);
-    }
-  }
+  if (d.gx)
+    rank_product(
+        &dts[0][0], V * W, d.left_t, L.Nip, L.r, L.Nip, [](int64_t) { return vzero<T>(); },
+        [&](int64_t i, int64_t k, vec_t<T> a) {
+          if (i < rows) store_head(d.gx + (b0 + i) * L.n_in + k, a, L.n_in - k);
+        });
 
   if (!d.left) return;
   // grad_left[k] += sum_i x_ik dt_i
   const T* xr[kTile];
   for (int64_t i = 0; i < kTile; ++i) xr[i] = i < rows ? L.x + (b0 + i) * L.n_in : L.zeros;
-  // K rows of grad_left at a time: 8 independent chains of multiply-adds
-  constexpr int64_t K = V >= 4 ? 2 : 8 / V;
+  // K rows of grad_left at a time: 8 independent chains of multiply-adds (at least 2 rows
+  // with AVX-512's registers). dt comes from registers when the whole tile's is there, else
+  // from dts (L1).
+  constexpr int64_t K = kVectorRegisters >= 32 && V >= 4 ? 2 : std::max(1, 8 / V);
+  auto dt_of = [&](int64_t i, int v) {
+    if constexpr (kGroup == kTile) return dt[i][v];
+    return vload(&dts[i][v * W]);
+  };
   int64_t k = 0;
   for (; k + K <= L.n_in; k += K) {
     vec_t<T> a[K][V];
@@ -216,7 +279,7 @@ void backward_tile(const Layer<T>& L, const Grads<T>& d, int64_t b0, T* gL, T* g
     for (int64_t i = 0; i < kTile; ++i)
       for (int64_t u = 0; u < K; ++u) {
         const T x = xr[i][k + u];
-        for (int v = 0; v < V; ++v) a[u][v] += x * dt[i][v];
+        for (int v = 0; v < V; ++v) a[u][v] += x * dt_of(i, v);
       }
     for (int64_t u = 0; u < K; ++u)
       for (int v = 0; v < V; ++v) vstore(gL + (k + u) * L.R + v * W, a[u][v]);
@@ -225,7 +288,7 @@ void backward_tile(const Layer<T>& L, const Grads<T>& d, int64_t b0, T* gL, T* g
     for (int v = 0; v < V; ++v) {
       T* p = gL + k * L.R + v * W;
       vec_t<T> a = vload(p);
-      for (int64_t i = 0; i < kTile; ++i) a += xr[i][k] * dt[i][v];
+      for (int64_t i = 0; i < kTile; ++i) a += xr[i][k] * dt_of(i, v);
       vstore(p, a);
     }
 }
@@ -260,16 +323,14 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& left, const torch
               "tt_linear: x, left and right need one dtype");
 }
 
-// Dispatch on the number of rank vectors V = R / W (1..4).
-template <typename T, template <typename, int> class Fn, typename... Args>
+// Dispatch on the number of rank vectors V = R / W (1..kMaxVectors).
+template <typename T, template <typename, int> class Fn, int Max = kMaxVectors, typename... Args>
 void with_vectors(int64_t V, Args&&... args) {
-  switch (V) {
-    case 1: Fn<T, 1>::run(std::forward<Args>(args)...); break;
-    case 2: Fn<T, 2>::run(std::forward<Args>(args)...); break;
-    case 3: Fn<T, 3>::run(std::forward<Args>(args)...); break;
-    case 4: Fn<T, 4>::run(std::forward<Args>(args)...); break;
-    default: TORCH_CHECK(false, "tt_linear: rank padded to ", V, " vectors; at most 4 are supported");
+  if constexpr (Max > 1) {
+    if (V < Max) return with_vectors<T, Fn, Max - 1>(V, std::forward<Args>(args)...);
   }
+  TORCH_CHECK(V == Max, "tt_linear: rank padded to ", V, " vectors; at most ", kMaxVectors, " are supported");
+  Fn<T, Max>::run(std::forward<Args>(args)...);
 }
 
 template <typename T, int V>
@@ -295,7 +356,7 @@ struct BackwardRows {
         if (gB) std::fill(gB + c * sB, gB + (c + 1) * sB, T(0));
         const int64_t end = std::min(L.B, (c + 1) * chunk_rows);
         for (int64_t b0 = c * chunk_rows; b0 < end; b0 += kTile)
-          backward_tile<T, V>(L, d, b0, gL + c * sL, gR + c * sR, gB ? gB + c * sB : nullptr, G.data());
+          backward_tile<T, V>(L, d, b0, end, gL + c * sL, gR + c * sR, gB ? gB + c * sB : nullptr, G.data());
       }
     });
   }

@@ -13,18 +13,27 @@ from __future__ import annotations
 
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import _extension, cpu_float_tensors_apply
+from comera_rec.tensor.kernels.ttm_cpu import _extension, cpu_float_tensors_apply, cpu_vector_bytes
 
-_MAX_RANK_VECTORS = 4  # the kernel keeps rank vectors in registers: r <= 4 * 64 bytes
+_MAX_RANK_BYTES = 256  # the kernel keeps a row's rank vectors in registers: r <= 64 float32
+_MAX_RANK_VECTORS = 8  # ... in at most 8 vectors (the widths the kernel is built for)
 _EMPTY = torch.empty(0)
+
+
+def max_fused_rank(dtype: torch.dtype) -> int:
+    """The largest rank the fused CPU TT linear takes for ``dtype``: 64 for float32 and 32
+    for float64 with 32- or 64-byte vectors (AVX2, AVX-512); 0 without the kernels."""
+    width = cpu_vector_bytes()
+    if width == 0:
+        return 0
+    return min(_MAX_RANK_BYTES, _MAX_RANK_VECTORS * width) // dtype.itemsize
 
 
 def tt_linear_kernel_applies(x: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> bool:
     """Whether ``x @ left @ right`` is the fused CPU kernel's to do: real CPU float32 /
-    float64 matrices of one dtype, ``r <= 64`` (float32; 32 for float64), outside tracing
-    and ``torch.compile``, kernel enabled."""
-    lanes = 64 // x.element_size()
-    return 0 < left.shape[1] <= _MAX_RANK_VECTORS * lanes and cpu_float_tensors_apply(x, left, right)
+    float64 matrices of one dtype, ``r <=`` :func:`max_fused_rank`, outside tracing and
+    ``torch.compile``, kernel enabled."""
+    return cpu_float_tensors_apply(x, left, right) and 0 < left.shape[1] <= max_fused_rank(x.dtype)
 
 
 class _FusedTTLinear(torch.autograd.Function):

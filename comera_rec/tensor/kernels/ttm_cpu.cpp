@@ -105,21 +105,32 @@ inline void contract_tile(T* out, const Contraction& k, const int64_t* entries, 
     }
 }
 
+// Rows of a tile of CB vectors: JB x CB accumulators and CB loaded vectors fill at most the
+// vector registers (16 or 8 accumulators with AVX-512's 32; with AVX2's 16, fewer rows).
+template <int CB>
+constexpr int tile_rows() {
+  if constexpr (kVectorRegisters >= 32) return CB >= 4 ? 4 : 8;
+  return std::max(1, std::min(8, (kVectorRegisters - CB - 1) / CB));
+}
+// Two sets of accumulators for a small tile, where they fit.
+template <int JB, int CB>
+constexpr int tile_sets() { return 2 * JB * CB + CB < kVectorRegisters ? 2 : 1; }
+
 template <int CB, typename T, typename AOf, typename BOf, typename Ahead>
 inline void contract_rows(T* out, const Contraction& k, const int64_t* entries, int64_t count, AOf a_of, BOf b_of,
                           Ahead ahead, int64_t c0) {
-  constexpr int JB = CB >= 4 ? 4 : 8;  // 16 or 8 accumulators
+  constexpr int JB = tile_rows<CB>();
   int64_t j = 0;
   for (; j + JB <= k.rows; j += JB) contract_tile<JB, CB, 1>(out, k, entries, count, a_of, b_of, ahead, j, c0);
   if (JB > 4 && j + 4 <= k.rows) {
     contract_tile<4, CB, 1>(out, k, entries, count, a_of, b_of, ahead, j, c0);
     j += 4;
   }
-  if (j + 2 <= k.rows) {
-    contract_tile<2, CB, 2>(out, k, entries, count, a_of, b_of, ahead, j, c0);
+  if (JB > 2 && j + 2 <= k.rows) {
+    contract_tile<2, CB, tile_sets<2, CB>()>(out, k, entries, count, a_of, b_of, ahead, j, c0);
     j += 2;
   }
-  if (j < k.rows) contract_tile<1, CB, 2>(out, k, entries, count, a_of, b_of, ahead, j, c0);
+  for (; j < k.rows; ++j) contract_tile<1, CB, tile_sets<1, CB>()>(out, k, entries, count, a_of, b_of, ahead, j, c0);
 }
 
 // out = the contraction over entries[0 : count]; ahead(e) is called for the entry kAhead
@@ -144,20 +155,22 @@ inline void contract_one(T* out, const Contraction& k, const T* a, const T* b) {
   contract(out, k, &entry, 1, [a](int64_t) { return a; }, [b](int64_t) { return b; }, kNoPrefetch);
 }
 
-// out += w * row for a row of one float vector, 4 x 4 (dim 16): its 16 dot products as
-// vectors, then one transposing sum (hsum16) instead of 16 separate lane sums. Returns
-// false (nothing done) for other types.
+// out += w * row for a float row of 16 columns, 4 x 4: its 16 dot products as vectors, W
+// at a time, each group's lane sums by one transposing sum (hsum_transpose) instead of W
+// separate lane sums. Returns false (nothing done) for other types.
 template <typename T>
 inline bool pool_one_vector(T*, const T*, const T*, int64_t, T) { return false; }
 
 template <>
 inline bool pool_one_vector<float>(float* out, const float* p, const float* q, int64_t rp, float w) {
   constexpr int64_t W = kLanes<float>;
-  vec_t<float> acc[16];
-  for (int c = 0; c < 16; ++c) acc[c] = vload(p + c / 4 * rp) * vload(q + c % 4 * rp);
-  for (int64_t k = W; k < rp; k += W)
-    for (int c = 0; c < 16; ++c) acc[c] += vload(p + c / 4 * rp + k) * vload(q + c % 4 * rp + k);
-  vstore(out, vload(out) + w * hsum16(acc));
+  for (int g = 0; g < 16; g += W) {  // columns g .. g + W - 1
+    vec_t<float> acc[W];
+    for (int c = 0; c < W; ++c) acc[c] = vload(p + (g + c) / 4 * rp) * vload(q + (g + c) % 4 * rp);
+    for (int64_t k = W; k < rp; k += W)
+      for (int c = 0; c < W; ++c) acc[c] += vload(p + (g + c) / 4 * rp + k) * vload(q + (g + c) % 4 * rp + k);
+    vstore(out + g, vload(out + g) + w * hsum_transpose(acc));
+  }
   return true;
 }
 
@@ -456,7 +469,7 @@ std::vector<torch::Tensor> ttm_bag_forward(
     const int32_t* ss = sslot.data_ptr<int32_t>();
     const T_* w = weighted ? weights.data_ptr<T_>() : nullptr;
     T_* o = out.data_ptr<T_>();
-    const bool one_vector = std::is_same_v<T_, float> && Ml == 4 && Mr == 4 && dim == kLanes<T_>;
+    const bool one_vector = std::is_same_v<T_, float> && Ml == 4 && Mr == 4 && dim == 16;
     at::parallel_for(0, B, 128, [&](int64_t b, int64_t e) {
       const int64_t last = off[e];
       for (int64_t bag = b; bag < e; ++bag) {
@@ -818,6 +831,7 @@ void rowwise_bag_backward_adagrad(torch::Tensor grad, torch::Tensor buffer, torc
                                   torch::Tensor offsets, torch::Tensor weights, int64_t batch, double lr, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("vector_bytes", [] { return comera::kVectorBytes; }, "the vector width this build's kernels use");
   m.def("ttm_bag_forward", &ttm_bag_forward, "fused de-duplicated TTM embedding-bag lookup (forward)");
   m.def("ttm_bag_backward", &ttm_bag_backward, "fused de-duplicated TTM embedding-bag lookup (backward)");
   m.def("gather_blocks", &gather_blocks, "column blocks of several matrices side by side");

@@ -13,6 +13,11 @@ needs it (tens of seconds, once per machine: it is cached under
 compiler the build fails once, with a warning, and lookups take the PyTorch path;
 ``COMERA_DISABLE_CPU_KERNEL=1`` or :func:`set_cpu_kernel_enabled(False)
 <set_cpu_kernel_enabled>` choose the PyTorch path on purpose.
+
+The kernels' vectors are as wide as the build machine's: 64 bytes with AVX-512, 32 with
+AVX2, 16 elsewhere (:func:`cpu_vector_bytes`). ``COMERA_CPU_VECTOR_BYTES=16|32|64`` forces
+a width, in a build of its own (the tests check a width other than the host's this way;
+a width wider than the hardware's is correct but slow).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "COMERA_DISABLE_CPU_KERNEL"
+VECTOR_BYTES_ENV = "COMERA_CPU_VECTOR_BYTES"
+_VECTOR_BYTES_CHOICES = ("16", "32", "64")
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "ttm_cpu.cpp", "tt_linear_cpu.cpp", "interaction_cpu.cpp", "checks_cpu.cpp", "rowwise_bag_cpu.cpp"
 )]
@@ -63,22 +70,42 @@ def _source_tag() -> str:
     return hashlib.sha1(b"\0".join(parts)).hexdigest()[:8]
 
 
+def _forced_vector_bytes() -> str:
+    """``COMERA_CPU_VECTOR_BYTES`` (``""`` when unset: the build machine's widest vectors)."""
+    value = os.environ.get(VECTOR_BYTES_ENV, "").strip()
+    if value and value not in _VECTOR_BYTES_CHOICES:
+        raise ValueError(f"{VECTOR_BYTES_ENV}={value!r}: expected one of {', '.join(_VECTOR_BYTES_CHOICES)} (bytes)")
+    return value
+
+
 @functools.lru_cache(maxsize=None)
 def _extension():
     """The compiled module, or ``None`` when it cannot be built (logged once)."""
+    width = _forced_vector_bytes()  # a bad value is the caller's error, not a failed build
     with _build_lock:
         try:
             from torch.utils.cpp_extension import load
 
             logger.info("building the fused CPU kernels (once per machine; cached by torch.utils.cpp_extension)")
             flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+            if width:
+                flags.append(f"-DCOMERA_VECTOR_BYTES={width}")
             return load(
-                name=f"comera_cpu_{_host_tag()}_{_source_tag()}", sources=[str(p) for p in _SOURCES],
+                name=f"comera_cpu_{_host_tag()}_{_source_tag()}" + (f"_v{width}" if width else ""),
+                sources=[str(p) for p in _SOURCES],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
             )
         except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch path still works
             logger.warning("fused CPU kernels unavailable (%s); lookups and TT layers use the PyTorch path", exc)
             return None
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_vector_bytes() -> int:
+    """The vector width (bytes) of the fused CPU kernels' build: 64 with AVX-512, 32 with
+    AVX2, 16 elsewhere, or ``COMERA_CPU_VECTOR_BYTES``. 0 when the kernels do not build."""
+    ext = _extension()
+    return int(ext.vector_bytes()) if ext is not None else 0
 
 
 def disabled_by_env(name: str) -> bool:

@@ -1,0 +1,77 @@
+"""The fused CPU kernels' vector width: the host's widest by default, another one on demand.
+
+The kernels are written once over vectors of ``COMERA_VECTOR_BYTES`` (64 with AVX-512, 32
+with AVX2, 16 elsewhere). A host checks its own width in the other kernel tests; here the
+same tests run again in a build of another width, so that an AVX2 machine checks the
+AVX-512 code (and an AVX-512 machine the AVX2 code) for correctness.
+"""
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from comera_rec.tensor import kernels
+from comera_rec.tensor.kernels import ttm_cpu
+from comera_rec.tensor.kernels.tt_linear_cpu import max_fused_rank
+
+pytestmark = pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
+
+ROOT = Path(__file__).resolve().parents[2]
+# the tests of every fused CPU kernel, run again at the other width
+KERNEL_TESTS = [
+    "tests/tensor/test_tt_linear_kernel.py",
+    "tests/tensor/test_cpu_kernel.py",
+    "tests/tensor/test_rowwise_bag_kernel.py",
+    "tests/dlrm/test_interaction.py",
+]
+
+
+def host_vector_bytes() -> int:
+    """The widest vectors this x86-64 host has, read from /proc/cpuinfo."""
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    return 64 if "avx512f" in flags else 32 if "avx" in flags else 16
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists(),
+                    reason="reads x86 flags from /proc/cpuinfo")
+def test_build_uses_the_host_width_or_the_forced_one() -> None:
+    forced = os.environ.get(ttm_cpu.VECTOR_BYTES_ENV)
+    assert kernels.cpu_vector_bytes() == (int(forced) if forced else host_vector_bytes())
+
+
+def test_bad_forced_width_is_named(monkeypatch) -> None:
+    monkeypatch.setenv(ttm_cpu.VECTOR_BYTES_ENV, "48")
+    with pytest.raises(ValueError, match=f"{ttm_cpu.VECTOR_BYTES_ENV}='48'.*16, 32, 64"):
+        ttm_cpu._forced_vector_bytes()
+
+
+def test_fused_rank_limit_is_256_bytes_of_rank() -> None:
+    width = kernels.cpu_vector_bytes()
+    assert max_fused_rank(torch.float32) == min(256, 8 * width) // 4
+    assert max_fused_rank(torch.float64) == min(256, 8 * width) // 8
+    x = torch.randn(4, 8)
+    r = max_fused_rank(torch.float32)
+    assert kernels.tt_linear_kernel_applies(x, torch.randn(8, r), torch.randn(r, 5))
+    assert not kernels.tt_linear_kernel_applies(x, torch.randn(8, r + 1), torch.randn(r + 1, 5))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(os.environ.get(ttm_cpu.VECTOR_BYTES_ENV)), reason="already a forced-width run")
+def test_kernel_tests_pass_at_another_width(tmp_path) -> None:
+    # 64-byte vectors on a host without AVX-512 are emulated by the compiler: slow, but the
+    # same code and the same results; 32-byte vectors run natively on an AVX-512 host
+    other = "32" if kernels.cpu_vector_bytes() == 64 else "64"
+    env = {**os.environ, ttm_cpu.VECTOR_BYTES_ENV: other}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t"),
+         *KERNEL_TESTS],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
+    )
+    tail = (run.stdout + run.stderr)[-4000:]
+    assert run.returncode == 0, f"kernel tests at {other}-byte vectors failed:\n{tail}"
+    assert " passed" in run.stdout and " failed" not in run.stdout, tail
