@@ -31,11 +31,16 @@ namespace comera {
 
 constexpr int64_t kVectorBytes = COMERA_VECTOR_BYTES;
 // Architectural vector registers: what a register tile of accumulators may fill.
+// -DCOMERA_VECTOR_REGISTERS=N forces N (with a forced width: the tiles of the machine
+// whose widest vectors those are).
+#ifndef COMERA_VECTOR_REGISTERS
 #if defined(__AVX512F__) || defined(__aarch64__)
-constexpr int kVectorRegisters = 32;
+#define COMERA_VECTOR_REGISTERS 32
 #else
-constexpr int kVectorRegisters = 16;
+#define COMERA_VECTOR_REGISTERS 16
 #endif
+#endif
+constexpr int kVectorRegisters = COMERA_VECTOR_REGISTERS;
 
 // Rank vectors are padded to whole vectors (kVectorBytes): every loop over ranks runs over
 // whole vectors held in registers (GCC / Clang vector extensions).

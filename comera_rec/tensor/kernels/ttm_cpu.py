@@ -15,9 +15,11 @@ compiler the build fails once, with a warning, and lookups take the PyTorch path
 <set_cpu_kernel_enabled>` choose the PyTorch path on purpose.
 
 The kernels' vectors are as wide as the build machine's: 64 bytes with AVX-512, 32 with
-AVX2, 16 elsewhere (:func:`cpu_vector_bytes`). ``COMERA_CPU_VECTOR_BYTES=16|32|64`` forces
-a width, in a build of its own (the tests check a width other than the host's this way;
-a width wider than the hardware's is correct but slow).
+AVX2, 16 elsewhere (:func:`cpu_vector_bytes`), their register tiles sized for 32 vector
+registers with AVX-512 and 16 otherwise. ``COMERA_CPU_VECTOR_BYTES=16|32|64`` builds, in a
+build of its own, the code of a machine with that widest vector (its width and its tiles):
+the tests check the other machine's code this way; a width wider than the hardware's is
+correct but slow.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def _extension():
 
             logger.info("building the fused CPU kernels (once per machine; cached by torch.utils.cpp_extension)")
             flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
-            if width:
-                flags.append(f"-DCOMERA_VECTOR_BYTES={width}")
+            if width:  # the vectors and register tiles of a machine whose widest vectors are these
+                flags += [f"-DCOMERA_VECTOR_BYTES={width}", f"-DCOMERA_VECTOR_REGISTERS={32 if width == '64' else 16}"]
             return load(
                 name=f"comera_cpu_{_host_tag()}_{_source_tag()}" + (f"_v{width}" if width else ""),
                 sources=[str(p) for p in _SOURCES],
