@@ -6,6 +6,7 @@ A :class:`CompressionPolicy` is plain data; :func:`plan_table` and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
 
@@ -72,6 +73,36 @@ class CompressionPolicy:
     and each call saved is worth more than the few parameters (docs/performance.md). A
     table never changes its number of cores by it (that would change its lookup's work
     per id). 0 gives every table its own shape."""
+
+    def __post_init__(self) -> None:
+        """Reject values no plan can use, naming the field (a typo in a config file or on the
+        command line fails here, not deep inside a model build)."""
+
+        def whole(name: str, low: int, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"CompressionPolicy.{name}: expected an integer >= {low}, got {value!r}")
+
+        def factor(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"CompressionPolicy.{name}: expected a finite number >= 0, got {value!r}")
+
+        whole("rank", 1)
+        whole("linear_rank", 1, optional=True)
+        whole("min_rows_to_compress", 0)
+        whole("min_params_to_compress", 0)
+        for name in ("min_gain", "two_cores_within", "share_shapes_within"):
+            factor(name)
+        if not isinstance(self.per_table, Mapping):
+            raise ValueError(f"CompressionPolicy.per_table: expected a mapping of table name to rule, "
+                             f"got {type(self.per_table).__name__}")
+        for table in self.per_table:
+            rank = self.override(table).rank  # raises, naming the table, for a rule it cannot read
+            if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+                raise ValueError(f"CompressionPolicy.per_table[{table!r}]: rank must be an integer >= 1, got {rank!r}")
 
     def override(self, table: str) -> TableOverride:
         """The normalised override of ``table`` (an empty one when there is none)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -119,3 +120,32 @@ def test_a_shared_shape_holds_the_rows_and_costs_at_most_the_factor(sizes: list[
             assert len(plan.shape[0]) == len(own.shape[0])
             assert ttm_num_parameters(plan.shape, plan.ranks) <= within * ttm_num_parameters(own.shape, own.ranks)
             assert any(plan.shape == plans[other].shape and n > rows for other, n, _ in tables)
+
+
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        ("rank", 0, "rank: expected an integer >= 1, got 0"),
+        ("rank", 8.0, "rank: expected an integer >= 1, got 8.0"),
+        ("linear_rank", -1, "linear_rank: expected an integer >= 1"),
+        ("min_rows_to_compress", -5, "min_rows_to_compress: expected an integer >= 0"),
+        ("min_params_to_compress", True, "min_params_to_compress: expected an integer >= 0"),
+        ("min_gain", -1.0, "min_gain: expected a finite number >= 0"),
+        ("two_cores_within", math.inf, "two_cores_within: expected a finite number >= 0"),
+        ("share_shapes_within", "2", "share_shapes_within: expected a finite number >= 0"),
+        ("per_table", {"t_a": 0}, r"per_table\['t_a'\]: rank must be an integer >= 1, got 0"),
+        ("per_table", {"t_a": TableOverride(rank=-3)}, r"per_table\['t_a'\]: rank must be"),
+        ("per_table", {"t_a": "zip"}, r"per_table\['t_a'\]: expected a TableOverride"),
+        ("per_table", ["t_a"], "per_table: expected a mapping"),
+    ],
+)
+def test_bad_fields_are_named(field: str, value, expected: str) -> None:
+    with pytest.raises(ValueError, match=f"CompressionPolicy.{expected}"):
+        CompressionPolicy(**{field: value})
+
+
+def test_edge_values_are_accepted() -> None:
+    policy = CompressionPolicy(rank=1, linear_rank=None, min_rows_to_compress=0, min_params_to_compress=0,
+                               min_gain=0.0, two_cores_within=0, share_shapes_within=0.0,
+                               per_table={"a": "dense", "b": "compress", "c": 4, "d": TableOverride(rank=2)})
+    assert policy.table_rank("c") == 4 and policy.table_rank("d") == 2 and policy.mlp_rank == 1
