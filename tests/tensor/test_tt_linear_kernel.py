@@ -39,14 +39,17 @@ def grads(y, inputs, g):
     return torch.autograd.grad(y, inputs, g.to(y.dtype))
 
 
-# (batch, N_in, N_out, r): ranks 5 / 17 / 40 not whole vectors; batches not whole 8-row
-# tiles, and 700 rows: several row chunks with a short last one
+# (batch, N_in, N_out, r): ranks 5 / 17 / 31 not whole vectors; batches not whole 8-row
+# tiles; 700 rows: several row chunks with a short last one; 300 rows: chunks of two
+# whole 64-row backward blocks and a short one, and 84 outputs: an odd number of
+# vectors, 4- or 8-lane (a one-vector last panel of the packed right)
 CASES = [
     (1, 3, 2, 1),
     (37, 13, 29, 5),
     (9, 367, 512, 17),
     (700, 64, 48, 16),
     (33, 100, 70, 24),
+    (300, 40, 84, 31),
 ]
 
 

@@ -5,7 +5,8 @@
 // widths, x is (B, N_in). As BLAS calls this is two skinny GEMMs forward and four
 // backward, plus passes of their own for the bias, the ReLU and its mask, each reading or
 // writing a (B, N) activation: memory-bound work. Here a tile of 8 rows goes through
-// every step while its rows are in cache:
+// the forward, and a block of 64 rows through the backward, every step while the rows
+// are in cache:
 //
 //   forward:  t = x @ left (kept for backward), y = relu(t @ right + bias)
 //   backward: g = dy * (y > 0); grad_bias += sum g; grad_right += t^T g;
@@ -45,16 +46,6 @@ constexpr int64_t group_rows() {
 // The most rank vectors a tile takes: 256 bytes of rank (r <= 64 float32), at most 8 vectors.
 constexpr int kMaxVectors = std::min<int>(8, 256 / kVectorBytes);
 
-// g[0] + ... + g[N - 1], as a balanced tree of adds.
-template <int64_t N, typename T>
-inline vec_t<T> tree_sum(const vec_t<T>* g) {
-  if constexpr (N == 1) {
-    return g[0];
-  } else {
-    return tree_sum<N / 2, T>(g) + tree_sum<N - N / 2, T>(g + N / 2);
-  }
-}
-
 // Chunks of about 256 rows, their number set by B alone (see the header).
 inline int64_t num_chunks(int64_t B) { return std::max<int64_t>(1, std::min<int64_t>(64, (B + 255) / 256)); }
 
@@ -66,7 +57,7 @@ struct Layer {
   int64_t Nip = 0;  // n_in padded to whole vectors
   const T* x = nullptr;      // (B, n_in)
   const T* left = nullptr;   // (n_in, R)
-  const T* right = nullptr;  // (r, Np)
+  const T* right = nullptr;  // (r, Np) in panels (pack_panels)
   const T* bias = nullptr;   // (Np) or null
   const T* zeros = nullptr;  // max(n_in, Np, R) zeros: the rows of a tile past B
 };
@@ -81,16 +72,36 @@ inline void store_head(T* p, vec_t<T> v, int64_t n) {
   }
 }
 
-// The products of a tile's rank rows with a matrix of rank rows: for the columns [0, cols)
-// (whole vectors), out(i, c) = init(c) + sum_{j < r} s[i * lds + j] m[j * ldm + c] for the
-// tile's rows i, each (row, vector) handed to done(i, c, value). Made in blocks of 8 sums
-// kept in registers: 8 rows x 1 vector with AVX-512 (one load of m and 8 broadcasts per
-// j), 4 rows x 2 vectors with 16 registers (2 loads and 4 broadcasts per 8 multiply-adds,
-// where 9 loads per 8 bound the loop).
+// The products of a tile's rank rows with a matrix of rank rows, m (r, cols) held as
+// panels (pack_panels): for the columns [0, cols) (whole vectors), out(i, c) = init(c) +
+// sum_{j < r} s[i * lds + j] m[j, c] for the tile's rows i, each (row, vector) handed to
+// done(i, c, value). Made in blocks of 8 sums kept in registers: 8 rows x 1 vector with
+// AVX-512 (one load of m and 8 broadcasts per j), 4 rows x 2 vectors with 16 registers (2
+// loads and 4 broadcasts per 8 multiply-adds, where 9 loads per 8 bound the loop).
 constexpr int kOutVectors = kVectorRegisters >= 32 ? 1 : 2;
 
+// m (r, cols) in panels of kOutVectors vectors of columns (one vector for the last when
+// cols is odd in vectors), each panel's r rows contiguous: the column block at c starts at
+// c * r. Read row by row, m's rows are cols apart: one cache line each, as far apart as
+// a page with a wide layer, which the prefetcher did not follow (the loads from L2 bound the
+// product).
+template <typename T>
+torch::Tensor pack_panels(const torch::Tensor& m) {
+  constexpr int64_t W = kLanes<T>;
+  const int64_t r = m.size(0), cols = m.size(1);
+  auto out = torch::empty({r * cols}, m.options());
+  const T* src = m.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  for (int64_t c = 0; c < cols;) {
+    const int64_t width = c + kOutVectors * W <= cols ? kOutVectors * W : W;
+    for (int64_t j = 0; j < r; ++j) std::copy(src + j * cols + c, src + j * cols + c + width, dst + c * r + j * width);
+    c += width;
+  }
+  return out;
+}
+
 template <typename T, int CB, typename Init, typename Done>
-inline void rank_block(const T* s, int64_t lds, const T* m, int64_t ldm, int64_t r, int64_t c, Init init, Done done) {
+inline void rank_block(const T* s, int64_t lds, const T* panel, int64_t r, int64_t c, Init init, Done done) {
   constexpr int64_t W = kLanes<T>;
   constexpr int64_t kRows = kTile / CB;
   for (int64_t i0 = 0; i0 < kTile; i0 += kRows) {
@@ -101,7 +112,7 @@ inline void rank_block(const T* s, int64_t lds, const T* m, int64_t ldm, int64_t
     }
     for (int64_t j = 0; j < r; ++j) {
       vec_t<T> mj[CB];
-      for (int u = 0; u < CB; ++u) mj[u] = vload(m + j * ldm + c + u * W);
+      for (int u = 0; u < CB; ++u) mj[u] = vload(panel + (j * CB + u) * W);
       for (int64_t i = 0; i < kRows; ++i) {
         const T sij = s[(i0 + i) * lds + j];
         for (int u = 0; u < CB; ++u) a[i][u] += sij * mj[u];
@@ -113,13 +124,12 @@ inline void rank_block(const T* s, int64_t lds, const T* m, int64_t ldm, int64_t
 }
 
 template <typename T, typename Init, typename Done>
-inline void rank_product(const T* s, int64_t lds, const T* m, int64_t ldm, int64_t r, int64_t cols, Init init,
-                         Done done) {
+inline void rank_product(const T* s, int64_t lds, const T* panels, int64_t r, int64_t cols, Init init, Done done) {
   constexpr int64_t W = kLanes<T>;
   int64_t c = 0;
   if constexpr (kOutVectors == 2)
-    for (; c + 2 * W <= cols; c += 2 * W) rank_block<T, 2>(s, lds, m, ldm, r, c, init, done);
-  for (; c < cols; c += W) rank_block<T, 1>(s, lds, m, ldm, r, c, init, done);
+    for (; c + 2 * W <= cols; c += 2 * W) rank_block<T, 2>(s, lds, panels + c * r, r, c, init, done);
+  for (; c < cols; c += W) rank_block<T, 1>(s, lds, panels + c * r, r, c, init, done);
 }
 
 template <typename T, int V>
@@ -154,7 +164,7 @@ void forward_tile(const Layer<T>& L, int64_t b0, bool relu, T* t_out, T* y) {
   // y = t @ right + bias, then the activation
   const vec_t<T> zero = vzero<T>();
   rank_product(
-      &t[0][0], V * W, L.right, L.Np, L.r, L.Np, [&](int64_t c) { return L.bias ? vload(L.bias + c) : zero; },
+      &t[0][0], V * W, L.right, L.r, L.Np, [&](int64_t c) { return L.bias ? vload(L.bias + c) : zero; },
       [&](int64_t i, int64_t c, vec_t<T> a) {
         if (i >= rows) return;
         if (relu) a = a > zero ? a : zero;
@@ -168,22 +178,88 @@ struct Grads {
   const T* y = nullptr;        // (B, n_out) the activation's output, or null: no ReLU
   const T* t = nullptr;        // (B, R) from forward
   const T* right_t = nullptr;  // (n_out, R): right transposed
-  const T* left_t = nullptr;   // (r, Nip): left transposed
+  const T* left_t = nullptr;   // (r, Nip): left transposed, in panels
   T* gx = nullptr;             // (B, n_in) or null
   bool left = true;            // grad_left wanted (else dt is needed only for gx)
 };
 
-// One tile's share of every gradient: rows b0 .. min(b0 + kTile, end); gL (n_in, R),
-// gR (r, Np), gB (Np) are its chunk's partials, G a (kTile, Np) scratch.
+// The backward goes over blocks of kBlockRows rows (within a chunk, see the header). Each
+// block's weight-gradient sums run over all its rows in registers, so a chunk's partials
+// (grad_left is n_in x R: 64 KB at 512 x 32) are read and written once per block, not per
+// few rows: with 8-row updates, that traffic to L2 bound the loops.
+constexpr int64_t kBlockRows = 64;
+// Accumulators of a weight-gradient register tile: most of the registers, the rest for
+// the loaded operands.
+constexpr int kGradAccumulators = kVectorRegisters >= 32 ? 24 : 12;
+
+// grad_right[j, c] += sum_{i < rows} t[i, j] G[i, c] for J rank rows j0.. and CV vectors
+// of columns c0..: J x CV sums in registers over the block's rows.
+template <typename T, int J, int CV>
+inline void grad_right_tile(const T* t, int64_t ldt, const T* G, int64_t ldg, int64_t rows, T* gR, int64_t ldr,
+                            int64_t j0, int64_t c0) {
+  constexpr int64_t W = kLanes<T>;
+  vec_t<T> a[J][CV];
+  for (int j = 0; j < J; ++j)
+    for (int u = 0; u < CV; ++u) a[j][u] = vload(gR + (j0 + j) * ldr + c0 + u * W);
+  for (int64_t i = 0; i < rows; ++i) {
+    vec_t<T> g[CV];
+    for (int u = 0; u < CV; ++u) g[u] = vload(G + i * ldg + c0 + u * W);
+    const T* ti = t + i * ldt + j0;
+    for (int j = 0; j < J; ++j) {
+      const T s = ti[j];
+      for (int u = 0; u < CV; ++u) a[j][u] += s * g[u];
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int u = 0; u < CV; ++u) vstore(gR + (j0 + j) * ldr + c0 + u * W, a[j][u]);
+}
+
+template <typename T, int CV>
+inline void grad_right_columns(const T* t, int64_t ldt, const T* G, int64_t ldg, int64_t rows, T* gR, int64_t ldr,
+                               int64_t r, int64_t c0) {
+  constexpr int J = kGradAccumulators / 2;
+  int64_t j = 0;
+  for (; j + J <= r; j += J) grad_right_tile<T, J, CV>(t, ldt, G, ldg, rows, gR, ldr, j, c0);
+  for (; j + 2 <= r; j += 2) grad_right_tile<T, 2, CV>(t, ldt, G, ldg, rows, gR, ldr, j, c0);
+  for (; j < r; ++j) grad_right_tile<T, 1, CV>(t, ldt, G, ldg, rows, gR, ldr, j, c0);
+}
+
+// grad_left[k, :] += sum_{i < rows} x[i, k] dt[i, :] for K input rows k0..: K x V sums in
+// registers over the block's rows.
+template <typename T, int V, int K>
+inline void grad_left_tile(const T* const* xr, int64_t k0, const T* dts, int64_t rows, T* gL, int64_t ldl) {
+  constexpr int64_t W = kLanes<T>;
+  vec_t<T> a[K][V];
+  for (int u = 0; u < K; ++u)
+    for (int v = 0; v < V; ++v) a[u][v] = vload(gL + (k0 + u) * ldl + v * W);
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* di = dts + i * V * W;
+    // the next tiles' x: each row's next cache line, ahead of the loads that reach it
+    __builtin_prefetch(xr[i] + k0 + 64 / sizeof(T));
+    for (int u = 0; u < K; ++u) {
+      const T x = xr[i][k0 + u];
+      for (int v = 0; v < V; ++v) a[u][v] += x * vload(di + v * W);
+    }
+  }
+  for (int u = 0; u < K; ++u)
+    for (int v = 0; v < V; ++v) vstore(gL + (k0 + u) * ldl + v * W, a[u][v]);
+}
+
+// One block's share of every gradient: rows b0 .. min(b0 + kBlockRows, end); gL (n_in, R),
+// gR (r, Np), gB (Np) are its chunk's partials; G (kBlockRows, Np) and dts (kBlockRows, R)
+// scratch.
 template <typename T, int V>
-void backward_tile(const Layer<T>& L, const Grads<T>& d, int64_t b0, int64_t end, T* gL, T* gR, T* gB, T* G) {
+void backward_block(const Layer<T>& L, const Grads<T>& d, int64_t b0, int64_t end, T* gL, T* gR, T* gB, T* G,
+                    T* dts) {
   constexpr int64_t W = kLanes<T>;
   constexpr int64_t kGroup = group_rows<V>();
-  const int64_t rows = std::min(kTile, end - b0);
+  constexpr int64_t R = V * W;
+  const int64_t rows = std::min(kBlockRows, end - b0);
+  const int64_t tiles_rows = padded(rows, kTile);  // the rank products go by whole tiles
 
-  // g = dy, masked by the ReLU, zero past the row's end and past B
+  // g = dy, masked by the ReLU, zero past the block's rows
   const vec_t<T> zero = vzero<T>();
-  for (int64_t i = 0; i < kTile; ++i) {
+  for (int64_t i = 0; i < tiles_rows; ++i) {
     T* gi = G + i * L.Np;
     if (i >= rows) {
       std::fill(gi, gi + L.Np, T(0));
@@ -199,46 +275,39 @@ void backward_tile(const Layer<T>& L, const Grads<T>& d, int64_t b0, int64_t end
     for (; c < L.n_out; ++c) gi[c] = !yi || yi[c] > T(0) ? dy[c] : T(0);
     std::fill(gi + L.n_out, gi + L.Np, T(0));
   }
-  const T* tr[kTile];
-  for (int64_t i = 0; i < kTile; ++i) tr[i] = i < rows ? d.t + (b0 + i) * L.R : L.zeros;
 
-  // grad_bias += sum_i g_i; grad_right[j] += sum_i t_ij g_i
-  for (int64_t c = 0; c < L.Np; c += W) {
-    vec_t<T> g[kTile];
-    for (int64_t i = 0; i < kTile; ++i) g[i] = vload(G + i * L.Np + c);
-    if (gB) vstore(gB + c, vload(gB + c) + tree_sum<kTile, T>(g));
-    // four rows of grad_right at a time: four independent chains of multiply-adds
-    int64_t j = 0;
-    for (; j + 4 <= L.r; j += 4) {
-      T* p = gR + j * L.Np + c;
-      vec_t<T> a0 = vload(p), a1 = vload(p + L.Np), a2 = vload(p + 2 * L.Np), a3 = vload(p + 3 * L.Np);
-      for (int64_t i = 0; i < kTile; ++i) {
-        a0 += tr[i][j] * g[i];
-        a1 += tr[i][j + 1] * g[i];
-        a2 += tr[i][j + 2] * g[i];
-        a3 += tr[i][j + 3] * g[i];
-      }
-      vstore(p, a0);
-      vstore(p + L.Np, a1);
-      vstore(p + 2 * L.Np, a2);
-      vstore(p + 3 * L.Np, a3);
+  // grad_bias += sum_i g_i, four column vectors at a time (four independent chains)
+  if (gB) {
+    int64_t c = 0;
+    for (; c + 4 * W <= L.Np; c += 4 * W) {
+      vec_t<T> a[4];
+      for (int u = 0; u < 4; ++u) a[u] = vload(gB + c + u * W);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int u = 0; u < 4; ++u) a[u] += vload(G + i * L.Np + c + u * W);
+      for (int u = 0; u < 4; ++u) vstore(gB + c + u * W, a[u]);
     }
-    for (; j < L.r; ++j) {
-      T* p = gR + j * L.Np + c;
-      vec_t<T> a = vload(p);
-      for (int64_t i = 0; i < kTile; ++i) a += tr[i][j] * g[i];
-      vstore(p, a);
+    for (; c < L.Np; c += W) {
+      vec_t<T> a = vload(gB + c);
+      for (int64_t i = 0; i < rows; ++i) a += vload(G + i * L.Np + c);
+      vstore(gB + c, a);
     }
+  }
+
+  // grad_right += t^T g
+  const T* t = d.t + b0 * L.R;
+  {
+    int64_t c = 0;
+    for (; c + 2 * W <= L.Np; c += 2 * W) grad_right_columns<T, 2>(t, L.R, G, L.Np, rows, gR, L.Np, L.r, c);
+    for (; c < L.Np; c += W) grad_right_columns<T, 1>(t, L.R, G, L.Np, rows, gR, L.Np, L.r, c);
   }
 
   if (!d.gx && !d.left) return;  // a constant left (NarrowLinear's identity): no dt
 
-  // dt = g @ right^T: (kTile, R), kGroup rows at a time (the loop of t = x @ left in
+  // dt = g @ right^T: (rows, R), kGroup rows at a time (the loop of t = x @ left in
   // forward_tile over other operands: one helper for both made that forward 20% slower at
   // rank 16 with AVX2, alternating builds)
-  alignas(64) T dts[kTile][V * W];
-  vec_t<T> dt[kGroup][V];  // the last group's, kept in registers when they are the whole tile
-  for (int64_t i0 = 0; i0 < kTile; i0 += kGroup) {
+  for (int64_t i0 = 0; i0 < tiles_rows; i0 += kGroup) {
+    vec_t<T> dt[kGroup][V];
     for (int64_t i = 0; i < kGroup; ++i)
       for (int v = 0; v < V; ++v) dt[i][v] = vzero<T>();
     for (int64_t c = 0; c < L.n_out; ++c) {
@@ -250,49 +319,26 @@ void backward_tile(const Layer<T>& L, const Grads<T>& d, int64_t b0, int64_t end
       }
     }
     for (int64_t i = 0; i < kGroup; ++i)
-      for (int v = 0; v < V; ++v) vstore(&dts[i0 + i][v * W], dt[i][v]);
+      for (int v = 0; v < V; ++v) vstore(dts + (i0 + i) * R + v * W, dt[i][v]);
   }
 
-  // dx = dt @ left^T
+  // dx = dt @ left^T, a tile of rows at a time
   if (d.gx)
-    rank_product(
-        &dts[0][0], V * W, d.left_t, L.Nip, L.r, L.Nip, [](int64_t) { return vzero<T>(); },
-        [&](int64_t i, int64_t k, vec_t<T> a) {
-          if (i < rows) store_head(d.gx + (b0 + i) * L.n_in + k, a, L.n_in - k);
-        });
+    for (int64_t s = 0; s < rows; s += kTile)
+      rank_product(
+          dts + s * R, R, d.left_t, L.r, L.Nip, [](int64_t) { return vzero<T>(); },
+          [&](int64_t i, int64_t k, vec_t<T> a) {
+            if (s + i < rows) store_head(d.gx + (b0 + s + i) * L.n_in + k, a, L.n_in - k);
+          });
 
   if (!d.left) return;
-  // grad_left[k] += sum_i x_ik dt_i
-  const T* xr[kTile];
-  for (int64_t i = 0; i < kTile; ++i) xr[i] = i < rows ? L.x + (b0 + i) * L.n_in : L.zeros;
-  // K rows of grad_left at a time: 8 independent chains of multiply-adds (at least 2 rows
-  // with AVX-512's registers). dt comes from registers when the whole tile's is there, else
-  // from dts (L1).
-  constexpr int64_t K = kVectorRegisters >= 32 && V >= 4 ? 2 : std::max(1, 8 / V);
-  auto dt_of = [&](int64_t i, int v) {
-    if constexpr (kGroup == kTile) return dt[i][v];
-    return vload(&dts[i][v * W]);
-  };
+  // grad_left += x^T dt
+  const T* xr[kBlockRows];
+  for (int64_t i = 0; i < rows; ++i) xr[i] = L.x + (b0 + i) * L.n_in;
+  constexpr int K = std::max(1, kGradAccumulators / V);
   int64_t k = 0;
-  for (; k + K <= L.n_in; k += K) {
-    vec_t<T> a[K][V];
-    for (int64_t u = 0; u < K; ++u)
-      for (int v = 0; v < V; ++v) a[u][v] = vload(gL + (k + u) * L.R + v * W);
-    for (int64_t i = 0; i < kTile; ++i)
-      for (int64_t u = 0; u < K; ++u) {
-        const T x = xr[i][k + u];
-        for (int v = 0; v < V; ++v) a[u][v] += x * dt_of(i, v);
-      }
-    for (int64_t u = 0; u < K; ++u)
-      for (int v = 0; v < V; ++v) vstore(gL + (k + u) * L.R + v * W, a[u][v]);
-  }
-  for (; k < L.n_in; ++k)
-    for (int v = 0; v < V; ++v) {
-      T* p = gL + k * L.R + v * W;
-      vec_t<T> a = vload(p);
-      for (int64_t i = 0; i < kTile; ++i) a += xr[i][k] * dt_of(i, v);
-      vstore(p, a);
-    }
+  for (; k + K <= L.n_in; k += K) grad_left_tile<T, V, K>(xr, k, dts, rows, gL, L.R);
+  for (; k < L.n_in; ++k) grad_left_tile<T, V, 1>(xr, k, dts, rows, gL, L.R);
 }
 
 template <typename T>
@@ -350,15 +396,16 @@ struct BackwardRows {
   static void run(const Layer<T>& L, const Grads<T>& d, int64_t chunks, int64_t chunk_rows, T* gL, T* gR, T* gB) {
     const int64_t sL = d.left ? L.n_in * L.R : 0, sR = L.r * L.Np, sB = L.Np;  // a chunk's partials (see below)
     at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<T> G(kTile * L.Np);
+      std::vector<T> G(padded(kBlockRows, kTile) * L.Np), dts(kBlockRows * V * kLanes<T>);
       for (int64_t c = lo; c < hi; ++c) {
         // the chunk's partials, zeroed by the thread that sums into them
         std::fill(gL + c * sL, gL + (c + 1) * sL, T(0));
         std::fill(gR + c * sR, gR + (c + 1) * sR, T(0));
         if (gB) std::fill(gB + c * sB, gB + (c + 1) * sB, T(0));
         const int64_t end = std::min(L.B, (c + 1) * chunk_rows);
-        for (int64_t b0 = c * chunk_rows; b0 < end; b0 += kTile)
-          backward_tile<T, V>(L, d, b0, end, gL + c * sL, gR + c * sR, gB ? gB + c * sB : nullptr, G.data());
+        for (int64_t b0 = c * chunk_rows; b0 < end; b0 += kBlockRows)
+          backward_block<T, V>(L, d, b0, end, gL + c * sL, gR + c * sR, gB ? gB + c * sB : nullptr, G.data(),
+                               dts.data());
       }
     });
   }
@@ -394,7 +441,9 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
     const int64_t R = left_p.size(1);
     const auto zeros = torch::zeros({std::max({n_in, right_p.size(1), R})}, x.options());
     t = torch::empty({B, R}, x.options());
-    const auto L = layer_of<scalar_t>(x, left_p, right_p, bias_p, r, n_out, zeros);
+    auto L = layer_of<scalar_t>(x, left_p, right_p, bias_p, r, n_out, zeros);
+    const auto right_panels = pack_panels<scalar_t>(right_p);
+    L.right = right_panels.data_ptr<scalar_t>();
     with_vectors<scalar_t, ForwardRows>(R / W, L, relu, t.data_ptr<scalar_t>(), y.data_ptr<scalar_t>());
   });
   return {y, t};
@@ -429,7 +478,8 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
     d.y = y.numel() ? y.data_ptr<T>() : nullptr;
     d.t = t.data_ptr<T>();
     d.right_t = right_t.data_ptr<T>();
-    d.left_t = left_t.data_ptr<T>();
+    const auto left_t_panels = pack_panels<T>(left_t);
+    d.left_t = left_t_panels.data_ptr<T>();
     d.gx = need_grad_x ? grad_x.data_ptr<T>() : nullptr;
     d.left = need_grad_left;
 
