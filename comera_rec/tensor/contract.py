@@ -100,7 +100,30 @@ def tt_linear(
     in_features = x.shape[-1]
     left = merge_input_chain(input_cores)[:in_features]  # (in_features, r)
     right = merge_output_chain(output_cores)[:, :out_features]  # (r, out_features)
-    rows = x.reshape(-1, in_features)
+    return linear_from_chains(x, left, right, bias, relu)
+
+
+def linear_from_chains(
+    x: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    relu: bool = False,
+) -> torch.Tensor:
+    """``act(x @ left @ right + bias)`` over the last dimension of ``x``, given a TT
+    weight's merged chains: the fused CPU kernel where it applies, else two GEMMs.
+
+    Args:
+        x: ``(..., in_features)``.
+        left: ``(in_features, r)``.
+        right: ``(r, out_features)``.
+        bias: optional ``(out_features,)``.
+        relu: apply the ReLU to the result.
+
+    Returns:
+        ``(..., out_features)``.
+    """
+    rows = x.reshape(-1, x.shape[-1])
     if kernels.tt_linear_kernel_applies(rows, left, right):
         y = kernels.tt_linear_cpu(rows, left, right, bias, relu)
     else:

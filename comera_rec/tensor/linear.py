@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_rec.tensor import kernels
-from comera_rec.tensor.contract import merge_input_chain, merge_output_chain, tt_linear
+from comera_rec.tensor.contract import linear_from_chains, merge_input_chain, merge_output_chain, tt_linear
 from comera_rec.tensor.shapes import check_shape, tt_linear_shapes
 from comera_rec.tensor.svd import tt_svd
 from comera_rec.tensor.train import TensorTrainModule, cap_ranks, check_float_dtype, check_rank
@@ -116,6 +116,15 @@ class TTLinear(TensorTrainModule):
             raise ValueError(
                 f"TTLinear: expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}"
             )
+        if kernels.tt_chains_kernel_applies(self.cores, self.controllers):
+            # the chains merged in one C++ call each way (the controllers scale the running
+            # products), not ~50 small autograd operators
+            d = len(self.in_shape)
+            cores = list(self.cores)
+            left, right = kernels.tt_chains_cpu(
+                cores[:d], cores[d:], list(self.controllers), self.in_features, self.out_features
+            )
+            return linear_from_chains(x, left, right, self.bias, relu=self.relu)
         inputs, outputs = self._split()
         return tt_linear(x, inputs, outputs, self.out_features, self.bias, relu=self.relu)
 

@@ -33,7 +33,12 @@ from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup (built o
     set_cpu_kernel_enabled,
     ttm_embedding_bag_cpu,
 )
-from comera_rec.tensor.kernels.tt_linear_cpu import tt_linear_cpu, tt_linear_kernel_applies  # the fused CPU TT linear
+from comera_rec.tensor.kernels.tt_linear_cpu import (  # the fused CPU TT linear and its chains
+    tt_chains_cpu,
+    tt_chains_kernel_applies,
+    tt_linear_cpu,
+    tt_linear_kernel_applies,
+)
 from comera_rec.tensor.kernels.interaction_cpu import pairwise_dots_cpu, pairwise_kernel_applies  # DLRM's dot interaction
 from comera_rec.tensor.kernels.rowwise_bag_cpu import (  # uncompressed tables, row-wise Adagrad in backward
     RowwiseTables,
@@ -104,6 +109,8 @@ __all__ = [
     "gather_column_blocks",
     "set_cpu_kernel_enabled",
     "ttm_embedding_bag_cpu",
+    "tt_chains_cpu",
+    "tt_chains_kernel_applies",
     "tt_linear_cpu",
     "tt_linear_kernel_applies",
     "pairwise_dots_cpu",

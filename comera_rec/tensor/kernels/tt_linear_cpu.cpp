@@ -510,3 +510,124 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
   return {grad_x.defined() ? grad_x : torch::Tensor(), grad_left.defined() ? grad_left : torch::Tensor(), grad_right,
           grad_bias.defined() ? grad_bias : torch::Tensor()};
 }
+
+// ---------------------------------------------------------------- the chains of a TT weight
+//
+// A TT linear's 2d cores (r_{k-1}, n_k, r_k), with a controller (diagonal) on each of the
+// 2d - 1 bonds, merged into left = G_1 D_1 ... G_d D_d as (N_in, r) and right =
+// G_{d+1} D_{d+1} ... D_{2d-1} G_{2d} as (r, N_out): each controller scales the running
+// product of its side (left's columns, right's rows), the same product as scaling a core.
+// Composed of torch operators with autograd, that is about 50 small operators a layer
+// forward and backward, whose dispatch cost more than their arithmetic (a few MFLOP).
+//
+// Forward returns {left (in_features rows), right (out_features columns), then per left
+// bond k the running product before and after its controller (P_k, Q_k), then per right
+// bond k = 2d - 2 .. d the same (R_k, S_k)}: what the backward reads.
+
+namespace {
+
+void check_chains(const std::vector<torch::Tensor>& cores, const std::vector<torch::Tensor>& controllers, int64_t d) {
+  TORCH_CHECK(d >= 1 && static_cast<int64_t>(cores.size()) == 2 * d, "tt_chains: ", cores.size(),
+              " cores for ", d, " input cores (need 2d)");
+  TORCH_CHECK(static_cast<int64_t>(controllers.size()) == 2 * d - 1, "tt_chains: ", controllers.size(),
+              " controllers for ", cores.size(), " cores (need one per bond)");
+  for (size_t k = 0; k < cores.size(); ++k) {
+    TORCH_CHECK(cores[k].dim() == 3, "tt_chains: core ", k, " must be (r, n, r'), got ", cores[k].sizes());
+    if (k + 1 < cores.size())
+      TORCH_CHECK(controllers[k].dim() == 1 && controllers[k].size(0) == cores[k].size(2) &&
+                      cores[k + 1].size(0) == cores[k].size(2),
+                  "tt_chains: bond ", k, " has ranks ", cores[k].size(2), " / ", cores[k + 1].size(0),
+                  " and a controller of ", controllers[k].sizes());
+  }
+  TORCH_CHECK(cores.front().size(0) == 1 && cores.back().size(2) == 1, "tt_chains: the end ranks must be 1");
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> tt_chains_forward(std::vector<torch::Tensor> cores, std::vector<torch::Tensor> controllers,
+                                             int64_t d, int64_t in_features, int64_t out_features) {
+  check_chains(cores, controllers, d);
+  std::vector<torch::Tensor> saved;
+  // left: P_0 = G_1 as (n_1, r_1); Q_k = P_k D_k; P_{k+1} = (Q_k @ G_{k+2}) as (N, r)
+  torch::Tensor P = cores[0].reshape({cores[0].size(1), cores[0].size(2)});
+  torch::Tensor Q;
+  for (int64_t k = 0; k < d; ++k) {
+    Q = P * controllers[k];
+    saved.push_back(P);
+    saved.push_back(Q);
+    if (k + 1 < d) {
+      const auto& g = cores[k + 1];
+      P = at::mm(Q, g.reshape({g.size(0), -1})).reshape({-1, g.size(2)});
+    }
+  }
+  // right: from the last core, R_k = the product of cores k + 1 .. 2d - 1 as (r_k, M);
+  // S_k = D_k R_k; R_{k-1} = (G_k as (r_{k-1} n_k, r_k) @ S_k) as (r_{k-1}, n_k M)
+  const auto& last = cores[2 * d - 1];
+  torch::Tensor R = last.reshape({last.size(0), last.size(1)});
+  for (int64_t k = 2 * d - 2; k >= d; --k) {
+    const auto S = R * controllers[k].unsqueeze(1);
+    saved.push_back(R);
+    saved.push_back(S);
+    const auto& g = cores[k];
+    R = at::mm(g.reshape({-1, g.size(2)}), S).reshape({g.size(0), -1});
+  }
+  TORCH_CHECK(in_features >= 1 && in_features <= Q.size(0) && out_features >= 1 && out_features <= R.size(1),
+              "tt_chains: ", in_features, " x ", out_features, " features from a ", Q.size(0), " x ", R.size(1),
+              " train");
+  std::vector<torch::Tensor> out = {Q.narrow(0, 0, in_features), R.narrow(1, 0, out_features)};
+  out.insert(out.end(), saved.begin(), saved.end());
+  return out;
+}
+
+// The gradients of the 2d cores, then of the 2d - 1 controllers.
+std::vector<torch::Tensor> tt_chains_backward(torch::Tensor grad_left, torch::Tensor grad_right,
+                                              std::vector<torch::Tensor> cores,
+                                              std::vector<torch::Tensor> controllers, std::vector<torch::Tensor> saved,
+                                              int64_t d) {
+  check_chains(cores, controllers, d);
+  TORCH_CHECK(static_cast<int64_t>(saved.size()) == 2 * (2 * d - 1), "tt_chains: ", saved.size(),
+              " saved products for ", 2 * d - 1, " bonds");
+  std::vector<torch::Tensor> grad_cores(2 * d), grad_controllers(2 * d - 1);
+  // left, from its last bond back; grad_left covers in_features of the N_in rows
+  const auto& Q_last = saved[2 * (d - 1) + 1];
+  torch::Tensor gQ = at::zeros_like(Q_last);
+  gQ.narrow(0, 0, grad_left.size(0)).copy_(grad_left);
+  for (int64_t k = d - 1; k >= 0; --k) {
+    const auto& P = saved[2 * k];
+    grad_controllers[k] = (gQ * P).sum(0);
+    const auto gP = gQ * controllers[k];
+    if (k == 0) {
+      grad_cores[0] = gP.reshape(cores[0].sizes());
+    } else {
+      const auto& g = cores[k];
+      const auto& Q_prev = saved[2 * (k - 1) + 1];
+      const auto gP2 = gP.reshape({Q_prev.size(0), -1});  // (N_prev, n_k r_k)
+      grad_cores[k] = at::mm(Q_prev.t(), gP2).reshape(g.sizes());
+      gQ = at::mm(gP2, g.reshape({g.size(0), -1}).t());
+    }
+  }
+  // right, from its first bond (d) on; grad_right covers out_features of the N_out columns
+  const int64_t base = 2 * d;  // saved[base + 2 j], saved[base + 2 j + 1]: R_k, S_k for k = 2d - 2 - j
+  torch::Tensor gR;
+  {
+    int64_t n_out = 1;  // N_out: the output modes' product
+    for (int64_t k = d; k < 2 * d; ++k) n_out *= cores[k].size(1);
+    gR = at::zeros({cores[d].size(0), n_out}, grad_right.options());
+    gR.narrow(1, 0, grad_right.size(1)).copy_(grad_right);
+  }
+  for (int64_t k = d; k <= 2 * d - 2; ++k) {
+    const int64_t j = 2 * d - 2 - k;
+    const auto& R = saved[base + 2 * j];
+    const auto& S = saved[base + 2 * j + 1];
+    const auto& g = cores[k];
+    const auto G = gR.reshape({g.size(0) * g.size(1), -1});  // (r_{k-1} n_k, M)
+    grad_cores[k] = at::mm(G, S.t()).reshape(g.sizes());
+    const auto gS = at::mm(g.reshape({-1, g.size(2)}).t(), G);  // (r_k, M)
+    grad_controllers[k] = (gS * R).sum(1);
+    gR = gS * controllers[k].unsqueeze(1);
+  }
+  grad_cores[2 * d - 1] = gR.reshape(cores[2 * d - 1].sizes());
+  std::vector<torch::Tensor> out = grad_cores;
+  out.insert(out.end(), grad_controllers.begin(), grad_controllers.end());
+  return out;
+}

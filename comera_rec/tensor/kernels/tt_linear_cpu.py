@@ -11,6 +11,8 @@ and off with it.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from comera_rec.tensor.kernels.ttm_cpu import _extension, cpu_float_tensors_apply, cpu_vector_bytes
@@ -77,3 +79,66 @@ def tt_linear_cpu(
         ``(B, N_out)``.
     """
     return _FusedTTLinear.apply(x, left, right, bias, bool(relu))
+
+
+def tt_chains_kernel_applies(cores: Sequence[torch.Tensor], controllers: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`tt_chains_cpu` may merge these: real CPU float32 / float64 tensors of
+    one dtype, outside tracing and ``torch.compile``, kernels enabled."""
+    return cpu_float_tensors_apply(*cores, *controllers)
+
+
+class _TTChains(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, num_input_cores, in_features, out_features, *tensors):
+        cores, controllers = list(tensors[: 2 * num_input_cores]), list(tensors[2 * num_input_cores :])
+        left, right, *saved = _extension().tt_chains_forward(cores, controllers, num_input_cores, in_features, out_features)
+        ctx.num_input_cores = num_input_cores
+        ctx.save_for_backward(*tensors, *saved)
+        return left, right
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_left, grad_right):
+        d = ctx.num_input_cores
+        tensors = ctx.saved_tensors
+        cores, controllers, saved = tensors[: 2 * d], tensors[2 * d : 4 * d - 1], tensors[4 * d - 1 :]
+        left_shape = (saved[2 * (d - 1) + 1].shape[0], saved[2 * (d - 1) + 1].shape[1])
+        if grad_left is None:
+            grad_left = cores[0].new_zeros(left_shape)
+        if grad_right is None:
+            grad_right = cores[0].new_zeros((cores[d].shape[0], 1))
+        grads = _extension().tt_chains_backward(
+            grad_left.contiguous(), grad_right.contiguous(), list(cores), list(controllers), list(saved), d
+        )
+        return (None, None, None, *grads)
+
+
+def tt_chains_cpu(
+    input_cores: Sequence[torch.Tensor],
+    output_cores: Sequence[torch.Tensor],
+    controllers: Sequence[torch.Tensor],
+    in_features: int,
+    out_features: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A TT weight's two chains, ``left (in_features, r)`` and ``right (r, out_features)``,
+    from its cores and bond controllers in one C++ call each way.
+
+    The same products as :func:`comera_rec.tensor.contract.merge_input_chain` /
+    ``merge_output_chain`` of the controller-scaled cores (each controller scales its side's
+    running product instead of a core), without the ~50 small autograd operators of that
+    composition. The caller checks :func:`tt_chains_kernel_applies` first.
+
+    Args:
+        input_cores: the ``d`` input-side cores ``(r_{k-1}, n_k, r_k)``, ``r_0 = 1``.
+        output_cores: the ``d`` output-side cores, the last with ``r = 1``.
+        controllers: the ``2d - 1`` bond controllers ``(r_k,)``, in bond order.
+        in_features: rows of ``left`` kept (``<= n_1 ... n_d``).
+        out_features: columns of ``right`` kept.
+
+    Returns:
+        ``(left, right)``.
+    """
+    d = len(input_cores)
+    if len(output_cores) != d:
+        raise ValueError(f"tt_chains_cpu: {d} input cores and {len(output_cores)} output cores (need as many)")
+    return _TTChains.apply(d, in_features, out_features, *input_cores, *output_cores, *controllers)

@@ -814,6 +814,12 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
 std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tensor x, torch::Tensor left,
                                               torch::Tensor right, torch::Tensor t, torch::Tensor y,
                                               bool need_grad_x, bool need_grad_bias, bool need_grad_left);
+std::vector<torch::Tensor> tt_chains_forward(std::vector<torch::Tensor> cores, std::vector<torch::Tensor> controllers,
+                                             int64_t d, int64_t in_features, int64_t out_features);
+std::vector<torch::Tensor> tt_chains_backward(torch::Tensor grad_left, torch::Tensor grad_right,
+                                              std::vector<torch::Tensor> cores,
+                                              std::vector<torch::Tensor> controllers, std::vector<torch::Tensor> saved,
+                                              int64_t d);
 
 // interaction_cpu.cpp: the fused pairwise-dot interaction
 torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse);
@@ -838,6 +844,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_blocks", &scatter_blocks, "the gradient of gather_blocks");
   m.def("tt_linear_forward", &tt_linear_forward, "fused TT linear (+ ReLU): forward");
   m.def("tt_linear_backward", &tt_linear_backward, "fused TT linear (+ ReLU): backward");
+  m.def("tt_chains_forward", &tt_chains_forward, "a TT weight's cores and controllers merged into its two chains");
+  m.def("tt_chains_backward", &tt_chains_backward, "the gradient of tt_chains_forward");
   m.def("pairwise_dots_forward", &pairwise_dots_forward, "fused pairwise-dot interaction: forward");
   m.def("pairwise_dots_backward", &pairwise_dots_backward, "fused pairwise-dot interaction: backward");
   m.def("check_jagged", &check_jagged, "input checks of a jagged batch in one pass");
