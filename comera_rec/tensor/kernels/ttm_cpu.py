@@ -9,7 +9,8 @@ gradients into the core slices, every write owned by one thread (no atomics).
 
 The extension is compiled by ``torch.utils.cpp_extension`` the first time a CPU lookup
 needs it (tens of seconds, once per machine: it is cached under
-``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``). Without a C++
+``TORCH_EXTENSIONS_DIR/comera_rec``, by default ``~/.cache/torch_extensions/comera_rec``;
+a build killed half-way is cleaned up by the next, :func:`exclusive_build`). Without a C++
 compiler the build fails once, with a warning, and lookups take the PyTorch path;
 ``COMERA_DISABLE_CPU_KERNEL=1`` or :func:`set_cpu_kernel_enabled(False)
 <set_cpu_kernel_enabled>` choose the PyTorch path on purpose.
@@ -24,6 +25,7 @@ correct but slow.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -31,7 +33,7 @@ import os
 import platform
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -80,6 +82,54 @@ def _forced_vector_bytes() -> str:
     return value
 
 
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Hold an operating-system lock on ``build_dir`` while an extension builds or loads there.
+
+    ``cpp_extension`` guards a build with a ``lock`` file, which a killed build leaves
+    behind (SIGKILL, or the SIGTERM torchrun sends every rank when one fails during the
+    first build); every later process then waits on that file forever, silently. An
+    ``fcntl`` lock ends with the process that holds it: while we hold it no other process
+    of ours is building here, so a ``lock`` file found is stale and is removed.
+
+    Args:
+        build_dir: the extension's build folder (created if missing).
+
+    Example::
+
+        with exclusive_build(Path("~/.cache/torch_extensions/comera_rec/name").expanduser()):
+            module = torch.utils.cpp_extension.load(name="name", sources=[...], build_directory=...)
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: cpp_extension's own lock file only
+        yield
+        return
+    with open(build_dir / "comera.flock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process building the fused CPU kernels in %s", build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by an interrupted build of the fused CPU kernels", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_root() -> Path:
+    """Where the builds go: ``TORCH_EXTENSIONS_DIR``, else cpp_extension's default root,
+    in a ``comera_rec`` folder."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "comera_rec"
+
+
 @functools.lru_cache(maxsize=None)
 def _extension():
     """The compiled module, or ``None`` when it cannot be built (logged once)."""
@@ -92,11 +142,13 @@ def _extension():
             flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
             if width:  # the vectors and register tiles of a machine whose widest vectors are these
                 flags += [f"-DCOMERA_VECTOR_BYTES={width}", f"-DCOMERA_VECTOR_REGISTERS={32 if width == '64' else 16}"]
-            return load(
-                name=f"comera_cpu_{_host_tag()}_{_source_tag()}" + (f"_v{width}" if width else ""),
-                sources=[str(p) for p in _SOURCES],
-                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
-            )
+            name = f"comera_cpu_{_host_tag()}_{_source_tag()}" + (f"_v{width}" if width else "")
+            build_dir = _build_root() / name
+            with exclusive_build(build_dir):
+                return load(
+                    name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
+                    extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
+                )
         except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch path still works
             logger.warning("fused CPU kernels unavailable (%s); lookups and TT layers use the PyTorch path", exc)
             return None
