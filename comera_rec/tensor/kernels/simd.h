@@ -159,6 +159,25 @@ inline void store_lanes(T* dst, vec_t<T> v, int64_t from, int64_t to) {
   for (int64_t l = from; l < to; ++l) dst[l - from] = v[l];
 }
 
+// Keep v in a vector register until its uses: an empty asm that takes it there. A loaded
+// vector that feeds a few multiply-adds is otherwise folded by GCC into each of them (a
+// memory operand per FMA), and a loop with few accumulators becomes bound by its loads.
+// Nothing is emitted where the vector is wider than the machine's (a forced width).
+template <typename V>
+inline void hold_in_register(V& v) {
+#if defined(__x86_64__) && defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__x86_64__) && defined(__AVX__)
+  if constexpr (sizeof(V) <= 32) asm("" : "+x"(v));
+#elif defined(__x86_64__) && defined(__SSE2__)
+  if constexpr (sizeof(V) <= 16) asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  if constexpr (sizeof(V) <= 16) asm("" : "+w"(v));
+#else
+  (void)v;
+#endif
+}
+
 inline int64_t padded(int64_t n, int64_t lanes) { return (n + lanes - 1) / lanes * lanes; }
 
 // The last dimension zero-padded to a multiple of `lanes`, contiguous.
