@@ -49,6 +49,7 @@ from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.utils.benchmark import current_rss_bytes, fmt_bytes, peak_rss_bytes, time_interleaved
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory, minor_page_faults
+from comera_rec.utils.logs import quiet_foreign_notices
 from dlrm.config import DLRMConfig
 from dlrm.model import build_dlrm_train
 
@@ -176,6 +177,7 @@ def model_bytes(model: nn.Module) -> int:
 def process_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # runs in a fresh process
     """Build one variant and train it alone, as a training process would: peak RSS, the
     median step time after a warm-up, and minor page faults per step."""
+    quiet_foreign_notices()
     if setup.keep_freed_memory:
         keep_freed_memory()
     use_lookup_path(variant)
@@ -409,6 +411,7 @@ def mlperf(setup: Setup) -> None:
 
 
 def main() -> None:
+    quiet_foreign_notices()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mlperf", action="store_true", help="MLPerf DLRM-DCNv2 shapes, compressed only")
     parser.add_argument("--parts", action="store_true", help="time each part of the step (lookups, MLPs, interaction)")
