@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.models.dlrm import InteractionArch, SparseArch
 
@@ -32,6 +34,21 @@ def test_equals_torchrec_interaction(features: int, dim: int, batch: int, lookup
     grad = torch.randn(ours.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad(ours, [dense, sparse], grad), torch.autograd.grad(theirs, [dense, sparse], grad)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(features=st.integers(1, 40), dim=st.integers(1, 20), batch=st.integers(1, 4))
+def test_kernel_packs_every_pair_count(features: int, dim: int, batch: int) -> None:
+    # the forward packs each row's pairs by whole vectors, spilling into the next row's
+    # place, and lane by lane at the sample's end: every count of pairs, every sample
+    g = torch.Generator().manual_seed(features * 100 + dim)
+    dense = torch.randn(batch, dim, generator=g, dtype=torch.float64)
+    sparse = torch.randn(batch, features, dim, generator=g, dtype=torch.float64)
+    assert kernels.pairwise_kernel_applies(dense, sparse)
+    rows = torch.cat([dense[:, None], sparse], dim=1)
+    i, j = torch.triu_indices(features + 1, features + 1, offset=1)
+    want = torch.cat([dense, (rows[:, i] * rows[:, j]).sum(-1)], dim=1)  # pairs by index lists
+    torch.testing.assert_close(kernels.pairwise_dots_cpu(dense, sparse), want, rtol=1e-12, atol=1e-12)
 
 
 def test_gradcheck(lookup_path: str) -> None:

@@ -7,8 +7,8 @@
 // in one go while its n rows are in cache: forward, the rows are transposed into a
 // (D, n) block so that one multiply-add gives a vector of dot products (n = 27, D = 16:
 // 16 multiply-adds per 16 pairs), four rows at a time (each load of the block feeds four
-// rows' sums, which do not wait on each other), each row's dots stored by one masked
-// store; backward, grad e_i = sum_{j != i} g_ij e_j for eight rows
+// rows' sums, which do not wait on each other), the dots kept in a small grid and packed
+// into the output by whole vectors (below); backward, grad e_i = sum_{j != i} g_ij e_j for eight rows
 // i at a time (each load of e_j feeds eight multiply-adds). Samples are independent: the
 // result does not depend on the number of threads.
 
@@ -38,6 +38,9 @@ void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F,
   const int64_t n = F + 1, np = padded(n, W), width = D + n * (n - 1) / 2;
   at::parallel_for(0, B, 64, [&](int64_t lo, int64_t hi) {
     std::vector<T> et(D * np, T(0));  // (D, np): the sample's rows transposed, zero past n
+    // (n + 1, np): the sample's dots by whole vectors of columns, before they are packed;
+    // one spare row for the packing's last loads
+    std::vector<T> grid((n + 1) * np, T(0));
     for (int64_t b = lo; b < hi; ++b) {
       for (int64_t i = 0; i < n; ++i) {
         const T* e = row_of(dense, sparse, b, i, F, D);
@@ -66,14 +69,22 @@ void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F,
             const vec_t<T> v0 = vload(&et[d * np + j0]);
             for (int64_t u = 0; u < kRows; ++u) a0[u] += e[u][d] * v0;
           }
-          for (int64_t u = 0; u < rows_here; ++u) {
-            const int64_t i = i0 + u, first = std::max(j0, i + 1), last = std::min(j0 + W, n);
-            if (first >= last) continue;
-            // row i's pairs start at D + sum_{k < i} (n - 1 - k) of the sample's output
-            T* pair = o + D + i * (n - 1) - i * (i - 1) / 2 + (first - i - 1);
-            store_lanes(pair, a0[u] + a1[u], first - j0, last - j0);  // pairs (i, first) .. (i, last - 1)
-          }
+          for (int64_t u = 0; u < rows_here; ++u) vstore(&grid[(i0 + u) * np + j0], a0[u] + a1[u]);
         }
+      }
+      // row i's pairs (i, i + 1 .. n - 1) follow row i - 1's in the output: copied by whole
+      // vectors, each row's last one spilling into the next row's place (written next),
+      // where a masked store per (row, vector) cost a third of the pass (AMD Zen 3); lanes
+      // past the sample's end go one by one
+      T* const end = o + width;
+      T* dst = o + D;
+      for (int64_t i = 0; i + 1 < n; ++i) {
+        const T* src = &grid[i * np + i + 1];
+        const int64_t m = n - 1 - i;
+        int64_t k = 0;
+        for (; k < m && dst + k + W <= end; k += W) vstore(dst + k, vload(src + k));
+        for (; k < m; ++k) dst[k] = src[k];
+        dst += m;
       }
     }
   });

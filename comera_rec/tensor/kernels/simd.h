@@ -6,10 +6,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__) || defined(__AVX__)
-#include <immintrin.h>
-#endif
-
 // The vector width of this build: the widest the target has (the build uses -march=native),
 // 64 bytes with AVX-512, 32 with AVX / AVX2, 16 elsewhere. A width the target lacks is
 // made of narrower halves by the compiler: correct, but several times slower than the
@@ -135,28 +131,6 @@ inline vec_t<float> hsum_transpose(const vec_t<float> (&v)[kLanes<float>]) {
 inline void prefetch_range(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
-}
-
-// Lanes [from, to) of v to dst[0 : to - from): one masked store with AVX-512 or AVX (float),
-// else lane by lane. Only dst[0 : to - from) is written: masked-off lanes are not accessed.
-template <typename T>
-inline void store_lanes(T* dst, vec_t<T> v, int64_t from, int64_t to) {
-#if defined(__AVX512F__) && COMERA_VECTOR_BYTES == 64
-  if constexpr (std::is_same_v<T, float>) {
-    const __mmask16 mask = static_cast<__mmask16>(((1u << to) - 1u) & ~((1u << from) - 1u));
-    _mm512_mask_storeu_ps(dst - from, mask, reinterpret_cast<__m512&>(v));
-    return;
-  }
-#elif defined(__AVX__) && COMERA_VECTOR_BYTES == 32
-  if constexpr (std::is_same_v<T, float>) {
-    typedef int32_t lanes8 __attribute__((vector_size(32)));
-    const lanes8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    const lanes8 mask = (lane >= static_cast<int32_t>(from)) & (lane < static_cast<int32_t>(to));
-    _mm256_maskstore_ps(dst - from, reinterpret_cast<const __m256i&>(mask), reinterpret_cast<__m256&>(v));
-    return;
-  }
-#endif
-  for (int64_t l = from; l < to; ++l) dst[l - from] = v[l];
 }
 
 // Keep v in a vector register until its uses: an empty asm that takes it there. A loaded
