@@ -1,9 +1,15 @@
-"""The lock around the fused CPU kernels' build (kernels/ttm_cpu.py: exclusive_build)."""
+"""The fused CPU kernels' build (kernels/ttm_cpu.py): the lock around it (exclusive_build) and
+the ninja it runs (pinned_ninja_on_path)."""
 
 import fcntl
+import os
+import shutil
 import threading
+from pathlib import Path
 
-from comera_rec.tensor.kernels.ttm_cpu import exclusive_build
+import pytest
+
+from comera_rec.tensor.kernels.ttm_cpu import exclusive_build, pinned_ninja_on_path
 
 
 def test_stale_cpp_extension_lock_is_removed(tmp_path):
@@ -48,3 +54,28 @@ def test_lock_released_after_an_error(tmp_path):
         pass
     with open(tmp_path / "comera.flock", "a+") as probe:
         fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError if still held
+
+
+def test_the_pinned_ninja_is_found_without_the_environment_on_path(monkeypatch):
+    ninja = pytest.importorskip("ninja")
+    # as under `make`: .venv/bin/python started directly, the venv's bin not on PATH
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with pinned_ninja_on_path():
+        found = shutil.which("ninja")
+        assert found is not None and Path(found).parent == Path(ninja.BIN_DIR)
+    assert os.environ["PATH"] == "/usr/bin:/bin"
+
+
+def test_path_restored_after_an_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with pytest.raises(RuntimeError, match="build failed"):
+        with pinned_ninja_on_path():
+            raise RuntimeError("build failed")
+    assert os.environ["PATH"] == "/usr/bin:/bin"
+
+
+def test_no_path_at_all_is_restored_as_none(monkeypatch):
+    monkeypatch.delenv("PATH", raising=False)
+    with pinned_ninja_on_path():
+        assert os.environ["PATH"]  # the pinned ninja's folder
+    assert "PATH" not in os.environ

@@ -122,6 +122,41 @@ def exclusive_build(build_dir: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def pinned_ninja_on_path() -> Iterator[None]:
+    """Put the ``ninja`` of the project's Python environment first on ``PATH`` while a build runs.
+
+    ``cpp_extension`` runs whichever ``ninja`` ``PATH`` finds. A process started as
+    ``.venv/bin/python`` (as ``make`` does) does not have ``.venv/bin`` on ``PATH``, so it
+    found the system's ninja (or none: then no fused kernels at all), while an activated
+    shell found the pinned one; the two write build logs in different formats, and each
+    discarded the other's and rebuilt every kernel (about a minute) on the first step of
+    the next run. Restored on exit.
+
+    Example::
+
+        with pinned_ninja_on_path():
+            assert shutil.which("ninja").startswith(ninja.BIN_DIR)
+    """
+    try:
+        import ninja
+
+        ninja_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):  # no ninja package: the interpreter's scripts folder
+        import sysconfig
+
+        ninja_dir = sysconfig.get_path("scripts")
+    saved = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([ninja_dir] + ([saved] if saved else []))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = saved
+
+
 def _build_root() -> Path:
     """Where the builds go: ``TORCH_EXTENSIONS_DIR``, else cpp_extension's default root,
     in a ``comera_rec`` folder."""
@@ -144,7 +179,7 @@ def _extension():
                 flags += [f"-DCOMERA_VECTOR_BYTES={width}", f"-DCOMERA_VECTOR_REGISTERS={32 if width == '64' else 16}"]
             name = f"comera_cpu_{_host_tag()}_{_source_tag()}" + (f"_v{width}" if width else "")
             build_dir = _build_root() / name
-            with exclusive_build(build_dir):
+            with exclusive_build(build_dir), pinned_ninja_on_path():
                 return load(
                     name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
                     extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
