@@ -39,10 +39,11 @@ class EmbeddingOptimConfig:
     """Learning rate of the dense tables."""
     eps: float = 1e-8
     """Adagrad epsilon (MLPerf DLRM-DCNv2: 1e-8)."""
-    sharding_type: Optional[str] = "data_parallel"
-    """Sharding of the dense tables under DMP: "data_parallel", "table_wise", "column_wise",
-    "table_column_wise", or null to let TorchRec's planner choose. Small tables are best
-    replicated (data_parallel), which also keeps checkpoints plain tensors."""
+    sharding_type: Optional[str] = None
+    """Sharding of the dense tables under DMP: "table_wise", "column_wise",
+    "table_column_wise" ("row_wise" and "data_parallel" on GPUs only), or null to let
+    TorchRec's planner choose among those. On CPU "data_parallel" is refused: FBGEMM's CPU
+    dense lookup has no autograd kernel, so replicated tables would never train."""
 
     def spec(self) -> EmbeddingOptimizerSpec:
         from torchrec.optim.rowwise_adagrad import RowWiseAdagrad

@@ -18,7 +18,9 @@ holds the old ones and silently stops syncing the new ones: call
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -28,6 +30,8 @@ from torch.distributed.optim import _apply_optimizer_in_backward
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_unwrapped_module
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
@@ -48,6 +52,60 @@ class EmbeddingOptimizerSpec:
     """SGD, Adagrad, RowWiseAdagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD) or Adam."""
     kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 0.01, "eps": 1e-8})
     """Constructor arguments (``lr``, ``eps``, ...)."""
+
+
+CPU_SHARDING_TYPES: tuple[str, ...] = ("table_wise", "column_wise", "table_column_wise")
+"""Sharding types of dense tables that train under DMP on CPU. ``data_parallel`` is not one:
+it runs FBGEMM's dense lookup, which fbgemm-gpu-cpu 1.8.0 registers with no autograd kernel,
+so a replicated table gets no gradient and never changes (silently: torch only warns that
+the op has no autograd kernel). ``row_wise`` is not offered on CPU."""
+
+
+def dense_table_constraints(
+    model: nn.Module,
+    device: torch.device,
+    sharding_type: str | None = None,
+    constraints: dict[str, ParameterConstraints] | None = None,
+) -> dict[str, ParameterConstraints]:
+    """The planner's constraints for the dense tables of ``model``.
+
+    ``sharding_type`` (when given) applies to every table, then ``constraints`` override per
+    table. On CPU every table is limited to :data:`CPU_SHARDING_TYPES`, and asking for
+    ``data_parallel`` is an error.
+
+    Args:
+        model: the model whose TorchRec ``EmbeddingBagCollection`` tables are planned.
+        device: the compute device of the processes.
+        sharding_type: one sharding type for every table, or ``None`` for the planner's choice.
+        constraints: per-table constraints, by table name.
+
+    Returns:
+        Constraints by table name (empty when nothing restricts the planner).
+
+    Example::
+
+        >>> dense_table_constraints(model, torch.device("cpu"))["t_cat_0"].sharding_types  # doctest: +SKIP
+        ['table_wise', 'column_wise', 'table_column_wise']
+    """
+    names = [cfg.name for _, m in model.named_modules() if type(m) is EmbeddingBagCollection
+             for cfg in m.embedding_bag_configs()]
+    out: dict[str, ParameterConstraints] = {}
+    if sharding_type is not None:
+        out = {name: ParameterConstraints(sharding_types=[sharding_type]) for name in names}
+    out.update(constraints or {})
+    if device.type != "cpu":
+        return out
+    for name in names:
+        given = out.get(name)
+        if given is None or given.sharding_types is None:
+            out[name] = replace(given or ParameterConstraints(), sharding_types=list(CPU_SHARDING_TYPES))
+        elif "data_parallel" in given.sharding_types:
+            raise ValueError(
+                f"table {name!r}: sharding type 'data_parallel' does not train on CPU (FBGEMM's CPU dense "
+                f"lookup has no autograd kernel, so the table would never change); use one of "
+                f"{', '.join(CPU_SHARDING_TYPES)}"
+            )
+    return out
 
 
 def default_dense_optimizer(groups: ParamGroups) -> torch.optim.Optimizer:
@@ -118,6 +176,45 @@ def replicated_parameter_groups(model: nn.Module) -> ParamGroups:
     return {k: [p for p in v if id(p) not in skip] for k, v in groups.items()}
 
 
+_RESERVED_MEMORY_SHARE = 0.15
+"""Share of each rank's memory the planner keeps out of its table placement (for
+activations, the replicated parameters and their optimiser state)."""
+
+
+def host_memory_bytes() -> int:
+    """This host's memory, or the cgroup's limit when that is lower (a container)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def planner_topology(world_size: int, device: torch.device) -> Topology:
+    """TorchRec's planner topology for ``world_size`` ranks with this host's real memory.
+
+    Built by ``TopologyFactory`` as TorchRec asks. Its default capacities (128 GiB of host
+    memory per rank, 32 GiB of HBM per GPU) are not this machine's: each rank gets the host's
+    memory divided among the ranks of this host (``LOCAL_WORLD_SIZE``), and a GPU rank its
+    device's memory, so that a plan that cannot fit fails in the planner, not in training.
+
+    Args:
+        world_size: ranks in the job.
+        device: this rank's compute device.
+
+    Example::
+
+        >>> planner_topology(2, torch.device("cpu")).devices[0].storage.ddr > 0
+        True
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    trainer = TrainerConfig(world_size=world_size, local_world_size=local, ddr_cap_bytes=host_memory_bytes() // local)
+    if device.type == "cuda":
+        trainer = replace(trainer, hbm_cap_bytes=torch.cuda.get_device_properties(device).total_memory)
+    return TopologyFactory.create_topology(trainer, kernel_config=KernelConfig(compute_device=device.type))
+
+
 def wrap_model(
     model: nn.Module,
     *,
@@ -143,7 +240,9 @@ def wrap_model(
             their groups (``cores``, ``controllers``, ``other``).
         embedding_optimizer: optimizer of the dense tables, fused into backward.
         sharding_type: force one sharding type for every dense table (``"table_wise"``,
-            ``"row_wise"``, ``"column_wise"``, ``"data_parallel"``); the planner chooses when ``None``.
+            ``"column_wise"``, ``"table_column_wise"``, ``"row_wise"`` or ``"data_parallel"``
+            on GPUs; on CPU not ``"data_parallel"``, see :data:`CPU_SHARDING_TYPES`); the
+            planner chooses when ``None``.
         constraints: per-table planner constraints (override ``sharding_type``).
 
     Returns:
@@ -178,16 +277,11 @@ def wrap_model(
         _apply_optimizer_in_backward(spec.optimizer_class, tables, dict(spec.kwargs))
     if distributed:
         sharders = get_default_sharders()
-        table_constraints: dict[str, ParameterConstraints] = {}
-        if sharding_type is not None:
-            for _, module in model.named_modules():
-                if type(module) is EmbeddingBagCollection:
-                    for cfg in module.embedding_bag_configs():
-                        table_constraints[cfg.name] = ParameterConstraints(sharding_types=[sharding_type])
-        table_constraints.update(constraints or {})
+        table_constraints = dense_table_constraints(model, device, sharding_type, constraints)
         planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=dist.get_world_size(), compute_device=device.type),
+            topology=planner_topology(dist.get_world_size(), device),
             constraints=table_constraints or None,
+            storage_reservation=FixedPercentageStorageReservation(_RESERVED_MEMORY_SHARE),
         )
         plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
         tables_before = _table_weights(model)

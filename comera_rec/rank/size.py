@@ -7,6 +7,8 @@ replaces (parameters outside tensor trains count as they are).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -62,17 +64,31 @@ def model_ranks(model: nn.Module) -> dict[str, list[int]]:
     return {name: m.ranks for name, m in tensor_train_modules(model)}
 
 
+def _sharded_sizes(model: nn.Module) -> dict[str, int]:
+    """Whole-tensor element counts of the state-dict entries held in shards (``ShardedTensor``,
+    ``DTensor``) by name: a sharded parameter is only this process's shard, which would make
+    the count depend on the number of processes."""
+    sizes: dict[str, int] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if hasattr(value, "local_shards"):  # ShardedTensor (its size() is deprecated; the metadata is not)
+            sizes[name] = math.prod(value.metadata().size)
+        elif hasattr(value, "to_local"):  # DTensor: its shape is the whole tensor's
+            sizes[name] = math.prod(value.shape)
+    return sizes
+
+
 def _non_tt_parameters(model: nn.Module) -> int:
     in_tt: set[int] = set()
     for _, m in tensor_train_modules(model):
         in_tt.update(id(p) for p in m.parameters())
+    sharded = _sharded_sizes(model)
     seen: set[int] = set()
     total = 0
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if id(p) in in_tt or id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.numel()
+        total += sharded.get(name, p.numel())
     return total
 
 

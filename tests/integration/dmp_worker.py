@@ -1,7 +1,9 @@
 """Worker for the two-process DistributedModelParallel equivalence test.
 
 Run under ``torchrun --nproc_per_node=N``: trains a small compressed DLRM on the global
-batch split across ranks (TT cores replicated under DDP, dense tables sharded table-wise)
+batch split across ranks (TT cores replicated under DDP, dense tables sharded as
+``DMP_SHARDING`` says: table-wise by default, or ``column_wise``, or ``planner`` for the
+planner's choice)
 and writes each rank's parameters to ``OUT_DIR/rank<r>.pt``. The same module builds the
 model and batches for the single-process reference.
 """
@@ -17,6 +19,7 @@ from torchrec.models.dlrm import DLRMTrain
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from comera_rec.integration import CompressionPolicy, TableOverride
+from comera_rec.rank.size import model_dense_num_parameters, model_num_parameters
 from dlrm import criteo_tables, make_dlrm
 
 SIZES = [600, 500, 40, 30]  # two TTM tables (stacked), two dense tables
@@ -25,6 +28,7 @@ DIM = 4
 GLOBAL_BATCH = 8
 STEPS = int(os.environ.get("DMP_STEPS", "4"))
 TRUNCATE_AT = int(os.environ.get("DMP_TRUNCATE_AT", "2"))  # step after which a rank slice is killed and cut
+SHARDING = os.environ.get("DMP_SHARDING", "table_wise")  # of the dense tables; "planner": its choice
 LR = 0.05
 
 
@@ -101,7 +105,7 @@ def main(out_dir: str) -> None:
     model = build_model()
     wrapped, optim = wrap_model(
         model, device=torch.device("cpu"), world_size=world, make_dense_optimizer=sgd,
-        embedding_optimizer=EmbeddingOptimizerSpec(torch.optim.SGD, {"lr": LR}), sharding_type="table_wise",
+        embedding_optimizer=EmbeddingOptimizerSpec(torch.optim.SGD, {"lr": LR}), sharding_type=None if SHARDING == "planner" else SHARDING,
     )
     unwrapped = wrapped.module
     wrapped, optim = train(wrapped, optim, unwrapped, rank, world)
@@ -114,7 +118,8 @@ def main(out_dir: str) -> None:
         else:
             replicated[name] = value.detach().clone()
     torch.save({"replicated": replicated, "shards": shards,
-                "ddp_params": sum(1 for _ in wrapped._dmp_wrapped_module.parameters())},
+                "ddp_params": sum(1 for _ in wrapped._dmp_wrapped_module.parameters()),
+                "sizes": (model_num_parameters(unwrapped), model_dense_num_parameters(unwrapped))},
                os.path.join(out_dir, f"rank{rank}.pt"))
     del wrapped, optim, unwrapped, model
     destroy_distributed()

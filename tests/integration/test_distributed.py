@@ -11,25 +11,34 @@ import pytest
 import torch
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
+from torchrec.distributed.planner import ParameterConstraints
+
 from comera_rec.integration.distributed import (
+    CPU_SHARDING_TYPES,
     EmbeddingOptimizerSpec,
+    dense_table_constraints,
+    host_memory_bytes,
+    planner_topology,
     rewrap_after_truncation,
     wrap_model,
 )
+from comera_rec.rank.size import model_dense_num_parameters, model_num_parameters
 from tests.integration import dmp_worker as worker
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _reference() -> dict[str, torch.Tensor]:
-    """One process, whole global batch, same optimizers (tables updated in backward)."""
+def _reference() -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+    """One process, whole global batch, same optimizers (tables updated in backward): the
+    state and the model's (live, dense-equivalent) parameter counts."""
     model = worker.build_model()
     wrapped, optim = wrap_model(
         model, device="cpu", make_dense_optimizer=worker.sgd,
         embedding_optimizer=EmbeddingOptimizerSpec(torch.optim.SGD, {"lr": worker.LR}),
     )
     wrapped, optim = worker.train(wrapped, optim, model, rank=0, world=1)
-    return {k: v.detach().clone() for k, v in wrapped.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in wrapped.state_dict().items()}
+    return state, (model_num_parameters(model), model_dense_num_parameters(model))
 
 
 def test_single_process_wrap_and_rewrap_keeps_state() -> None:
@@ -60,10 +69,11 @@ def test_single_process_wrap_and_rewrap_keeps_state() -> None:
 
 
 @pytest.mark.slow
-def test_two_process_dmp_matches_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharding", ["table_wise", "column_wise", "planner"])
+def test_two_process_dmp_matches_one_process(tmp_path: Path, sharding: str) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DMP_SHARDING=sharding)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
          str(ROOT / "tests" / "integration" / "dmp_worker.py"), str(out)],
@@ -71,7 +81,9 @@ def test_two_process_dmp_matches_one_process(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
-    expected = _reference()
+    expected, sizes = _reference()
+    # the model's size counts whole tables, not this rank's shards
+    assert all(r["sizes"] == sizes for r in ranks)
 
     # replicated parameters (TT cores, controllers, MLPs): equal on both ranks and to the reference
     for name, value in ranks[0]["replicated"].items():
@@ -80,8 +92,8 @@ def test_two_process_dmp_matches_one_process(tmp_path: Path) -> None:
     truncated = ranks[0]["replicated"]["model.sparse_arch.embedding_bag_collection.groups.0.controllers.0"]
     assert truncated.shape[-1] == 2  # one slice of rank 3 was cut mid-run
 
-    # sharded dense tables: put the shards together
-    seen = set()
+    # sharded dense tables: put the shards together; every element held once, and trained
+    covered: dict[str, int] = {}
     for r in ranks:
         for name, offsets, shard in r["shards"]:
             full = expected[name]
@@ -90,7 +102,57 @@ def test_two_process_dmp_matches_one_process(tmp_path: Path) -> None:
                 shard, full[offsets[0] : offsets[0] + rows, offsets[1] : offsets[1] + cols],
                 rtol=1e-5, atol=1e-6, msg=name,
             )
-            seen.add(name)
-    assert {n.rsplit(".", 2)[-2] for n in seen} == {"t_cat_2", "t_cat_3"}
-    # the tables were sharded: each rank holds one of them
-    assert all(len(r["shards"]) == 1 for r in ranks)
+            covered[name] = covered.get(name, 0) + shard.numel()
+    assert {n.rsplit(".", 2)[-2] for n in covered} == {"t_cat_2", "t_cat_3"}
+    assert all(covered[n] == expected[n].numel() for n in covered)
+    initial = worker.build_model().state_dict()
+    assert all(not torch.equal(expected[n], initial[n]) for n in covered)  # the reference tables moved
+    if sharding == "table_wise":  # each rank holds one table
+        assert all(len(r["shards"]) == 1 for r in ranks)
+
+
+DENSE_TABLES = {"t_cat_2", "t_cat_3"}  # the worker model's uncompressed tables
+CPU = torch.device("cpu")
+
+
+def test_cpu_tables_never_planned_data_parallel() -> None:
+    got = dense_table_constraints(worker.build_model(), CPU)
+    assert set(got) == DENSE_TABLES
+    assert all(c.sharding_types == list(CPU_SHARDING_TYPES) for c in got.values())
+
+
+def test_one_sharding_type_for_every_table() -> None:
+    got = dense_table_constraints(worker.build_model(), CPU, sharding_type="column_wise")
+    assert {n: c.sharding_types for n, c in got.items()} == {n: ["column_wise"] for n in DENSE_TABLES}
+
+
+def test_table_constraint_overrides_and_keeps_its_other_fields() -> None:
+    mine = ParameterConstraints(pooling_factors=[3.0])  # no sharding types: the CPU ones apply
+    got = dense_table_constraints(worker.build_model(), CPU, sharding_type="table_wise", constraints={"t_cat_2": mine})
+    assert got["t_cat_2"].pooling_factors == [3.0]
+    assert got["t_cat_2"].sharding_types == list(CPU_SHARDING_TYPES)
+    assert got["t_cat_3"].sharding_types == ["table_wise"]
+
+
+@pytest.mark.parametrize("how", ["sharding_type", "constraints"])
+def test_data_parallel_on_cpu_is_refused(how: str) -> None:
+    kwargs = ({"sharding_type": "data_parallel"} if how == "sharding_type"
+              else {"constraints": {"t_cat_3": ParameterConstraints(sharding_types=["data_parallel"])}})
+    with pytest.raises(ValueError, match="'t_cat_.': sharding type 'data_parallel' does not train on CPU"):
+        dense_table_constraints(worker.build_model(), CPU, **kwargs)
+
+
+def test_gpu_tables_left_to_the_planner() -> None:
+    assert dense_table_constraints(worker.build_model(), torch.device("cuda")) == {}
+    got = dense_table_constraints(worker.build_model(), torch.device("cuda"), sharding_type="data_parallel")
+    assert all(c.sharding_types == ["data_parallel"] for c in got.values())
+
+
+def test_planner_topology_has_this_hosts_memory(monkeypatch, caplog) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with caplog.at_level("WARNING"):
+        topology = planner_topology(4, CPU)
+    assert not [r for r in caplog.records if "TopologyFactory" in r.getMessage()]
+    assert topology.world_size == 4 and topology.compute_device == "cpu"
+    assert all(d.storage.ddr == host_memory_bytes() // 2 for d in topology.devices)
+    assert 0 < host_memory_bytes() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
