@@ -44,4 +44,22 @@ def test_killed_worker_restarts_and_matches_uninterrupted_run(tmp_path: Path) ->
         pa, pb = load_checkpoint(ca, rank=rank)[0]["model"], load_checkpoint(cb, rank=rank)[0]["model"]
         assert pa.keys() == pb.keys()
         for k in pa:
-            assert torch.equal(pa[k], pb[k]), (rank, k)
+            assert_same(pa[k], pb[k], (rank, k))
+
+
+def assert_same(a, b, where) -> None:
+    """Bit-for-bit equality of checkpoint entries: tensors, or the dicts and lists a sharded
+    table's local shards are saved as."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], (*where, k))
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, (*where, i))
+    else:
+        assert a == b, where

@@ -21,7 +21,7 @@ def train_steps(model, opt, gen, n, sched=None):
         total.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
