@@ -315,7 +315,7 @@ def test_synthetic_task_is_learnable(tmp_path):
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.2, (first, last)
 
