@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-
 from comera_rec.data.preprocess import preprocess_tsv_to_parquet
+from comera_rec.utils.logs import setup_logging
 
 
 def main() -> None:
@@ -31,7 +30,7 @@ def main() -> None:
     p.add_argument("--chunk-mb", type=int, default=16, help="MiB of text parsed per step")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging()
     meta = preprocess_tsv_to_parquet(
         args.inputs,
         args.out,

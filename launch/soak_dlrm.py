@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from comera_rec.training import Trainer
-from comera_rec.utils.logs import quiet_foreign_notices
+from comera_rec.utils.logs import setup_logging
 from dlrm.task import DLRMTask, load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def growth(samples: list[tuple[int, float, float]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    quiet_foreign_notices()
+    setup_logging()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs/dlrm_demo.yaml"), help="run config (the demo by default)")
     parser.add_argument("--steps", type=int, default=2000, help="training steps")

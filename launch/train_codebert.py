@@ -14,9 +14,11 @@ import math
 
 from comera_rec.config import run_config_from_args
 from comera_rec.transformer.runs import MaskedLMRun, run_masked_lm
+from comera_rec.utils.logs import setup_logging
 
 
 def main(argv: list[str] | None = None) -> dict:
+    setup_logging()
     config = run_config_from_args(
         MaskedLMRun, argv, __doc__, config_help="YAML run config (configs/codebert_*.yaml)",
         resume_help="continue each phase from its newest checkpoint",

@@ -10,17 +10,15 @@ Every field of every section is documented in docs/training.md and docs/dlrm.md;
 
 from __future__ import annotations
 
-import logging
 
 from comera_rec.config import run_config_from_args
 from comera_rec.training import Trainer
-from comera_rec.utils.logs import quiet_foreign_notices
+from comera_rec.utils.logs import setup_logging
 from dlrm.task import DLRMRunConfig, DLRMTask
 
 
 def main(argv: list[str] | None = None) -> dict:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    quiet_foreign_notices()
+    setup_logging()
     config = run_config_from_args(
         DLRMRunConfig, argv, __doc__,
         overrides_help="section.key=value, e.g. trainer.max_steps=200 model.rank=16",

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from comera_rec.config import run_config_from_args
 from comera_rec.transformer.runs import ClassificationRun, run_classification
+from comera_rec.utils.logs import setup_logging
 
 
 def main(argv: list[str] | None = None) -> dict:
+    setup_logging()
     config = run_config_from_args(
         ClassificationRun, argv, __doc__, config_help="YAML run config (configs/transformer_*.yaml)",
         overrides_help="section.key=value, e.g. method.name=galore trainer.max_steps=50",

@@ -45,3 +45,29 @@ def test_the_ddp_notice_is_still_what_torch_says(tmp_path):
             DistributedDataParallel(nn.Linear(2, 2), broadcast_buffers=False)
     finally:
         dist.destroy_process_group()
+
+
+SHOW_INFO = """
+import logging
+import torchrec  # imports fbgemm_gpu, which installs a root handler at WARNING
+from comera_rec.utils.logs import setup_logging
+setup_logging()
+logging.getLogger("comera_rec.demo").info("shown")
+logging.getLogger("torchrec.demo").info("not shown: another library's INFO")
+logging.getLogger("torchrec.demo").warning("shown too")
+"""
+
+
+@pytest.mark.parametrize("env, prefix", [({}, ""), ({"WORLD_SIZE": "2", "RANK": "1"}, " [rank 1]")])
+def test_setup_logging_shows_info_after_torchrec_import(env, prefix):
+    import os
+    import subprocess
+    import sys
+
+    run_env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")} | env
+    proc = subprocess.run([sys.executable, "-c", SHOW_INFO], capture_output=True, text=True, env=run_env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if "comera_rec.demo" in line]
+    assert len(lines) == 1 and lines[0].endswith(f"{prefix} INFO comera_rec.demo: shown"), proc.stderr[-2000:]
+    foreign = [line for line in proc.stderr.splitlines() if "torchrec.demo" in line]
+    assert len(foreign) == 1 and foreign[0].endswith(f"{prefix} WARNING torchrec.demo: shown too"), proc.stderr[-2000:]

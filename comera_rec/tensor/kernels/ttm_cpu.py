@@ -173,12 +173,14 @@ def _extension():
         try:
             from torch.utils.cpp_extension import load
 
-            logger.info("building the fused CPU kernels (once per machine; cached by torch.utils.cpp_extension)")
             flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
             if width:  # the vectors and register tiles of a machine whose widest vectors are these
                 flags += [f"-DCOMERA_VECTOR_BYTES={width}", f"-DCOMERA_VECTOR_REGISTERS={32 if width == '64' else 16}"]
             name = f"comera_cpu_{_host_tag()}_{_source_tag()}" + (f"_v{width}" if width else "")
             build_dir = _build_root() / name
+            if not (build_dir / f"{name}.so").exists():  # else a check of the sources, under a second
+                logger.info("building the fused CPU kernels in %s (once per machine and source version, "
+                            "about a minute)", build_dir)
             with exclusive_build(build_dir), pinned_ninja_on_path():
                 return load(
                     name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
