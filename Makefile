@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt third_party/fbgemm-gpu-shim/pyproj
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements/cpu.txt
-	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e ".[dev,baselines]"
+	$(PY) -m pip install --quiet -e ".[dev,baselines]"
 	touch $(STAMP)
 
 install: $(STAMP)
