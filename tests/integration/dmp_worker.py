@@ -30,6 +30,17 @@ STEPS = int(os.environ.get("DMP_STEPS", "4"))
 TRUNCATE_AT = int(os.environ.get("DMP_TRUNCATE_AT", "2"))  # step after which a rank slice is killed and cut
 SHARDING = os.environ.get("DMP_SHARDING", "table_wise")  # of the dense tables; "planner": its choice
 LR = 0.05
+TABLE_OPTIMIZER = os.environ.get("DMP_TABLE_OPTIMIZER", "SGD")  # of the dense tables: SGD or RowWiseAdagrad
+
+
+def table_optimizer(name: str = TABLE_OPTIMIZER):
+    """The dense tables' optimizer (fused into backward): ``"SGD"`` or ``"RowWiseAdagrad"``."""
+    from comera_rec.integration.distributed import EmbeddingOptimizerSpec
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    if name == "RowWiseAdagrad":
+        return EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": LR, "eps": 1e-8})
+    return EmbeddingOptimizerSpec(torch.optim.SGD, {"lr": LR})
 
 
 def build_model() -> DLRMTrain:
@@ -105,7 +116,7 @@ def main(out_dir: str) -> None:
     model = build_model()
     wrapped, optim = wrap_model(
         model, device=torch.device("cpu"), world_size=world, make_dense_optimizer=sgd,
-        embedding_optimizer=EmbeddingOptimizerSpec(torch.optim.SGD, {"lr": LR}), sharding_type=None if SHARDING == "planner" else SHARDING,
+        embedding_optimizer=table_optimizer(), sharding_type=None if SHARDING == "planner" else SHARDING,
     )
     unwrapped = wrapped.module
     wrapped, optim = train(wrapped, optim, unwrapped, rank, world)

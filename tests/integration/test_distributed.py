@@ -15,7 +15,6 @@ from torchrec.distributed.planner import ParameterConstraints
 
 from comera_rec.integration.distributed import (
     CPU_SHARDING_TYPES,
-    EmbeddingOptimizerSpec,
     dense_table_constraints,
     host_memory_bytes,
     planner_topology,
@@ -28,13 +27,13 @@ from tests.integration import dmp_worker as worker
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _reference() -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+def _reference(table_optimizer: str = "SGD") -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
     """One process, whole global batch, same optimizers (tables updated in backward): the
     state and the model's (live, dense-equivalent) parameter counts."""
     model = worker.build_model()
     wrapped, optim = wrap_model(
         model, device="cpu", make_dense_optimizer=worker.sgd,
-        embedding_optimizer=EmbeddingOptimizerSpec(torch.optim.SGD, {"lr": worker.LR}),
+        embedding_optimizer=worker.table_optimizer(table_optimizer),
     )
     wrapped, optim = worker.train(wrapped, optim, model, rank=0, world=1)
     state = {k: v.detach().clone() for k, v in wrapped.state_dict().items()}
@@ -69,11 +68,14 @@ def test_single_process_wrap_and_rewrap_keeps_state() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["table_wise", "column_wise", "planner"])
-def test_two_process_dmp_matches_one_process(tmp_path: Path, sharding: str) -> None:
+@pytest.mark.parametrize("sharding, table_optimizer", [
+    ("table_wise", "SGD"), ("column_wise", "SGD"), ("planner", "SGD"), ("table_wise", "RowWiseAdagrad"),
+])
+def test_two_process_dmp_matches_one_process(tmp_path: Path, sharding: str, table_optimizer: str) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DMP_SHARDING=sharding)
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DMP_SHARDING=sharding,
+               DMP_TABLE_OPTIMIZER=table_optimizer)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
          str(ROOT / "tests" / "integration" / "dmp_worker.py"), str(out)],
@@ -81,7 +83,7 @@ def test_two_process_dmp_matches_one_process(tmp_path: Path, sharding: str) -> N
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
-    expected, sizes = _reference()
+    expected, sizes = _reference(table_optimizer)
     # the model's size counts whole tables, not this rank's shards
     assert all(r["sizes"] == sizes for r in ranks)
 
