@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+
 from comera_rec.data.preprocess import preprocess_tsv_to_parquet
 from comera_rec.utils.logs import setup_logging
 

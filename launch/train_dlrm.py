@@ -10,7 +10,6 @@ Every field of every section is documented in docs/training.md and docs/dlrm.md;
 
 from __future__ import annotations
 
-
 from comera_rec.config import run_config_from_args
 from comera_rec.training import Trainer
 from comera_rec.utils.logs import setup_logging

@@ -92,16 +92,23 @@ def _non_tt_parameters(model: nn.Module) -> int:
     return total
 
 
+def _parameter_counts(model: nn.Module, threshold: float) -> tuple[int, int]:
+    """(live, dense-equivalent) parameters of the whole model; the parameters outside the
+    tensor trains, which both count, are walked once."""
+    tt = [m for _, m in tensor_train_modules(model)]
+    rest = _non_tt_parameters(model)
+    live = sum(m.num_parameters(threshold) for m in tt) + rest
+    return live, sum(m.dense_num_parameters() for m in tt) + rest
+
+
 def model_num_parameters(model: nn.Module, threshold: float = 0.0) -> int:
     """Live parameters of the whole model: TT modules at their live ranks plus the rest."""
-    tt = sum(m.num_parameters(threshold) for _, m in tensor_train_modules(model))
-    return tt + _non_tt_parameters(model)
+    return _parameter_counts(model, threshold)[0]
 
 
 def model_dense_num_parameters(model: nn.Module) -> int:
     """Parameters of the same model with every TT module replaced by its dense original."""
-    tt = sum(m.dense_num_parameters() for _, m in tensor_train_modules(model))
-    return tt + _non_tt_parameters(model)
+    return _parameter_counts(model, 0.0)[1]
 
 
 def model_compression_ratio(model: nn.Module, threshold: float = 0.0) -> float:
@@ -112,7 +119,8 @@ def model_compression_ratio(model: nn.Module, threshold: float = 0.0) -> float:
         >>> model = nn.Sequential(TTLinear(64, 64, rank=2), nn.Linear(64, 1))
         >>> round(model_compression_ratio(model), 2)  # doctest: +SKIP
     """
-    return model_dense_num_parameters(model) / max(1, model_num_parameters(model, threshold))
+    live, dense = _parameter_counts(model, threshold)
+    return dense / max(1, live)
 
 
 @torch.no_grad()
