@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -48,8 +48,9 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         tables: the table configs (SUM or MEAN pooling; compressed tables must be FP32).
         policy: what to compress; ``CompressionPolicy()`` when ``None``.
         is_weighted: whether input KJTs carry per-id weights (weighted pooling).
-        device: where to allocate (``"meta"`` allocates nothing; call
-            :meth:`reset_parameters` after materialising).
+        device: where to allocate (``"meta"`` allocates nothing; TorchRec's
+            ``DistributedModelParallel`` materialises and initialises the TTM tables (its
+            ``init_parameters``), or call :meth:`reset_parameters` after ``to_empty``).
         validate_inputs: check every id against its table (an error names the feature
             and the value) and the KJT's layout (integer ids and lengths; lengths,
             offsets and values that agree); a few vectorised ops per batch.
@@ -217,6 +218,18 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             group.reset_parameters()
         if self.dense is not None:
             self.dense.reset_parameters()
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "TTMEmbeddingBagCollection":
+        """``nn.Module.apply``; when it takes a collection built on ``meta`` off it (as
+        ``DistributedModelParallel``'s parameter initialisation does) :attr:`device`
+        follows. The TTM groups initialise themselves then (see
+        :class:`~comera_rec.tensor.train.InitOnMaterialize`); ``dense`` is TorchRec's."""
+        super().apply(fn)
+        if self._device.type == "meta":
+            devices = {p.device for p in self.parameters()}
+            if len(devices) == 1 and next(iter(devices)).type != "meta":
+                self._device = next(iter(devices))
+        return self
 
     def table_weight(self, name: str) -> torch.Tensor:
         """The dense ``(num_embeddings, embedding_dim)`` table ``name`` (reconstructed if TTM).

@@ -38,7 +38,7 @@ from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from comera_rec.tensor.train import TensorTrainModule, parameter_groups
+from comera_rec.tensor.train import InitOnMaterialize, parameter_groups
 
 ParamGroups = dict[str, list[nn.Parameter]]
 DenseOptimizerFactory = Callable[[ParamGroups], torch.optim.Optimizer]
@@ -143,13 +143,17 @@ class OptimizerBundle:
 
 
 def materialize_tensor_trains(model: nn.Module, device: torch.device | str) -> None:
-    """Allocate and initialise TT modules built on the meta device.
+    """Allocate and initialise TT modules (and TT cross nets) built on the meta device.
 
-    DMP only calls ``reset_parameters`` on modules that own a meta parameter directly;
-    TT cores live in ``ParameterList`` children, so this is done here.
+    Their parameters live in ``ParameterList`` children, which have no
+    ``reset_parameters``: each such module is moved with ``to_empty`` and initialised by
+    its own ``reset_parameters``. Stock ``DistributedModelParallel`` reaches the same
+    ``reset_parameters`` through ``model.apply`` (see
+    :class:`~comera_rec.tensor.train.InitOnMaterialize`); this function is for the other
+    paths (``wrap_model`` without a process group).
     """
     for _, module in model.named_modules():
-        if isinstance(module, TensorTrainModule) and any(p.is_meta for p in module.parameters()):
+        if isinstance(module, InitOnMaterialize) and any(p.is_meta for p in module.parameters()):
             module.to_empty(device=device)
             module.reset_parameters()
 

@@ -16,6 +16,7 @@ from torchrec.modules.mlp import MLP
 
 from comera_rec.integration.policy import linear_pays
 from comera_rec.tensor.linear import NarrowLinear, TTLinear
+from comera_rec.tensor.train import InitOnMaterialize
 
 Activation = Union[str, Callable[[torch.Tensor], torch.Tensor], nn.Module]
 
@@ -94,7 +95,7 @@ def is_relu(activation: Activation) -> bool:
     return activation is torch.relu or activation is torch.nn.functional.relu or type(activation) is nn.ReLU
 
 
-class TTLowRankCrossNet(nn.Module):
+class TTLowRankCrossNet(InitOnMaterialize):
     """``LowRankCrossNet`` whose projections ``V_l: N -> r`` and ``W_l: r -> N`` are
     ``TTLinear`` where they pay: ``x_{l+1} = x_0 * (W_l(V_l(x_l)) + b_l) + x_l``.
 
@@ -104,7 +105,9 @@ class TTLowRankCrossNet(nn.Module):
         low_rank: r, the inner size of each cross layer.
         tt_rank: TT rank of the compressed projections.
         min_gain: dense / TT parameter ratio a projection needs to be compressed.
-        device: where to allocate.
+        device: where to allocate (``"meta"`` allowed: materialised by
+            ``DistributedModelParallel`` or ``wrap_model``, it is initialised by
+            :meth:`reset_parameters`).
         dtype: parameter dtype.
 
     Example::
@@ -144,6 +147,19 @@ class TTLowRankCrossNet(nn.Module):
         self.bias = nn.ParameterList(
             [nn.Parameter(torch.zeros(in_features, device=device, dtype=dtype)) for _ in range(num_layers)]
         )
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise as a new one: TT projections by their own ``reset_parameters``,
+        dense ones Xavier-normal, biases zero (no-op for tensors still on ``meta``)."""
+        for layer in (*self.V, *self.W):
+            if isinstance(layer, TTLinear):
+                layer.reset_parameters()
+            elif not layer.weight.is_meta:
+                nn.init.xavier_normal_(layer.weight)
+        for b in self.bias:
+            if not b.is_meta:
+                b.zero_()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``(B, N) -> (B, N)``."""

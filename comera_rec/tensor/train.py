@@ -16,7 +16,7 @@ dead in every train of the stack.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -50,12 +50,68 @@ def cap_ranks(ranks: Sequence[int], mode_sizes: Sequence[int]) -> list[int]:
     return capped
 
 
-class TensorTrainModule(nn.Module):
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _written(p: torch.Tensor) -> bool:
+    """Whether ``p`` was modified in place since it was allocated (its version counter)."""
+    try:
+        return p._version > 0
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return False
+
+
+class InitOnMaterialize(nn.Module):
+    """Base of modules that initialise themselves when ``apply`` takes them off ``meta``.
+
+    TorchRec's ``DistributedModelParallel`` materialises a model built on the meta device
+    with ``model.apply(init_parameters)``: every module's own meta parameters become
+    ``torch.empty_like`` tensors (uninitialised memory) and ``reset_parameters`` is called
+    only on modules that own a meta parameter *directly*. The parameters of these modules
+    live in ``ParameterList`` children (TT cores and controllers, cross-net biases), which
+    have no ``reset_parameters``, so DMP would leave them as garbage (huge values or NaN).
+
+    ``nn.Module.apply`` recurses through ``child.apply``, so this override runs inside
+    any such call: when the call took this module's parameters off ``meta`` (all of them)
+    and some newly allocated parameter has not been written in place since (its version
+    counter is 0: nothing initialised it, e.g. DMP called no ``reset_parameters`` here),
+    the module calls ``reset_parameters`` once, drawing the same values as a build on the
+    target device under the same random state. Values a materialiser writes in place
+    (``copy_`` of a checkpoint, its own ``reset_parameters`` call) are kept; a tensor
+    swapped in already filled (``zeros_like``, a loaded tensor assigned as is) counts as
+    unwritten and is re-initialised. An ``apply`` on a module not on ``meta`` is plain
+    ``nn.Module.apply``.
+    """
+
+    def apply(self: _M, fn: Callable[[nn.Module], None]) -> _M:
+        before = list(self.parameters())
+        if not any(p.is_meta for p in before):
+            return super().apply(fn)
+        kept = [p for p in before if not p.is_meta]  # held, so their ids stay theirs
+        kept_ids = {id(p) for p in kept}
+        super().apply(fn)
+        after = list(self.parameters())
+        if after and not any(p.is_meta for p in after):
+            if any(id(p) not in kept_ids and not _written(p) for p in after):
+                reset = getattr(self, "reset_parameters", None)
+                if not callable(reset):
+                    raise TypeError(
+                        f"{type(self).__name__}: its parameters were allocated off the meta device without "
+                        f"values and it has no reset_parameters() to initialise them"
+                    )
+                with torch.no_grad():
+                    reset()
+        return self
+
+
+class TensorTrainModule(InitOnMaterialize):
     """Base for modules whose weight is a tensor train with rank controllers.
 
     Subclasses register ``cores`` and ``controllers`` with :meth:`_init_train` and
-    implement :meth:`dense_num_parameters`. The base owns ranks, size accounting,
-    the differentiable size surrogate and physical rank truncation.
+    implement :meth:`dense_num_parameters` and ``reset_parameters`` (called again when
+    the module is materialised from ``meta``, see :class:`InitOnMaterialize`). The base
+    owns ranks, size accounting, the differentiable size surrogate and physical rank
+    truncation.
     """
 
     cores: nn.ParameterList
