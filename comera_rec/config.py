@@ -231,7 +231,8 @@ def load_config(cls: type[T], path: Optional[Union[str, Path]] = None, overrides
             parsed with ``yaml.safe_load`` (``steps=10`` is an int, ``name=x`` a string).
 
     Raises:
-        ConfigError: unknown keys (listing the valid ones), wrong types, bad values.
+        ConfigError: unknown keys (listing the valid ones), wrong types, bad values; an
+            empty ``path`` (no keys, or only comments), named in the message.
         FileNotFoundError: ``path`` does not exist.
 
     Example::
@@ -244,7 +245,11 @@ def load_config(cls: type[T], path: Optional[Union[str, Path]] = None, overrides
         with path.open() as f:
             loaded = yaml.safe_load(f)
         if loaded is None:
-            loaded = {}
+            # an empty file (or one of comments only) would silently train the defaults
+            raise ConfigError(
+                f"{path}: the config file is empty (no keys, or only comments); give it the run's "
+                f"sections (e.g. copy configs/*.yaml), or leave out --config to train the defaults"
+            )
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
         data = loaded

@@ -89,12 +89,40 @@ def load_run_config(path: Optional[str], overrides: Iterable[str] = ()) -> DLRMR
     return load_config(DLRMRunConfig, path, list(overrides))
 
 
+def check_run_config(config: DLRMRunConfig) -> None:
+    """Checks across sections that no single section can make, run before training starts.
+
+    The trainer validates at the end of every run (and every ``trainer.eval_every`` steps),
+    so the data must give a validation set: synthetic data always does; files need
+    ``data.val_paths`` or a hold-out (``data.holdout`` other than ``"none"``).
+
+    Args:
+        config: the whole run config.
+
+    Raises:
+        ValueError: no validation set; the message names data.holdout, data.val_paths and
+            trainer.eval_every.
+    """
+    data = config.data
+    if data.source != "synthetic" and data.holdout == "none" and not data.val_paths:
+        when = (f"every trainer.eval_every={config.trainer.eval_every} steps and at the end"
+                if config.trainer.eval_every else "at the end of the run (it always does)")
+        raise ValueError(
+            f"the data config gives no validation set (data.holdout='none' and data.val_paths is empty), but "
+            f"the trainer validates {when}; set data.val_paths to validation files, or data.holdout to "
+            f"'kaggle' or 'last_file' to hold out part of data.train_paths"
+        )
+
+
 class DLRMTask:
     """The engine's view of a DLRM run.
 
     Args:
         config: the run config; ``data.rank`` / ``data.world_size`` are taken from the
             process group when one exists.
+
+    Raises:
+        ValueError: the config cannot run to its end (see :func:`check_run_config`).
 
     Example::
 
@@ -103,6 +131,7 @@ class DLRMTask:
     """
 
     def __init__(self, config: DLRMRunConfig) -> None:
+        check_run_config(config)
         self.config = config
         self.bundle: Optional[OptimizerBundle] = None
         self._wrapped: Optional[nn.Module] = None

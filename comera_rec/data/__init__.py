@@ -23,6 +23,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 from torch.utils.data import DataLoader, IterableDataset
 from torchrec.datasets.utils import Batch
 
+from comera_rec.config import ConfigError
 from comera_rec.data.criteo import (
     CAT_FEATURE_COUNT,
     CAT_NAMES,
@@ -96,6 +97,21 @@ class DataConfig:
     """Training: only full batches, the same count on every rank (validation keeps all rows)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0 = read in the training process)."""
+
+    def __post_init__(self) -> None:
+        """Refuse batch sizes that cannot give a batch (0 divided the row counts later).
+
+        Raises:
+            ConfigError: (a ValueError) ``batch_size`` below 1, or ``val_batch_size`` neither None nor >= 1;
+                the message names the field as written in a run config (``data.batch_size``).
+        """
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ConfigError(f"data.batch_size must be an integer >= 1 (training rows per batch and process), "
+                              f"got {self.batch_size!r}")
+        vbs = self.val_batch_size
+        if vbs is not None and (isinstance(vbs, bool) or not isinstance(vbs, int) or vbs < 1):
+            raise ConfigError(f"data.val_batch_size must be an integer >= 1, or null to use data.batch_size, "
+                              f"got {vbs!r}")
 
 
 def _identity(x: Any) -> Any:

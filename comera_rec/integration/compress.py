@@ -89,11 +89,24 @@ def compress(model: nn.Module, policy: CompressionPolicy | None = None) -> Compr
     Returns:
         The per-module report (parameters before / after).
 
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, is itself one of the modules that are
+            replaced, or ``policy`` is not a :class:`CompressionPolicy` (a bare rank such as
+            ``compress(model, 8)`` names ``CompressionPolicy(rank=8)``).
+
     Example::
 
         >>> report = compress(dlrm_model, CompressionPolicy(rank=16))  # doctest: +SKIP
         >>> print(report)  # doctest: +SKIP
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compress: model must be a torch.nn.Module, got {type(model).__name__}")
+    if policy is not None and not isinstance(policy, CompressionPolicy):
+        hint = (f"; for a rank pass CompressionPolicy(rank={policy!r})"
+                if isinstance(policy, int) and not isinstance(policy, bool) else "")
+        raise TypeError(
+            f"compress: policy must be a CompressionPolicy or None, got {policy!r} ({type(policy).__name__}){hint}"
+        )
     policy = policy or CompressionPolicy()
     report = CompressionReport()
     if isinstance(model, (EmbeddingBagCollection, LowRankCrossNet, nn.Linear)):

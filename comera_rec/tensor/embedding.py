@@ -13,7 +13,7 @@ from comera_rec.tensor.contract import ttm_dense_table, ttm_embedding_bag
 from comera_rec.tensor.shapes import check_shape, default_num_cores, factorize, ttm_row_shape
 from comera_rec.tensor.svd import tt_svd
 from comera_rec.tensor.train import TensorTrainModule, cap_ranks, check_float_dtype, check_rank
-from comera_rec.tensor.validation import check_bags
+from comera_rec.tensor.validation import check_bags, check_rank_argument
 
 POOLING_MODES = ("sum", "mean")
 
@@ -116,6 +116,7 @@ class TTMEmbeddingBag(TensorTrainModule):
     ) -> None:
         super().__init__()
         dtype = check_float_dtype("TTMEmbeddingBag", dtype)
+        rank = check_rank_argument("TTMEmbeddingBag", rank)
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TTMEmbeddingBag: {name} must be a positive integer, got {value!r}")
@@ -174,14 +175,24 @@ class TTMEmbeddingBag(TensorTrainModule):
             per_sample_weights: optional ``(N,)`` weights.
 
         Returns:
-            ``(B, embedding_dim)``.
+            ``(B, embedding_dim)``; on the ``meta`` device when the table or the inputs are
+            (shapes only, as torch's modules do: nothing is computed or range-checked).
         """
-        if not self.static_shapes:  # the checks read ids on the host: not under static shapes
+        meta = input.is_meta or offsets.is_meta or self.cores[0].is_meta
+        if meta:  # only dtypes and shapes can be checked: a meta tensor has no values
             check_bags("TTMEmbeddingBag", input, offsets, self.num_embeddings, per_sample_weights)
-        cores = [c.unsqueeze(0) for c in self.scaled_cores()]  # (1, r, n, m, r')
+            input, offsets = input.to("meta"), offsets.to("meta")
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.to("meta")
+        elif not self.static_shapes:  # the checks read ids on the host: not under static shapes
+            check_bags("TTMEmbeddingBag", input, offsets, self.num_embeddings, per_sample_weights)
+        cores = [c.unsqueeze(0).to(input.device) if meta else c.unsqueeze(0)
+                 for c in self.scaled_cores()]  # (1, r, n, m, r')
+        # on meta the static path: the dynamic one de-duplicates ids with torch.unique,
+        # which has no meta kernel; both give the same shapes
         return ttm_embedding_bag(
             cores, self.row_shape, self.embedding_dim, input.long(), offsets.long(),
-            self.mode, per_sample_weights, static_shapes=self.static_shapes,
+            self.mode, per_sample_weights, static_shapes=self.static_shapes or meta,
         )
 
     def dense_weight(self) -> torch.Tensor:

@@ -14,6 +14,7 @@ from comera_rec.tensor.contract import linear_from_chains, merge_input_chain, me
 from comera_rec.tensor.shapes import check_shape, tt_linear_shapes
 from comera_rec.tensor.svd import tt_svd
 from comera_rec.tensor.train import TensorTrainModule, cap_ranks, check_float_dtype, check_rank
+from comera_rec.tensor.validation import check_rank_argument
 
 
 class TTLinear(TensorTrainModule):
@@ -62,6 +63,7 @@ class TTLinear(TensorTrainModule):
     ) -> None:
         super().__init__()
         dtype = check_float_dtype("TTLinear", dtype)
+        rank = check_rank_argument("TTLinear", rank)
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TTLinear: {name} must be a positive integer, got {value!r}")
@@ -111,11 +113,20 @@ class TTLinear(TensorTrainModule):
         return cores[:d], cores[d:]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(..., in_features) -> (..., out_features)``."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"TTLinear: expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}"
-            )
+        """``(..., in_features) -> (..., out_features)``.
+
+        Args:
+            x: at least 1-D, of the layer's dtype (``layer.double()`` for float64 input)
+                and on its device; under ``torch.autocast`` the dtype is autocast's to
+                choose. On the ``meta`` device the output is a meta tensor of the right
+                shape.
+
+        Raises:
+            ValueError: a 0-d input, or a last dimension other than ``in_features``.
+            TypeError: an input of another dtype than the layer's.
+            RuntimeError: an input on another device than the layer's.
+        """
+        self._check_input(x)
         if kernels.tt_chains_kernel_applies(self.cores, self.controllers):
             # the chains merged in one C++ call each way (the controllers scale the running
             # products), not ~50 small autograd operators
@@ -127,6 +138,32 @@ class TTLinear(TensorTrainModule):
             return linear_from_chains(x, left, right, self.bias, relu=self.relu)
         inputs, outputs = self._split()
         return tt_linear(x, inputs, outputs, self.out_features, self.bias, relu=self.relu)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        """Raise, naming the input's shape, dtype or device, where ``forward`` cannot take ``x``."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"TTLinear: input must be a tensor, got {type(x).__name__}")
+        if x.dim() == 0:
+            raise ValueError(
+                f"TTLinear: input must have at least 1 dimension (..., {self.in_features}), got a 0-d tensor "
+                f"of shape {tuple(x.shape)}"
+            )
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"TTLinear: expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}"
+            )
+        weight = self.cores[0]
+        if x.dtype != weight.dtype and not _autocast_on(x.device.type):
+            raise TypeError(
+                f"TTLinear: input dtype {x.dtype} differs from the layer's dtype {weight.dtype}; convert the "
+                f"input (x.to({weight.dtype})) or the layer (layer.to({x.dtype}))"
+                if x.dtype.is_floating_point else
+                f"TTLinear: input must be floating point (the layer's dtype {weight.dtype}), got {x.dtype}"
+            )
+        if x.device != weight.device:
+            raise RuntimeError(
+                f"TTLinear: input on {x.device}, the layer's parameters on {weight.device}; move one to the other"
+            )
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(out_features, in_features)`` weight, differentiable in the cores."""
@@ -180,6 +217,14 @@ class TTLinear(TensorTrainModule):
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone())
         return layer
+
+
+def _autocast_on(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type`` (it then picks the GEMMs' dtype)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except (TypeError, RuntimeError):  # an older torch, or a device type autocast does not know
+        return torch.is_autocast_enabled() if device_type == "cuda" else False
 
 
 class NarrowLinear(nn.Linear):

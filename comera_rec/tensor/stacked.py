@@ -21,6 +21,7 @@ from comera_rec.tensor.contract import ttm_dense_table, ttm_embedding_bag
 from comera_rec.tensor.embedding import TTMEmbeddingBag
 from comera_rec.tensor.shapes import check_shape
 from comera_rec.tensor.train import TensorTrainModule, cap_ranks, check_float_dtype, check_rank
+from comera_rec.tensor.validation import check_rank_argument
 
 
 class StackedTTMTables(TensorTrainModule):
@@ -62,6 +63,7 @@ class StackedTTMTables(TensorTrainModule):
     ) -> None:
         super().__init__()
         dtype = check_float_dtype("StackedTTMTables", dtype)
+        rank = check_rank_argument("StackedTTMTables", rank)
         sizes = [int(v) for v in num_embeddings]
         if not sizes or any(v < 1 for v in sizes):
             raise ValueError(f"StackedTTMTables: num_embeddings must be positive integers, got {list(num_embeddings)}")

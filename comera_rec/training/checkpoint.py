@@ -14,7 +14,12 @@ and renames the folder into place (``os.replace``, atomic on one file system). A
 any point leaves either the previous complete checkpoints or a ``.tmp-*`` folder that is
 never loaded (and is removed by the next save). ``meta.json`` records the size of every
 rank file, so a file cut short later (a full disk, a bad copy) also makes the checkpoint
-incomplete, and its SHA-256, which loading verifies (damaged bytes are a clear error). Files are read with ``torch.load(weights_only=True)``: no pickled code runs.
+incomplete, and its SHA-256: :func:`latest_checkpoint` verifies the rank files of the
+candidates newest first and skips (with a warning naming it and why) every damaged one, so
+a resume falls back to the newest good checkpoint; :func:`load_checkpoint` verifies the
+file it reads again (damaged bytes asked for by name are a clear error) and logs the step
+and folder it loaded. Files are read with ``torch.load(weights_only=True)``: no pickled
+code runs.
 Before anything is written every process checks its state for NaN / inf; a non-finite
 value anywhere makes every process refuse the save (:class:`NonFiniteStateError`).
 """
@@ -122,54 +127,134 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:09d}"
 
 
-def is_complete(path: Union[str, Path]) -> bool:
-    """True if ``path`` is a finished checkpoint (named ``step_*`` with a valid meta.json)."""
-    path = Path(path)
+def _step_of(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))  # type: ignore[union-attr]
+
+
+def _incomplete_reason(path: Path) -> Optional[str]:
+    """Why ``path`` is not a finished checkpoint (a stat per rank file, no read), or None."""
     if not _NAME.match(path.name) or not path.is_dir():
-        return False
+        return "not a step_* folder"
     try:
         meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError):
-        return False
+    except (OSError, ValueError) as e:
+        return f"no valid meta.json ({type(e).__name__})"
     if not isinstance(meta, dict) or meta.get("complete") is not True:
-        return False
+        return 'meta.json does not say "complete": true'
     sizes = meta.get("files") or {}
+    if not isinstance(sizes, dict) or not isinstance(meta.get("sha256") or {}, dict):
+        return 'meta.json has malformed "files" or "sha256" entries'
+    try:
+        world = int(meta.get("world_size", 1))
+        for r in range(world):
+            file = path / f"rank{r}.pt"
+            if not file.is_file():
+                return f"{file.name} is missing"
+            if file.name in sizes and file.stat().st_size != int(sizes[file.name]):
+                # cut short after it was written
+                return f"{file.name} has {file.stat().st_size} bytes, meta.json says {sizes[file.name]} (cut short?)"
+    except (TypeError, ValueError) as e:
+        return f"meta.json has a malformed world_size or file size ({e})"
+    return None
+
+
+def is_complete(path: Union[str, Path]) -> bool:
+    """True if ``path`` is a finished checkpoint (named ``step_*`` with a valid meta.json).
+
+    Only sizes are checked (a stat per rank file); :func:`checkpoint_problem` also
+    verifies the checksums.
+    """
+    return _incomplete_reason(Path(path)) is None
+
+
+def checkpoint_problem(path: Union[str, Path]) -> Optional[str]:
+    """Why the checkpoint ``path`` cannot be resumed from, or None when it is sound.
+
+    Checks what :func:`is_complete` checks, then reads every rank file once and compares
+    its SHA-256 with the one recorded in ``meta.json`` (files written without a recorded
+    checksum are accepted on their size).
+
+    Args:
+        path: a ``step_*`` checkpoint folder.
+
+    Returns:
+        None, or a short reason: incomplete (no valid ``meta.json``, a rank file missing or
+        of the wrong size), unreadable (an error reading a rank file), or damaged (a
+        SHA-256 mismatch).
+
+    Example::
+
+        >>> checkpoint_problem("runs/demo/checkpoints/step_000000200")  # doctest: +SKIP
+        'incomplete: rank0.pt is missing'
+    """
+    path = Path(path)
+    reason = _incomplete_reason(path)
+    if reason is not None:
+        return f"incomplete: {reason}"
+    meta = json.loads((path / "meta.json").read_text())
+    expected = meta.get("sha256") or {}
     for r in range(int(meta.get("world_size", 1))):
         file = path / f"rank{r}.pt"
-        if not file.is_file():
-            return False
-        if file.name in sizes and file.stat().st_size != int(sizes[file.name]):
-            return False  # cut short after it was written
-    return True
+        if file.name not in expected:
+            continue
+        try:
+            actual = _sha256(file)
+        except OSError as e:
+            return f"unreadable: {file.name} ({e})"
+        if actual != expected[file.name]:
+            return f"damaged: the SHA-256 of {file.name} differs from the one in meta.json"
+    return None
 
 
 def list_checkpoints(root: Union[str, Path]) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
+    """Complete checkpoints under ``root``, oldest first (sizes checked, not checksums)."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if is_complete(p)]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))  # type: ignore[union-attr]
+    return sorted(found, key=_step_of)
 
 
 def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
-    """The newest complete checkpoint under ``root``, or None.
+    """The newest sound checkpoint under ``root``, or None.
+
+    Candidates (``step_*`` folders) are tried newest first; one that is incomplete,
+    unreadable or damaged (see :func:`checkpoint_problem`) is skipped with a warning naming
+    it and why, so a resume falls back to the newest good one. The rank files of the
+    checkpoint returned are read once to verify them. Every process gets the same answer
+    (all rank files are verified, not only this process's), without a collective.
+
+    Args:
+        root: folder holding all checkpoints of a run (need not exist).
+
+    Returns:
+        The checkpoint folder, or None when there is none or none is sound (a warning
+        then says how many were skipped).
 
     Example::
 
         >>> latest_checkpoint("runs/demo/checkpoints")  # doctest: +SKIP
         PosixPath('runs/demo/checkpoints/step_000000200')
     """
-    found = list_checkpoints(root)
     root = Path(root)
-    newest = int(_NAME.match(found[-1].name).group(1)) if found else -1  # type: ignore[union-attr]
-    if root.is_dir():
-        for p in root.iterdir():
-            m = _NAME.match(p.name)
-            if m and int(m.group(1)) > newest and not is_complete(p):
-                log.warning("ignoring incomplete checkpoint %s (no valid meta.json or a rank file "
-                            "missing / of the wrong size)", p)
-    return found[-1] if found else None
+    if not root.is_dir():
+        return None
+    candidates = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=_step_of,
+                        reverse=True)
+    skipped: list[str] = []
+    for p in candidates:
+        problem = checkpoint_problem(p)
+        if problem is None:
+            if skipped:
+                log.warning("falling back to checkpoint %s (step %d): %d newer checkpoint(s) skipped",
+                            p, _step_of(p), len(skipped))
+            return p
+        log.warning("skipping checkpoint %s: %s", p, problem)
+        skipped.append(p.name)
+    if skipped:
+        log.warning("no usable checkpoint under %s: all %d step_* folders were skipped (%s)", root,
+                    len(skipped), ", ".join(skipped))
+    return None
 
 
 def save_checkpoint(
@@ -188,7 +273,9 @@ def save_checkpoint(
         step: optimiser steps taken; names the checkpoint.
         state: this process's state: tensors, numbers, strings, lists, tuples, dicts.
         meta: JSON-serialisable description (ranks of the TT modules, config, ...).
-        keep: how many complete checkpoints to keep (older ones are deleted); 0 keeps all.
+        keep: how many complete checkpoints up to ``step`` to keep (older ones are deleted;
+            newer ones, left by a run resumed from an earlier checkpoint, are not counted
+            and stay until this run saves their step again); 0 keeps all.
 
     Returns:
         The checkpoint folder.
@@ -252,7 +339,9 @@ def save_checkpoint(
         os.replace(tmp, final)
         _fsync_dir(root)
         if keep > 0:
-            for old in list_checkpoints(root)[:-keep]:
+            # only checkpoints up to this step count: a newer one left behind (damaged, after
+            # a resume fell back past it) must not push the one just written out
+            for old in [p for p in list_checkpoints(root) if _step_of(p) <= step][:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
@@ -281,7 +370,8 @@ def load_checkpoint(path: Union[str, Path], rank: Optional[int] = None) -> tuple
         ValueError: the checkpoint was written by a different number of processes.
         pickle.UnpicklingError: the file holds an object other than tensors and plain
             types (it is refused, never run).
-        CheckpointError: the file is corrupt.
+        CheckpointError: the file is corrupt (cut short, or its SHA-256 differs from the
+            one in ``meta.json``).
     """
     path = Path(path)
     try:
@@ -314,6 +404,7 @@ def load_checkpoint(path: Union[str, Path], rank: Optional[int] = None) -> tuple
         raise CheckpointError(f"{file}: damaged (its SHA-256 differs from the one in meta.json)")
     if not isinstance(state, dict):
         raise CheckpointError(f"{file}: expected a dict of states, got {type(state).__name__}")
+    log.info("loaded checkpoint of step %s from %s (%s)", meta.get("step"), path, file.name)
     return state, meta
 
 

@@ -35,6 +35,7 @@ import logging
 import os
 import random
 import resource
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,8 +128,13 @@ class TrainerConfig:
     backend: str = "auto"
     """Process group backend when launched with torchrun: "gloo", "nccl" or "auto"."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in run_dir/checkpoints (fresh start if none).
-    Workers restarted by torchrun (TORCHELASTIC_RESTART_COUNT > 0) always do this."""
+    """Continue from the newest complete checkpoint in run_dir/checkpoints; with none there,
+    a FileNotFoundError naming the folder (a mistyped run_dir) unless resume_missing_ok.
+    Workers restarted by torchrun (TORCHELASTIC_RESTART_COUNT > 0) always resume, and start
+    afresh when no checkpoint has been written yet."""
+    resume_missing_ok: bool = False
+    """With resume: start afresh when run_dir holds no complete checkpoint instead of failing
+    (for job scripts that always pass --resume)."""
     skip_nonfinite: bool = True
     """Skip (and count) a batch whose loss or gradients are NaN / inf on any process instead of failing."""
     max_nonfinite: int = 100
@@ -166,6 +172,11 @@ class TrainerConfig:
             raise ValueError("TrainerConfig: max_steps and epochs are both 0; nothing to train")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"TrainerConfig.backend must be auto, gloo or nccl, got {self.backend!r}")
+        if not isinstance(self.run_dir, str) or not self.run_dir.strip():
+            # Path("") is the working directory: the log, plots and checkpoints would land there
+            raise ValueError(f"TrainerConfig.run_dir (trainer.run_dir) is empty ({self.run_dir!r}); it would write "
+                             f"the log and checkpoints into the working directory: give a folder, "
+                             f"e.g. trainer.run_dir=runs/my_run")
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -367,11 +378,73 @@ class Trainer:
         if name == "auto":
             name = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(name)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"trainer.device={self.config.device!r} asks for a GPU, but CUDA is not available "
+                             f"here (no GPU, no driver, or a CPU-only torch build); set trainer.device=cpu, "
+                             f"or auto to use a GPU only where there is one")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"trainer.device={self.config.device!r}, but this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s): cuda:0 .. "
+                             f"cuda:{torch.cuda.device_count() - 1}")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         if device.type == "cuda":
             torch.cuda.set_device(device)
         return device
+
+    def _check_writable(self) -> None:
+        """Fail before training when the run's folders cannot be written: ``run_dir`` (rank 0
+        writes the log, plots and summary there) and, with checkpoints on
+        (``checkpoint_at_end`` or ``checkpoint_every``), its ``checkpoints/`` folder, which
+        every process writes its rank file into. Both are created when missing.
+
+        Raises:
+            OSError: naming trainer.run_dir, the folder and the reason (a file in the way,
+                no permission, a read-only file system).
+        """
+        cfg = self.config
+        folders = [self.run_dir] if _rank() == 0 else []
+        if cfg.checkpoint_at_end or cfg.checkpoint_every:
+            folders.append(self.run_dir / "checkpoints")
+        for folder in folders:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                fd, probe = tempfile.mkstemp(prefix=f".write-test-rank{_rank()}-", dir=folder)
+                os.close(fd)
+                os.unlink(probe)
+            except OSError as e:
+                what = ("checkpoints are on (trainer.checkpoint_at_end / checkpoint_every), and "
+                        if folder != self.run_dir else "")
+                raise OSError(e.errno, f"trainer.run_dir={cfg.run_dir!r}: {what}cannot write into {folder} "
+                                       f"({e.strerror or e}); choose a writable trainer.run_dir") from e
+
+    def _resume_checkpoint(self) -> Optional[Path]:
+        """The checkpoint to resume from: the newest complete one in ``run_dir/checkpoints``
+        with ``resume`` or after a torchrun restart, else None.
+
+        Raises:
+            FileNotFoundError: ``resume`` is set, there is no complete checkpoint, this is
+                not a torchrun restart (whose first attempt may have written none) and
+                ``resume_missing_ok`` is off; the message names the folder.
+        """
+        cfg = self.config
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        folder = self.run_dir / "checkpoints"
+        resume_from = latest_checkpoint(folder) if cfg.resume or restarts > 0 else None
+        if restarts > 0 and _rank() == 0:
+            logger.warning("torchrun restart %d: %s", restarts,
+                           f"resuming from {resume_from}" if resume_from else "no checkpoint yet, starting afresh")
+        if cfg.resume and resume_from is None and restarts == 0:
+            if not cfg.resume_missing_ok:
+                where = "does not exist" if not folder.is_dir() else "holds no complete checkpoint"
+                raise FileNotFoundError(
+                    f"trainer.resume (--resume): {folder} {where}, so there is nothing to resume from; check "
+                    f"trainer.run_dir={cfg.run_dir!r}, or set trainer.resume_missing_ok=true to start afresh "
+                    f"when there is no checkpoint")
+            if _rank() == 0:
+                logger.warning("trainer.resume: no complete checkpoint in %s, starting afresh "
+                               "(trainer.resume_missing_ok)", folder)
+        return resume_from
 
     @property
     def optimizers(self) -> list[Any]:
@@ -663,6 +736,9 @@ class Trainer:
         self.device = self._device()
         if cfg.cuda_graphs:
             self._check_cuda_graphs()
+        # before anything is built or written: a run that cannot finish fails now
+        resume_from = self._resume_checkpoint()
+        self._check_writable()
         if cfg.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
         rank = self.process_rank = _rank()
@@ -671,11 +747,6 @@ class Trainer:
         np.random.seed(cfg.seed)
         self.model = self.task.build_model(self.device)
         self._rng_to_restore: Optional[dict[str, Any]] = None
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        resume_from = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume or restarts > 0 else None
-        if restarts > 0 and rank == 0:
-            logger.warning("torchrun restart %d: %s", restarts,
-                        f"resuming from {resume_from}" if resume_from else "no checkpoint yet, starting afresh")
         if resume_from is not None:
             self._restore(resume_from)
         else:

@@ -308,8 +308,9 @@ def run_masked_lm(cfg: MaskedLMRun) -> dict[str, Any]:
     optim2 = dataclasses.replace(cfg.optim, lr_cores=cfg.optim.lr_cores * p2.lr_scale,
                                  lr_controllers=cfg.optim.lr_controllers * p2.lr_scale,
                                  lr_other=cfg.optim.lr_other * p2.lr_scale)
+    # a resume after phase 1 finished may find phase 2 not yet started: that is a fresh phase 2
     t2 = dataclasses.replace(cfg.trainer, run_dir=str(run_dir / "phase2"), max_steps=p2.steps,
-                             seed=cfg.trainer.seed + 1)
+                             seed=cfg.trainer.seed + 1, resume_missing_ok=True)
     trainer2 = TransformerTrainer(task2, t2, sched2, optim2, cfg)
     out["phase2"] = _finish(trainer2, trainer2.fit(), cfg.method, Path(t2.run_dir))
     return out
