@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine (see README.md):
-#   make demo   - creates .venv, installs the pinned CPU set, runs the main job
+#   make demo   - creates .venv, installs the pinned CPU set, builds the fused CPU kernels, runs the main job
 #   make test   - creates .venv if needed, runs the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt third_party/fbgemm-gpu-shim/pyproj
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements/cpu.txt
 	$(PY) -m pip install --quiet -e ".[dev,baselines]"
+	$(PY) -m comera_rec.tensor.kernels  # the fused CPU kernels (1-3 min, once per machine), not in a training step
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -57,6 +57,7 @@ from comera_rec.rank.size import (
 )
 from comera_rec.rank.truncation import resize_to_state_dict
 from comera_rec.tensor.embedding import set_static_shapes
+from comera_rec.tensor.kernels import build_cpu_kernels
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training import faults
 from comera_rec.training.cuda_graph import CaptureBackend, CudaGraphCapture, StepGraphs, capturable_objective
@@ -741,6 +742,11 @@ class Trainer:
         self._check_writable()
         if cfg.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
+        if self.device.type == "cpu":
+            # a build of the fused kernels happens now, not inside the first step (whose
+            # time would make the progress bar's ETA read hours); "building" / "built" lines
+            # at INFO, "already built" at DEBUG
+            build_cpu_kernels(say=lambda line: (logger.info if line.startswith("buil") else logger.debug)(line))
         rank = self.process_rank = _rank()
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)

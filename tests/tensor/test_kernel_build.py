@@ -1,15 +1,25 @@
-"""The fused CPU kernels' build (kernels/ttm_cpu.py): the lock around it (exclusive_build) and
-the ninja it runs (pinned_ninja_on_path)."""
+"""The fused CPU kernels' build (kernels/ttm_cpu.py): the lock around it (exclusive_build), the
+ninja it runs (pinned_ninja_on_path), and the build at set-up (build_cpu_kernels, run by
+``python -m comera_rec.tensor.kernels`` in the Makefile's install step) instead of inside the
+first training step. Nothing here compiles: ``cpp_extension.load`` is replaced by a fake."""
 
 import fcntl
+import logging
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
 
 import pytest
+import torch.utils.cpp_extension
 
+from comera_rec.tensor import kernels
+from comera_rec.tensor.kernels import __main__ as command
+from comera_rec.tensor.kernels import ttm_cpu
 from comera_rec.tensor.kernels.ttm_cpu import exclusive_build, pinned_ninja_on_path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_stale_cpp_extension_lock_is_removed(tmp_path):
@@ -79,3 +89,146 @@ def test_no_path_at_all_is_restored_as_none(monkeypatch):
     with pinned_ninja_on_path():
         assert os.environ["PATH"]  # the pinned ninja's folder
     assert "PATH" not in os.environ
+
+
+# ---------------------------------------------------------------- the build at set-up
+
+
+class _Built:
+    """What the fake build returns: the one call the loader's callers make at once."""
+
+    def vector_bytes(self) -> int:
+        return 32
+
+
+@pytest.fixture
+def fake_build(monkeypatch, tmp_path):
+    """``cpp_extension.load`` recorded, not run (it writes the library file a build leaves);
+    builds go to ``tmp_path``; the loader's caches are cleared before and after, so that
+    the real kernels load again for the tests that follow."""
+    calls = []
+
+    def load(name, sources, build_directory, **kwargs):
+        calls.append(name)
+        Path(build_directory, f"{name}.so").write_bytes(b"")
+        return _Built()
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv(ttm_cpu.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(ttm_cpu.VECTOR_BYTES_ENV, raising=False)
+    monkeypatch.setattr(ttm_cpu, "_enabled", True)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    ttm_cpu._extension.cache_clear()
+    ttm_cpu.cpu_vector_bytes.cache_clear()
+    yield calls
+    ttm_cpu._extension.cache_clear()
+    ttm_cpu.cpu_vector_bytes.cache_clear()
+
+
+def test_the_command_builds_once_with_a_line_before_and_after(fake_build, capsys):
+    assert command.main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    build_dir = ttm_cpu._build_spec()[1]
+    assert len(fake_build) == 1 and len(lines) == 2, lines
+    assert lines[0].startswith("building the fused CPU kernels for ")
+    assert "1-3 min" in lines[0] and "once per machine" in lines[0] and str(build_dir) in lines[0]
+    assert re.match(r"built the fused CPU kernels in \d+ s: .*32-byte vectors.*, cached in ", lines[1]), lines[1]
+    assert lines[1].endswith(str(build_dir))
+    assert kernels.cpu_kernel_enabled() and len(fake_build) == 1  # the first use finds them loaded
+
+
+def test_built_kernels_are_checked_not_rebuilt(fake_build, capsys):
+    name, build_dir, _ = ttm_cpu._build_spec()
+    build_dir.mkdir(parents=True)
+    (build_dir / f"{name}.so").write_bytes(b"")  # newer than the sources
+    result = kernels.build_cpu_kernels(print)
+    lines = capsys.readouterr().out.splitlines()
+    assert result.ready and not result.built and result.vector_bytes == 32 and result.build_dir == build_dir
+    assert len(lines) == 1 and lines[0].startswith("the fused CPU kernels are built: ") and str(build_dir) in lines[0]
+    assert len(fake_build) == 1  # the loader's check (ninja finds nothing to do)
+
+
+def test_a_source_newer_than_the_build_is_a_build(fake_build, tmp_path):
+    name, build_dir, _ = ttm_cpu._build_spec()
+    build_dir.mkdir(parents=True)
+    library = build_dir / f"{name}.so"
+    library.write_bytes(b"")
+    assert not ttm_cpu._needs_build(name, build_dir)
+    old = ttm_cpu._SOURCES[0].stat().st_mtime - 10
+    os.utime(library, (old, old))
+    assert ttm_cpu._needs_build(name, build_dir)
+    assert ttm_cpu._needs_build(name, tmp_path / "nothing here")
+
+
+@pytest.mark.parametrize("switch", ["env", "call"])
+def test_disabled_kernels_exit_0_with_their_line_and_build_nothing(fake_build, monkeypatch, capsys, switch):
+    if switch == "env":
+        monkeypatch.setenv(ttm_cpu.DISABLE_ENV, "1")
+    else:
+        monkeypatch.setattr(ttm_cpu, "_enabled", False)
+    assert command.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("the fused CPU kernels are disabled (") and "PyTorch path" in out
+    assert out.count("\n") == 1 and fake_build == []
+    assert command.main(["--require"]) == 1
+
+
+def test_no_compiler_exits_0_with_its_line(fake_build, monkeypatch, capsys, caplog):
+    def no_compiler(name, **kwargs):
+        fake_build.append(name)
+        raise RuntimeError("Error building extension 'x': /bin/sh: 1: c++: not found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setenv("CXX", "comera-no-such-compiler")
+    with caplog.at_level(logging.WARNING, logger=ttm_cpu.__name__):
+        assert command.main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("building the fused CPU kernels")
+    assert lines[-1].startswith("the fused CPU kernels could not be built (no C++ compiler found")
+    assert "PyTorch path" in lines[-1] and len(fake_build) == 1
+    assert "fused CPU kernels unavailable" in caplog.text  # the loader's warning, with the compiler's error
+    assert not kernels.cpu_kernel_enabled() and len(fake_build) == 1  # failed once, not again at first use
+
+
+def test_a_failed_build_with_a_compiler_names_the_error(fake_build, monkeypatch, capsys):
+    def broken(name, **kwargs):
+        raise RuntimeError("Error building extension 'x'\nttm_cpu.cpp:1: error: ...")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
+    monkeypatch.setattr(ttm_cpu, "_compiler_found", lambda: True)
+    result = kernels.build_cpu_kernels(print)
+    assert not result.ready
+    assert "could not be built (Error building extension 'x')" in capsys.readouterr().out
+
+
+def test_a_build_at_first_use_logs_how_long_it_may_take(fake_build, caplog):
+    # no build at set-up (a source changed since): the call that needs the kernels builds them
+    with caplog.at_level(logging.INFO, logger=ttm_cpu.__name__):
+        assert kernels.cpu_kernel_enabled()
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "building the fused CPU kernels" in messages[0]
+    assert "1-3 min" in messages[0] and "waits" in messages[0] and "python -m comera_rec.tensor.kernels" in messages[0]
+    assert messages[1].startswith("built the fused CPU kernels in ")
+
+
+def test_the_build_target_is_named(monkeypatch):
+    monkeypatch.setattr(ttm_cpu.platform, "machine", lambda: "x86_64")
+    for flags, expected in (("fpu sse2 avx avx2 avx512f", "AVX-512 (64-byte vectors)"),
+                            ("fpu sse2 avx avx2", "AVX2 (32-byte vectors)"), ("fpu sse2", "SSE2 (16-byte vectors)")):
+        monkeypatch.setattr(ttm_cpu, "_cpu_flags_line", lambda flags=flags: f"flags\t\t: {flags}\n")
+        assert ttm_cpu._target_description("") == expected
+    assert ttm_cpu._target_description("64") == f"64-byte vectors ({ttm_cpu.VECTOR_BYTES_ENV}=64)"
+
+
+def test_the_install_rule_builds_the_kernels():
+    # make demo / make test reach the kernels through $(STAMP): built there, not in a training step
+    makefile = (ROOT / "Makefile").read_text()
+    rule = re.search(r"^\$\(STAMP\):.*\n((?:\t.*\n)+)", makefile, re.M)
+    assert rule is not None
+    recipe = [line.strip() for line in rule.group(1).splitlines()]
+    build = next(i for i, line in enumerate(recipe) if line.startswith("$(PY) -m comera_rec.tensor.kernels"))
+    install = next(i for i, line in enumerate(recipe) if line.startswith("$(PY) -m pip install") and " -e " in line)
+    assert install < build < recipe.index("touch $(STAMP)")
+    for target in ("demo", "test"):
+        assert re.search(rf"^{target}: \$\(STAMP\)", makefile, re.M), target

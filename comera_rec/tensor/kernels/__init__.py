@@ -8,8 +8,9 @@ only, so the CPU path pays nothing. The fused Triton lookup is used when
 * it is not disabled: neither ``COMERA_DISABLE_TRITON=1`` in the environment nor
   :func:`set_triton_enabled(False) <set_triton_enabled>`.
 
-See ``docs/gpu.md`` for the design. On CPU, C++ kernels (one extension, built on first
-use: :mod:`.ttm_cpu`) take the TTM lookup, the TT linear with its ReLU and DLRM's
+See ``docs/gpu.md`` for the design. On CPU, C++ kernels (one extension, built at set-up by
+:func:`build_cpu_kernels` / ``python -m comera_rec.tensor.kernels``, else on first use:
+:mod:`.ttm_cpu`) take the TTM lookup, the TT linear with its ReLU and DLRM's
 pairwise-dot interaction, unless ``COMERA_DISABLE_CPU_KERNEL=1`` or
 :func:`set_cpu_kernel_enabled(False) <set_cpu_kernel_enabled>`; each ``*_applies``
 function says whether its kernel takes a call.
@@ -23,7 +24,9 @@ from typing import Sequence
 
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup (built on first use)
+from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup, and the build of all the CPU kernels
+    KernelBuild,
+    build_cpu_kernels,
     check_jagged,
     cpu_kernel_applies,
     cpu_kernel_enabled,
@@ -101,7 +104,9 @@ def ttm_embedding_bag_triton(
 
 
 __all__ = [
+    "build_cpu_kernels",
     "check_jagged",
+    "KernelBuild",
     "DISABLE_ENV",
     "cpu_kernel_applies",
     "cpu_kernel_enabled",

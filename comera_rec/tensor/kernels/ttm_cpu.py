@@ -1,4 +1,5 @@
-"""The fused CPU TTM lookup (``ttm_cpu.cpp``): its build on first use and its autograd function.
+"""The fused CPU TTM lookup (``ttm_cpu.cpp``): the build of the CPU kernels (at set-up, else on first
+use) and the lookup's autograd function.
 
 The kernel keeps both levels of de-duplication of the PyTorch path but needs no sort
 and forms nothing of a table's size: every id's prefix and suffix key is given a slot
@@ -7,10 +8,12 @@ prefix and suffix is contracted once, and one pass per bag contracts prefix x su
 and pools. The backward sends each row's gradient into its two slots, then the slots'
 gradients into the core slices, every write owned by one thread (no atomics).
 
-The extension is compiled by ``torch.utils.cpp_extension`` the first time a CPU lookup
-needs it (tens of seconds, once per machine: it is cached under
+The extension is compiled by ``torch.utils.cpp_extension`` during set-up
+(:func:`build_cpu_kernels`, which ``python -m comera_rec.tensor.kernels`` and ``make``'s
+install step run), else the first time a CPU call needs it (1-3 min, once per machine and
+source version: that call waits, and the log says so). It is cached under
 ``TORCH_EXTENSIONS_DIR/comera_rec``, by default ``~/.cache/torch_extensions/comera_rec``;
-a build killed half-way is cleaned up by the next, :func:`exclusive_build`). Without a C++
+a build killed half-way is cleaned up by the next, :func:`exclusive_build`. Without a C++
 compiler the build fails once, with a warning, and lookups take the PyTorch path;
 ``COMERA_DISABLE_CPU_KERNEL=1`` or :func:`set_cpu_kernel_enabled(False)
 <set_cpu_kernel_enabled>` choose the PyTorch path on purpose.
@@ -31,9 +34,12 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -46,20 +52,42 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "ttm_cpu.cpp", "tt_linear_cpu.cpp", "interaction_cpu.cpp", "checks_cpu.cpp", "rowwise_bag_cpu.cpp"
 )]
 _HEADERS = [Path(__file__).with_name("simd.h")]
+BUILD_TIME = "1-3 min"  # a build of the five sources: 150 s on 2 cores, less with more (ninja runs one per core)
 _enabled = True
 _build_lock = threading.Lock()
+_quiet_build = False  # build_cpu_kernels says its own lines around the build
+_build_error: str | None = None  # why the last build failed
+
+
+def _cpu_flags_line() -> str:
+    """The ``flags`` line of ``/proc/cpuinfo`` (``""`` where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
 
 
 def _host_tag() -> str:
     """A short tag of this CPU's instruction set: the build uses ``-march=native``, so a
     cache shared by different machines must not hand one machine's build to another."""
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags += next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    return hashlib.sha1((platform.machine() + _cpu_flags_line()).encode()).hexdigest()[:8]
+
+
+def _target_description(width: str) -> str:
+    """What the build targets, for the log: ``"AVX2 (32-byte vectors)"``, or the forced width."""
+    if width:
+        return f"{width}-byte vectors ({VECTOR_BYTES_ENV}={width})"
+    machine = platform.machine()
+    flags = set(_cpu_flags_line().partition(":")[2].split())
+    if machine in ("x86_64", "AMD64") and flags:
+        for flag, name, size in (("avx512f", "AVX-512", 64), ("avx2", "AVX2", 32), ("avx", "AVX", 32)):
+            if flag in flags:
+                return f"{name} ({size}-byte vectors)"
+        return "SSE2 (16-byte vectors)"
+    if machine in ("aarch64", "arm64"):
+        return "NEON (16-byte vectors)"
+    return f"{machine} (this CPU's widest vectors)"
 
 
 def _source_tag() -> str:
@@ -165,30 +193,148 @@ def _build_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "comera_rec"
 
 
+def _build_spec() -> tuple[str, Path, list[str]]:
+    """``(name, build folder, compiler flags)`` of this machine's build (and of
+    ``COMERA_CPU_VECTOR_BYTES``, which makes a build of its own)."""
+    width = _forced_vector_bytes()
+    flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+    if width:  # the vectors and register tiles of a machine whose widest vectors are these
+        flags += [f"-DCOMERA_VECTOR_BYTES={width}", f"-DCOMERA_VECTOR_REGISTERS={32 if width == '64' else 16}"]
+    name = f"comera_cpu_{_host_tag()}_{_source_tag()}" + (f"_v{width}" if width else "")
+    return name, _build_root() / name, flags
+
+
+def _needs_build(name: str, build_dir: Path) -> bool:
+    """Whether loading will compile: no library yet, or a source newer than it (a changed
+    header makes a new name, :func:`_source_tag`). Else loading is a check, under a second."""
+    try:
+        built = (build_dir / f"{name}.so").stat().st_mtime
+    except OSError:
+        return True
+    return any(p.stat().st_mtime > built for p in _SOURCES)
+
+
 @functools.lru_cache(maxsize=None)
 def _extension():
-    """The compiled module, or ``None`` when it cannot be built (logged once)."""
-    width = _forced_vector_bytes()  # a bad value is the caller's error, not a failed build
+    """The compiled module, or ``None`` when it cannot be built (logged once).
+
+    Built here when nothing built before (:func:`build_cpu_kernels` at set-up): the call
+    that first needs a kernel waits for the build, and the log says how long it may take.
+    """
+    global _build_error
+    _forced_vector_bytes()  # a bad value is the caller's error, not a failed build
     with _build_lock:
         try:
             from torch.utils.cpp_extension import load
 
-            flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
-            if width:  # the vectors and register tiles of a machine whose widest vectors are these
-                flags += [f"-DCOMERA_VECTOR_BYTES={width}", f"-DCOMERA_VECTOR_REGISTERS={32 if width == '64' else 16}"]
-            name = f"comera_cpu_{_host_tag()}_{_source_tag()}" + (f"_v{width}" if width else "")
-            build_dir = _build_root() / name
-            if not (build_dir / f"{name}.so").exists():  # else a check of the sources, under a second
-                logger.info("building the fused CPU kernels in %s (once per machine and source version, "
-                            "about a minute)", build_dir)
+            name, build_dir, flags = _build_spec()
+            building = _needs_build(name, build_dir)
+            if building and not _quiet_build:
+                logger.info("building the fused CPU kernels for %s in %s: once per machine and source version, "
+                            "%s, and this call waits for it (`python -m comera_rec.tensor.kernels` builds them "
+                            "ahead, as `make`'s set-up does)", _target_description(_forced_vector_bytes()),
+                            build_dir, BUILD_TIME)
+            start = time.perf_counter()
             with exclusive_build(build_dir), pinned_ninja_on_path():
-                return load(
+                module = load(
                     name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
                     extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
                 )
+            if building and not _quiet_build:
+                logger.info("built the fused CPU kernels in %.0f s (cached in %s)", time.perf_counter() - start,
+                            build_dir)
+            _build_error = None
+            return module
         except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch path still works
+            _build_error = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             logger.warning("fused CPU kernels unavailable (%s); lookups and TT layers use the PyTorch path", exc)
             return None
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """What :func:`build_cpu_kernels` found or did.
+
+    Attributes:
+        ready: the kernels are loaded: CPU calls take them (unless switched off later).
+        built: they were compiled by this call (``False``: found built, disabled or failed).
+        seconds: how long the call took.
+        build_dir: where they are cached (``None`` when disabled).
+        vector_bytes: the build's vector width (0 when not ready).
+        message: the last line said: what happened, for a person.
+    """
+
+    ready: bool
+    built: bool
+    seconds: float
+    build_dir: Path | None
+    vector_bytes: int
+    message: str
+
+
+def _compiler_found() -> bool:
+    """Whether the C++ compiler cpp_extension runs (``CXX``, else ``c++``) is on ``PATH``."""
+    return shutil.which(os.environ.get("CXX") or "c++") is not None
+
+
+def build_cpu_kernels(say: Callable[[str], None] | None = None) -> KernelBuild:
+    """Build (or find built) the fused CPU kernels now, not in the first call that needs them.
+
+    Runs the loader the kernels use (:func:`_extension`: same build folder, lock and
+    ``ninja``), saying one line before a build (the target, the folder, how long) and one
+    after (the time, the cache). Run by ``python -m comera_rec.tensor.kernels`` and so by
+    ``make``'s set-up; a trainer may call it before its loop, so that no training step
+    waits for a build. Never raises for a missing compiler or a failed build: it says so,
+    and CPU calls take the PyTorch path (same values, slower).
+
+    Args:
+        say: where the lines go (default: this module's logger at INFO).
+
+    Returns:
+        A :class:`KernelBuild`.
+
+    Example::
+
+        >>> result = build_cpu_kernels(print)  # doctest: +SKIP
+        building the fused CPU kernels for AVX2 (32-byte vectors) in ~/.cache/..., once per machine and source version, 1-3 min
+        built the fused CPU kernels in 151 s: AVX2 (32-byte vectors), cached in ~/.cache/...
+    """
+    global _quiet_build
+    say = say or logger.info
+    start = time.perf_counter()
+    if disabled_by_env(DISABLE_ENV) or not _enabled:
+        by_env = disabled_by_env(DISABLE_ENV)
+        why = f"{DISABLE_ENV}={os.environ[DISABLE_ENV]}" if by_env else "set_cpu_kernel_enabled(False)"
+        message = f"the fused CPU kernels are disabled ({why}): nothing to build, CPU calls take the PyTorch path"
+        say(message)
+        return KernelBuild(False, False, time.perf_counter() - start, None, 0, message)
+    name, build_dir, _ = _build_spec()
+    target = _target_description(_forced_vector_bytes())
+    loaded = _extension.cache_info().currsize > 0  # loaded (or failed) earlier in this process
+    building = not loaded and _needs_build(name, build_dir)
+    if building:
+        say(f"building the fused CPU kernels for {target} in {build_dir}, once per machine and source version, "
+            f"{BUILD_TIME}")
+    _quiet_build = True
+    try:
+        ext = _extension()
+    finally:
+        _quiet_build = False
+    seconds = time.perf_counter() - start
+    if ext is None:
+        reason = "no C++ compiler found (CXX, else c++ on PATH)" if not _compiler_found() else _build_error
+        message = (f"the fused CPU kernels could not be built ({reason}): CPU calls take the PyTorch path "
+                   f"(same values, slower); with g++ installed, `python -m comera_rec.tensor.kernels` builds them")
+        say(message)
+        return KernelBuild(False, False, seconds, build_dir, 0, message)
+    width = int(ext.vector_bytes())
+    what = target if _forced_vector_bytes() or f"({width}-byte" in target else f"{width}-byte vectors"
+    if building:
+        message = f"built the fused CPU kernels in {seconds:.0f} s: {what}, cached in {build_dir}"
+    else:
+        message = f"the fused CPU kernels are built: {what}, cached in {build_dir} (checked in {seconds:.1f} s)"
+    say(message)
+    return KernelBuild(True, building, seconds, build_dir, width, message)
 
 
 @functools.lru_cache(maxsize=None)
