@@ -1,4 +1,13 @@
-"""The rank-adaptive objective and its two-stage schedule (method.md section 2).
+"""The rank-adaptive objective and its schedule (method.md section 2).
+
+Two modes. ``mode="budget"`` (the default) asks for a size, not a ``gamma``: the live size
+follows a plan from the starting size down to the target ``S0`` (``target_size_bytes`` or
+``target_size_ratio`` of the starting size) between ``prune_start`` and ``prune_end`` (as
+fractions of the run's steps), cutting at each event the rank slices whose loss cost per
+byte is least (:mod:`comera_rec.rank.budget`); after ``prune_end`` the model trains on at
+the ranks found. Its stages are "early" (before the window), "prune" and "finetune".
+
+``mode="threshold"`` is the reference schedule, kept for comparison (docs/rank.md):
 
 Early stage (linear scalarisation)::
 
@@ -24,10 +33,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from comera_rec.rank.budget import (
+    SliceImportance,
+    apply_cuts,
+    cut_plan_steps,
+    planned_size,
+)
 from comera_rec.rank.size import model_tt_size, size_element_bytes
 from comera_rec.rank.truncation import TruncationResult, truncate_model
 from comera_rec.tensor.train import tensor_train_modules
 
+MODES = ("budget", "threshold")
+TARGET_TOLERANCE = 0.1  # budget mode: the size reached is within this fraction of the target
 SWITCH_MODES = ("step", "plateau", "size_target")
 SURROGATES = ("mean", "sum")
 
@@ -38,8 +55,20 @@ class RankScheduleConfig:
 
     enabled: bool = True
     """Add the size terms at all; False trains on the task loss alone (dense baselines)."""
+    mode: str = "budget"
+    """"budget": reach the size target (target_size_bytes / target_size_ratio) on a planned
+    path by cutting the slices of least loss cost per byte; "threshold": the reference
+    schedule (gamma-weighted surrogate, cuts below threshold every truncate_every steps)."""
+    prune_start: float = 0.05
+    """budget: fraction of the run's steps after which cutting starts."""
+    prune_end: float = 0.4
+    """budget: fraction of the run's steps by which the target is reached; the rest of the
+    run trains at the ranks found."""
+    num_cuts: int = 20
+    """budget: number of cut events, spread evenly over the window."""
     gamma: float = 0.01
-    """Weight of the size surrogate S^ in the early stage (reference 0.01)."""
+    """Threshold mode: weight of the size surrogate S^ in the early stage (reference 0.01).
+    Not used in budget mode."""
     beta: float = 0.0
     """Weight of the squared L2 norm of the TT cores in the early stage (reference 0)."""
     threshold: float = 1e-2
@@ -63,8 +92,9 @@ class RankScheduleConfig:
     """switch="size_target": start the late stage once S (in bytes) is at most this."""
     target_size_bytes: Optional[int] = None
     """S0 in bytes; when None, S0 = target_size_ratio * S at the switch."""
-    target_size_ratio: float = 0.2
-    """S0 as a fraction of S at the switch (reference 0.2); used when target_size_bytes is None."""
+    target_size_ratio: float = 0.25
+    """S0 as a fraction of S at the start of the run (budget) or at the switch (threshold;
+    the reference run used 0.2); used when target_size_bytes is None."""
     target_loss: float = 0.0
     """L0, the loss the late stage aims at."""
     rho_loss: float = 0.1
@@ -85,6 +115,13 @@ class RankScheduleConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"RankScheduleConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"RankScheduleConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if not (0.0 <= self.prune_start < self.prune_end <= 1.0):
+            raise ValueError(f"RankScheduleConfig: need 0 <= prune_start < prune_end <= 1, got prune_start="
+                             f"{self.prune_start!r}, prune_end={self.prune_end!r}")
+        if not isinstance(self.num_cuts, int) or self.num_cuts < 1:
+            raise ValueError(f"RankScheduleConfig.num_cuts must be an integer >= 1, got {self.num_cuts!r}")
         if self.switch not in SWITCH_MODES:
             raise ValueError(f"RankScheduleConfig.switch must be one of {SWITCH_MODES}, got {self.switch!r}")
         if self.surrogate not in SURROGATES:
@@ -110,7 +147,7 @@ class ObjectiveTerms:
         task_loss: L.
         surrogate: S^.
         size: S (core entries at the live ranks).
-        stage: "early" or "late".
+        stage: "early" or "late" (threshold mode); "early", "prune" or "finetune" (budget).
         choice: late stage only: "size" or "loss", the term descended this step.
     """
 
@@ -151,6 +188,82 @@ class RankSchedule:
         self.last_choice: Optional[str] = None
         self.last_truncation: Optional[TruncationResult] = None
         self._element_bytes = 4
+        # budget mode
+        self.total_steps: Optional[int] = None
+        self.size_at_start: int = 0
+        self.importance = SliceImportance(config.threshold)
+        self.last_cuts: list = []
+
+    # ------------------------------------------------------------------ budget plan
+    @property
+    def budget(self) -> bool:
+        """Whether the schedule steers to a size target (``mode="budget"``) and is on."""
+        return self.config.enabled and self.config.mode == "budget"
+
+    def set_total_steps(self, total_steps: Optional[int]) -> None:
+        """Tell the budget schedule how long the run is (the Trainer does, from its config).
+
+        Args:
+            total_steps: optimiser steps of the whole run; None when unknown (the budget
+                schedule then never cuts).
+        """
+        if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
+            raise ValueError(f"RankSchedule.set_total_steps: expected a positive integer, got {total_steps!r}")
+        self.total_steps = total_steps
+
+    def window(self) -> tuple[int, int]:
+        """Budget mode: the (first, last) step of the cutting window.
+
+        Raises:
+            ValueError: the run's length is unknown (see :meth:`set_total_steps`).
+        """
+        if self.total_steps is None:
+            raise ValueError("RankSchedule(mode='budget') needs the run's length to plan its cuts: call "
+                             "set_total_steps() (the Trainer does, from trainer.max_steps)")
+        c = self.config
+        start = int(round(c.prune_start * self.total_steps))
+        end = max(start + 1, int(round(c.prune_end * self.total_steps)))
+        return start, end
+
+    def cut_steps(self) -> list[int]:
+        """Budget mode: the steps at which slices are cut (empty when the length is unknown)."""
+        if not self.budget or self.total_steps is None:
+            return []
+        start, end = self.window()
+        return cut_plan_steps(start, end, self.config.num_cuts)
+
+    def budget_stage(self, step: int) -> str:
+        """Budget mode: "early" before the window, "prune" inside, "finetune" after."""
+        if self.total_steps is None:
+            return "early"
+        start, end = self.window()
+        return "early" if step < start else ("prune" if step < end else "finetune")
+
+    def _note_start(self, model: nn.Module) -> None:
+        if self.size_at_start == 0:
+            self.size_at_start = self.size(model)
+            self._element_bytes = size_element_bytes(model)
+
+    def planned_size(self, step: int) -> float:
+        """Budget mode: the size (core entries) the plan asks for after ``step`` steps."""
+        start, end = self.window()
+        return planned_size(step, start, end, self.size_at_start, self.target_size_elements())
+
+    def observe_gradients(self, model: nn.Module) -> None:
+        """Budget mode: after each backward (gradients all-reduced), add this step's slice
+        costs; a no-op otherwise and after the window."""
+        if not self.budget or self.total_steps is None or self.stage == "finetune":
+            return
+        self.importance.observe(model)
+
+    def capturable(self, step: int, model: nn.Module) -> bool:
+        """Whether this step's objective can be captured in a CUDA graph: always in budget
+        mode (the objective is the task loss), the early stage in threshold mode."""
+        c = self.config
+        if not c.enabled:
+            return True
+        self.maybe_switch(step, model)
+        return c.mode == "budget" or self.stage == "early"
 
     # ------------------------------------------------------------------ size
     def size(self, model: nn.Module) -> int:
@@ -208,6 +321,10 @@ class RankSchedule:
             True if the stage changed now.
         """
         c = self.config
+        if self.budget:
+            self._note_start(model)
+            stage, self.stage = self.stage, self.budget_stage(step)
+            return stage != self.stage
         if not (c.enabled and c.late_stage) or self.stage == "late":
             return False
         if c.switch == "step" and step >= c.switch_step:
@@ -236,7 +353,7 @@ class RankSchedule:
             self.evals_without_improvement = 0
         else:
             self.evals_without_improvement += 1
-        if not (c.enabled and c.late_stage) or self.stage == "late" or c.switch != "plateau":
+        if not (c.enabled and c.late_stage) or self.stage == "late" or c.switch != "plateau" or self.budget:
             return False
         if self.evals_without_improvement >= c.plateau_patience:
             self._start_late(step, model)
@@ -269,6 +386,8 @@ class RankSchedule:
             return ObjectiveTerms(task_loss, float(task_loss.detach()), 0.0, 0, self.stage)
         self._element_bytes = size_element_bytes(model)
         self.maybe_switch(step, model)
+        if self.budget:  # the size is steered by cuts, not by a term of the loss
+            return ObjectiveTerms(task_loss, float(task_loss.detach()), 0.0, self.size(model), self.stage)
         s_hat = self.surrogate(model).to(task_loss.device)
         size = self.size(model)
         if self.stage == "early":
@@ -304,10 +423,19 @@ class RankSchedule:
         return "size" if size_gap > loss_gap else "loss"
 
     def target_size_elements(self) -> float:
-        """S0 in core entries: the byte budget or the ratio of S at the switch."""
+        """S0 in core entries: the byte budget, or the ratio of S at the start (budget mode)
+        or at the switch (threshold mode)."""
         if self.config.target_size_bytes is not None:
             return self.config.target_size_bytes / self._element_bytes
+        if self.config.mode == "budget":
+            return float(self.size_at_start) * self.config.target_size_ratio
         return self.target_size()
+
+    def target_bytes(self) -> Optional[int]:
+        """Budget mode: S0 in bytes (None in threshold mode or before the start is known)."""
+        if not self.budget or (self.size_at_start == 0 and self.config.target_size_bytes is None):
+            return None
+        return int(round(self.target_size_elements() * self._element_bytes))
 
     def __call__(self, model: nn.Module, task_loss: torch.Tensor, step: int) -> torch.Tensor:
         """Shorthand for ``objective(model, task_loss, step).loss``."""
@@ -317,42 +445,71 @@ class RankSchedule:
     def should_truncate(self, step: int) -> bool:
         """True when ``step`` (optimiser steps taken) is a truncation step."""
         c = self.config
+        if self.budget:
+            return step in self.cut_steps()
         return c.enabled and c.truncate_every > 0 and step > 0 and step % c.truncate_every == 0
 
-    def truncate(self, model: nn.Module) -> bool:
-        """Cut dead ranks of every TT module (``truncate_ranks(tau)``).
+    def truncate(self, model: nn.Module, step: Optional[int] = None) -> bool:
+        """Cut ranks of every TT module.
 
-        The details (replaced parameters and kept indices, for moving optimiser state)
-        are in :attr:`last_truncation`.
+        Threshold mode: the dead slices (``truncate_ranks(tau)``). Budget mode: also the
+        slices of least loss cost per byte until the live size is at most the plan's size
+        at ``step`` (the target at the end of the window; see :mod:`comera_rec.rank.budget`),
+        listed in :attr:`last_cuts`. The details (replaced parameters and kept indices, for
+        moving optimiser state) are in :attr:`last_truncation`.
+
+        Args:
+            model: the unwrapped model.
+            step: optimiser steps taken (budget mode; None: the end of the window).
 
         Returns:
             True if shapes changed: rebuild the DDP wrapper and the optimisers.
         """
         self._element_bytes = size_element_bytes(model)
+        self.last_cuts = []
+        if self.budget and self.total_steps is not None:
+            self._note_start(model)
+            target = self.planned_size(self.window()[1] if step is None else step)
+            floor = (1.0 - TARGET_TOLERANCE / 2) * self.target_size_elements()
+            self.last_cuts = self.importance.select(model, target, floor)
+            apply_cuts(model, self.last_cuts)
+            self.importance.reset()
         self.last_truncation = truncate_model(model, self.config.threshold)
         return self.last_truncation.changed
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, object]:
-        """Checkpointable state (ints, floats and strings only)."""
+        """Checkpointable state (ints, floats, strings and lists / dicts of them)."""
         return {
             "stage": self.stage,
             "switch_step": self.switch_step,
             "size_at_switch": self.size_at_switch,
             "best_val_loss": self.best_val_loss,
             "evals_without_improvement": self.evals_without_improvement,
+            "size_at_start": self.size_at_start,
+            # budget: the slice costs gathered since the last cut, so a resumed run cuts as an
+            # uninterrupted one would ("module|bond" -> floats)
+            "slice_costs": {f"{name}|{k}": [float(v) for v in cost.tolist()]
+                            for (name, k), cost in self.importance.costs.items()},
+            "slice_cost_steps": self.importance.steps,
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore :meth:`state_dict`."""
         stage = state["stage"]
-        if stage not in ("early", "late"):
+        if stage not in ("early", "late", "prune", "finetune"):
             raise ValueError(f"RankSchedule.load_state_dict: bad stage {stage!r}")
         self.stage = str(stage)
         self.switch_step = int(state["switch_step"])  # type: ignore[arg-type]
         self.size_at_switch = int(state["size_at_switch"])  # type: ignore[arg-type]
         self.best_val_loss = float(state["best_val_loss"])  # type: ignore[arg-type]
         self.evals_without_improvement = int(state["evals_without_improvement"])  # type: ignore[arg-type]
+        self.size_at_start = int(state.get("size_at_start", 0))  # type: ignore[arg-type]
+        self.importance.reset()
+        for key, values in dict(state.get("slice_costs", {})).items():  # type: ignore[arg-type]
+            name, _, bond = str(key).rpartition("|")
+            self.importance.costs[(name, int(bond))] = torch.tensor(values, dtype=torch.float32)
+        self.importance.steps = int(state.get("slice_cost_steps", 0))  # type: ignore[arg-type]
 
 
 def _global_mean(value: torch.Tensor) -> float:

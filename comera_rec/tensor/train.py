@@ -176,6 +176,23 @@ class TensorTrainModule(InitOnMaterialize):
         )
         return per_train * self._num_trains()
 
+    def slice_sizes(self, ranks: Sequence[int]) -> list[int]:
+        """Core entries one rank slice of each bond holds at ``ranks``, over all stacked trains.
+
+        A slice of bond ``k`` is a rank row of core ``k`` and of core ``k + 1``:
+        ``n_k R_{k-1} + n_{k+1} R_{k+1}`` entries per train (``n`` a core's mode size, TTM
+        column factors included; ``R_0 = R_K = 1``). Cutting it frees exactly that.
+
+        Args:
+            ranks: one rank per internal bond (e.g. :meth:`live_ranks`).
+        """
+        padded = [1] + list(ranks) + [1]
+        return [
+            self._num_trains()
+            * (self._core_mode_size(k) * padded[k] + self._core_mode_size(k + 1) * padded[k + 2])
+            for k in range(len(ranks))
+        ]
+
     def size_surrogate(self, threshold: float = 0.0) -> tuple[torch.Tensor, int]:
         """Differentiable size surrogate: the L1 norm of the live controller entries.
 

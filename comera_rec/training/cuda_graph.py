@@ -546,7 +546,7 @@ def capturable_objective(schedule: Any, model: nn.Module, task_loss: torch.Tenso
 
         >>> from comera_rec.rank.schedule import RankSchedule, RankScheduleConfig
         >>> from comera_rec.tensor import TTLinear
-        >>> model, sched = TTLinear(16, 8, rank=4), RankSchedule(RankScheduleConfig(gamma=0.5))
+        >>> model, sched = TTLinear(16, 8, rank=4), RankSchedule(RankScheduleConfig(mode="threshold", gamma=0.5))
         >>> loss = model(torch.randn(2, 16)).pow(2).mean()
         >>> graphed, _ = capturable_objective(sched, model, loss)
         >>> torch.allclose(graphed, sched.objective(model, loss, 0).loss)
@@ -554,6 +554,8 @@ def capturable_objective(schedule: Any, model: nn.Module, task_loss: torch.Tenso
     """
     c = schedule.config
     if not c.enabled:
+        return task_loss, task_loss.new_zeros(())
+    if c.mode == "budget":  # the budget schedule steers the size by cuts: the objective is L
         return task_loss, task_loss.new_zeros(())
     if schedule.stage != "early":
         raise ValueError(f"capturable_objective: the {schedule.stage!r} stage decides on the host each step; "

@@ -508,14 +508,14 @@ class Trainer:
     def _graphs_usable(self) -> bool:
         """Whether this step runs as graphs. The late rank stage picks its term on the host
         every step: from its start on, the graphs are dropped and steps run eagerly."""
-        self.schedule.maybe_switch(self.step, self.model)  # what objective() would do first
-        if self.schedule.stage == "early":
+        if self.schedule.capturable(self.step, self.model):
             return True
         assert self._graphs is not None
         self._graphs.invalidate()
         self._graphs = None
         self._zero_grad()
-        logger.warning("cuda_graphs: the late rank stage is not capturable; training on eagerly")
+        logger.warning("cuda_graphs: the %s rank stage is not capturable; training on eagerly",
+                       self.schedule.stage)
         return False
 
     def _graph_forward_backward(self, batch: Any) -> tuple[torch.Tensor, ...]:
@@ -540,6 +540,20 @@ class Trainer:
             opt.step()
 
     # ------------------------------------------------------------------ data
+    def _epoch_steps(self) -> Optional[int]:
+        """Steps of an epoch-bounded run when the task's batches have a length, else None
+        (the budget rank schedule then cannot plan its cuts, and says so)."""
+        try:
+            steps = self.config.epochs * len(self.task.train_batches(0))  # type: ignore[arg-type]
+        except TypeError:
+            steps = 0
+        if steps > 0:
+            return steps
+        if self.schedule.budget and _rank() == 0:
+            logger.warning("the budget rank schedule needs the run's length (trainer.max_steps); "
+                           "training at the starting ranks")
+        return None
+
     def _batches(self) -> Iterator[Any]:
         """Training batches from the saved position on, wrapping into new epochs."""
         while True:
@@ -763,6 +777,7 @@ class Trainer:
         if self._rng_to_restore is not None:
             _set_rng_state(self._rng_to_restore, self.device)
         total = cfg.max_steps if cfg.max_steps > 0 else None
+        self.schedule.set_total_steps(total if total is not None else self._epoch_steps())
         bar = tqdm(total=total, initial=start_step, disable=not (cfg.progress and rank == 0),
                    dynamic_ncols=True, desc="train")
         batches = self._batches()
@@ -801,6 +816,7 @@ class Trainer:
                 self._skip_nonfinite("gradients")
                 bar.update(1)
                 continue
+            self.schedule.observe_gradients(self.model)  # slice costs for the budget's cuts
             if graphed:  # the rates on the host, then the captured clip and optimiser steps
                 oc = self.optim_config
                 if oc.warmup_steps or oc.decay != "none":
@@ -817,7 +833,7 @@ class Trainer:
             self.samples += n
             self.losses.append(global_loss)
             truncated = False
-            if self.schedule.should_truncate(self.step) and self.schedule.truncate(self.model):
+            if self.schedule.should_truncate(self.step) and self.schedule.truncate(self.model, self.step):
                 self._rebuild_after_truncation()
                 self.truncations += 1
                 truncated = True
@@ -829,7 +845,8 @@ class Trainer:
             if truncated and log is not None:
                 tr = self.schedule.last_truncation
                 log.write({"kind": "truncate", "step": self.step, "ranks_before": tr.ranks_before,
-                           "ranks_after": tr.ranks_after})
+                           "ranks_after": tr.ranks_after, "cuts": len(self.schedule.last_cuts),
+                           "model_bytes": model_tt_bytes(self.model, self.schedule.config.threshold)})
             if cfg.log_every and self.step % cfg.log_every == 0:
                 tput = window_samples / max(window_time, 1e-9)
                 throughputs.append(tput)
@@ -867,6 +884,7 @@ class Trainer:
             "peak_mem_mb": peak_memory_mb(self.device),
             "live_rank": size["live_rank"],
             "model_bytes": size["model_bytes"],
+            **({"target_bytes": self.schedule.target_bytes()} if self.schedule.target_bytes() is not None else {}),
             "compression": size["compression"],
             "truncations": self.truncations,
             "nonfinite_skipped": self.nonfinite,

@@ -30,7 +30,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 def test_resume_continues_the_same_run_across_a_truncation(tmp_path: Path) -> None:
     # threshold 2 > every controller: step 4 cuts every bond to rank 1 (a real truncation)
-    common = TINY + ["schedule.threshold=2.0", "schedule.truncate_every=4", "trainer.plots=false",
+    common = TINY + ["schedule.mode=threshold", "schedule.threshold=2.0", "schedule.truncate_every=4", "trainer.plots=false",
                      "trainer.checkpoint_every=6"]
     whole, part = tmp_path / "whole", tmp_path / "part"
     summary = main(["--config", str(ROOT / "configs/dlrm_demo.yaml"), *common,
@@ -86,7 +86,7 @@ def test_two_process_resume_with_sharded_tables(tmp_path: Path) -> None:
     tensors (weights-only loadable) and gets them back after re-sharding."""
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     common = [*TINY, "embedding_optim.sharding_type=table_wise", "trainer.checkpoint_every=3",
-              "schedule.threshold=2.0", "schedule.truncate_every=4", "trainer.plots=false"]
+              "schedule.mode=threshold", "schedule.threshold=2.0", "schedule.truncate_every=4", "trainer.plots=false"]
 
     def run(run_dir: Path, steps: int, *extra: str) -> None:
         proc = subprocess.run(

@@ -13,7 +13,7 @@ from comera_rec.training import latest_checkpoint, load_checkpoint
 from tests.reliability.helpers import TINY, run_train, train_losses
 
 # threshold 2 > every controller: step 4 truncates (the restart replays a truncation)
-COMMON = TINY + ["trainer.max_steps=8", "trainer.checkpoint_every=3", "schedule.truncate_every=4",
+COMMON = TINY + ["trainer.max_steps=8", "trainer.checkpoint_every=3", "schedule.mode=threshold", "schedule.truncate_every=4",
                  "schedule.threshold=2.0"]
 
 

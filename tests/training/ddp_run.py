@@ -30,7 +30,7 @@ def main() -> None:
         task,
         TrainerConfig(run_dir=str(run_dir), max_steps=10, log_every=2, eval_every=5, checkpoint_every=5,
                       progress=False, seed=3),
-        RankScheduleConfig(threshold=0.999, truncate_every=4, late_stage=True, switch_step=6),
+        RankScheduleConfig(mode="threshold", threshold=0.999, truncate_every=4, late_stage=True, switch_step=6),
         OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2),
     )
     # close() runs in fit(); keep what we compare before it drops the group

@@ -194,7 +194,7 @@ def test_static_lookups_and_objective_do_not_sync() -> None:
     ebc = _collection()
     lin = TTLinear(6, 3, rank=2)
     model = nn.ModuleDict({"ebc": ebc, "lin": lin})
-    sched = RankSchedule(RankScheduleConfig(threshold=0.5, gamma=0.1))
+    sched = RankSchedule(RankScheduleConfig(mode="threshold", threshold=0.5, gamma=0.1))
     kjt = make_static(_kjt([1, 59, 3, 49, 0, 7], [2, 1, 2, 1], weights=True), "cpu")  # length_per_key cached
 
     def step() -> None:
@@ -222,7 +222,7 @@ def test_capturable_objective_equals_the_schedule(kw: dict) -> None:
     model = nn.Sequential(TTLinear(8, 6, rank=3), TTMEmbeddingBag(30, 4, rank=3))
     with torch.no_grad():
         model[0].controllers[0][0] = 0.1  # one dead rank
-    sched = RankSchedule(RankScheduleConfig(threshold=0.5, gamma=0.3, **kw))
+    sched = RankSchedule(RankScheduleConfig(mode="threshold", threshold=0.5, gamma=0.3, **kw))
     loss = model[0](torch.randn(3, 8)).pow(2).mean()
     want = sched.objective(model, loss, 0).loss
     got, _ = capturable_objective(sched, model, loss)
@@ -264,7 +264,7 @@ def _run(tmp_path, graphed: bool, sched: dict, task_kw: dict, capture: EagerCapt
         task,
         TrainerConfig(run_dir=str(tmp_path / ("graphed" if graphed else "eager")), max_steps=8, log_every=4,
                       checkpoint_at_end=False, progress=False, plots=False, seed=1, cuda_graphs=graphed),
-        RankScheduleConfig(**{"threshold": 0.999, "truncate_every": 3, **sched}),
+        RankScheduleConfig(**{"mode": "threshold", "threshold": 0.999, "truncate_every": 3, **sched}),
         OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2, clip_grad_norm=1.0),
         graph_capture=capture,
     )

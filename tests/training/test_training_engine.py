@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from comera_rec.rank import RankScheduleConfig
-from comera_rec.training import OptimConfig, Trainer, TrainerConfig, latest_checkpoint, read_jsonl
+from comera_rec.training import OptimConfig, Trainer, TrainerConfig, latest_checkpoint, load_checkpoint, read_jsonl
 
 from toy_task import ToyTask
 
@@ -24,7 +25,7 @@ def optim() -> OptimConfig:
 def schedule(**kw) -> RankScheduleConfig:
     # threshold just below the initial controller value 1: every step some entries fall
     # under it, so truncation really happens within a few steps
-    base = dict(threshold=0.999, truncate_every=3, late_stage=True, switch="step", switch_step=5)
+    base = dict(mode="threshold", threshold=0.999, truncate_every=3, late_stage=True, switch="step", switch_step=5)
     base.update(kw)
     return RankScheduleConfig(**base)
 
@@ -91,6 +92,27 @@ def test_resume_gives_the_same_losses(tmp_path):
     # the log of the resumed run is continuous: one train record per step
     steps = [r["step"] for r in read_jsonl(tmp_path / "split" / "log.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, 12))
+
+
+def test_budget_resume_cuts_as_the_uninterrupted_run(tmp_path):
+    """The budget schedule's plan and slice costs survive a resume: a run resumed from its
+    step-7 checkpoint (costs gathered since the cut at 5) cuts at 9, 13 and 16 exactly as
+    the uninterrupted run, and ends in the same state."""
+    sched = dict(mode="budget", threshold=1e-2, target_size_ratio=0.3, prune_end=0.8, num_cuts=4)
+    full = run(tmp_path / "full", 20, sched=sched, checkpoint_every=7, keep_checkpoints=0)
+    assert full.schedule.cut_steps() == [5, 9, 13, 16] and full.truncations >= 3
+    saved, _ = load_checkpoint(tmp_path / "full" / "checkpoints" / "step_000000007")
+    assert saved["schedule"]["slice_cost_steps"] == 2  # steps 6 and 7, since the cut at 5
+    assert saved["schedule"]["slice_costs"] and saved["schedule"]["size_at_start"] > 0
+    split = tmp_path / "split"
+    shutil.copytree(tmp_path / "full", split)
+    for later in ("step_000000014", "step_000000020"):
+        shutil.rmtree(split / "checkpoints" / later)
+    second = run(split, 20, resume=True, sched=sched, checkpoint_every=7, keep_checkpoints=0)
+    assert second.losses == full.losses[7:]
+    assert second.model.lin.ranks + second.model.emb.ranks == full.model.lin.ranks + full.model.emb.ranks
+    for (k, a), b in zip(full.model.state_dict().items(), second.model.state_dict().values()):
+        assert torch.equal(a, b), k
 
 
 def test_nonfinite_batches_are_skipped(tmp_path):

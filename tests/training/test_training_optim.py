@@ -86,7 +86,7 @@ def test_rebuild_after_truncation_moves_state(name):
     old_core = model.lin.cores[1]
     old_core_state = {k: v.clone() for k, v in opt.state[old_core].items()}
     before = sum(p.numel() for p in model.parameters())
-    sched = RankSchedule(RankScheduleConfig())
+    sched = RankSchedule(RankScheduleConfig(mode="threshold"))
     assert sched.truncate(model)
     new = rebuild_optimizer(opt, model, cfg, sched.last_truncation)
     assert sum(p.numel() for p in model.parameters()) < before
@@ -136,7 +136,7 @@ def test_set_lr_factor_scales_from_the_configured_rates_and_survives_rebuild():
     set_lr_factor([opt], 0.5)  # from the base rate, not compounding
     lrs = {g["name"]: g["lr"] for g in opt.param_groups}
     assert lrs["cores"] == pytest.approx(5e-3) and lrs["other"] == pytest.approx(5e-4)
-    sched = RankSchedule(RankScheduleConfig(threshold=0.999))
+    sched = RankSchedule(RankScheduleConfig(mode="threshold", threshold=0.999))
     train_steps(model, opt, torch.Generator().manual_seed(0), 3, sched)
     sched.truncate(model)
     rebuilt = rebuild_optimizer(opt, model, cfg, sched.last_truncation)

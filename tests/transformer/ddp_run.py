@@ -20,7 +20,7 @@ def main() -> None:
     run_dir = Path(sys.argv[1])
     cfg = load_config(runs.ClassificationRun, str(ROOT / "configs/transformer_tiny.yaml"), [
         f"trainer.run_dir={run_dir}", "trainer.max_steps=8", "trainer.progress=false",
-        "trainer.log_every=2", "schedule.threshold=0.999", "schedule.truncate_every=4",
+        "trainer.log_every=2", "schedule.mode=threshold", "schedule.threshold=0.999", "schedule.truncate_every=4",
         "data.synthetic_train=256", "data.synthetic_val=64",
     ])
     original_close = runs.TransformerTrainer.close

@@ -1,0 +1,38 @@
+"""The accuracy-size benchmark (launch/bench_rank.py): its interpolation and a tiny front end to end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "launch"))
+import bench_rank  # noqa: E402
+
+from tests.dlrm.tiny import TINY  # noqa: E402
+
+
+def test_interpolation_is_linear_in_log_bytes_and_refuses_to_extrapolate() -> None:
+    fixed = [(1000.0, 0.70), (10000.0, 0.80), (100.0, 0.60)]
+    assert bench_rank.interpolate_fixed(fixed, 1000.0) == pytest.approx(0.70)
+    assert bench_rank.interpolate_fixed(fixed, 10 ** 3.5) == pytest.approx(0.75)
+    assert bench_rank.interpolate_fixed(fixed, 50.0) is None
+    assert bench_rank.interpolate_fixed(fixed, 20000.0) is None
+
+
+@pytest.mark.slow
+def test_tiny_front_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = [o for o in TINY if not o.startswith(("model.rank", "model.mlp_rank"))]
+    overrides += ["trainer.max_steps=40", "trainer.eval_every=0", "trainer.eval_max_batches=2",
+                  "trainer.checkpoint_at_end=false", "trainer.log_every=10"]
+    code = bench_rank.main(["--seeds", "0", "--fixed", "2", "4", "--starts", "4", "--targets", "0.5",
+                            "--out", str(tmp_path), *overrides])
+    assert code == 0
+    front = json.loads((tmp_path / "demo" / "front.json").read_text())
+    assert {r["setting"] for r in front["runs"]} == {"fixed r2", "fixed r4", "r4 -> 0.5"}
+    adaptive = front["adaptive"][0]
+    assert abs(adaptive["off_target"]) <= 0.1  # the budget schedule reached its size
+    assert (tmp_path / "demo" / "front.png").stat().st_size > 0
+    assert "| r4 -> 0.5 |" in capsys.readouterr().out
