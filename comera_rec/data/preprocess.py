@@ -139,4 +139,7 @@ def preprocess_tsv_to_parquet(
     )
     if reader.stats.bad_lines:
         logger.warning("skipped %d bad lines in total (%s)", reader.stats.bad_lines, reader.stats.bad_by_reason)
+    if reader.stats.damaged_files:
+        logger.warning("%d input files had a damaged gzip stream and were read up to the damage only",
+                       reader.stats.damaged_files)
     return meta

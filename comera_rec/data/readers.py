@@ -10,11 +10,17 @@ All three are ``torch.utils.data.IterableDataset`` s that yield
 - Memory: a TSV reader holds one byte chunk (``chunk_bytes``) plus one batch; Parquet
   and npy readers hold one row group / slice of ``chunk_rows`` rows plus one batch.
 - Bad input (TSV): lines with the wrong number of fields, non-integer dense values,
-  non-hex categories, labels other than 0/1, and empty files. ``bad_input="skip"``
-  drops the line, counts it in ``reader.stats`` and logs it; ``"strict"`` raises
-  :class:`BadInputError` naming the file and the 1-based line number. A missing path
-  always raises ``FileNotFoundError`` when the reader is built: a typo must not silently
-  train on less data.
+  non-hex categories, labels other than 0/1, invalid UTF-8 bytes, a carriage return
+  inside a line, and empty files. ``bad_input="skip"`` drops the line, counts it in
+  ``reader.stats`` and logs it; ``"strict"`` raises :class:`BadInputError` naming the
+  file and the 1-based line number. A gzip stream that breaks off (truncated or
+  corrupt) keeps the whole lines before the damage, then raises (strict) or stops that
+  file with a warning and counts it (skip). A missing path always raises
+  ``FileNotFoundError`` when the reader is built: a typo must not silently train on less
+  data. Files of the wrong format (Parquet columns of the wrong type, npy arrays of the
+  wrong shape or holding Python objects, npy triplets whose row counts differ) raise
+  :class:`BadInputError` naming the file in both modes: skipping them would silently
+  train on less data too.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import gzip
 import io
 import logging
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -59,6 +66,9 @@ Chunk = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 RawChunk = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 _MAX_LOGGED_BAD_LINES = 10
 _INT_PATTERN = r"^-?[0-9]{1,18}$"
+# what a damaged gzip stream raises on read: truncated (EOFError), corrupt deflate data
+# (zlib.error), a bad header or CRC (gzip.BadGzipFile)
+_STREAM_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
 
 
 class BadInputError(ValueError):
@@ -118,7 +128,9 @@ class ReaderStats:
     empty_files: int = 0
     """Files with no rows."""
     bad_by_reason: Dict[str, int] = field(default_factory=dict)
-    """Skipped lines per reason ("fields", "int", "hex", "label")."""
+    """Skipped lines per reason ("fields", "int", "hex", "label", "utf8", "cr")."""
+    damaged_files: int = 0
+    """Files whose gzip stream broke off (truncated / corrupt); read up to the damage."""
 
 
 def _open_binary(path: Path) -> io.BufferedIOBase:
@@ -130,19 +142,80 @@ def _open_binary(path: Path) -> io.BufferedIOBase:
     return open(path, "rb")
 
 
+def _read_block(f: io.BufferedIOBase, size: int) -> Tuple[bytes, Optional[Exception]]:
+    """Up to ``size`` bytes, and the error of a damaged gzip stream if reading stopped on one.
+
+    Reads with ``read1`` so that the bytes decompressed before the damage are returned,
+    not lost with the exception (``read(size)`` drops what it had gathered).
+    """
+    parts: List[bytes] = []
+    n = 0
+    while n < size:
+        try:
+            part = f.read1(size - n)
+        except _STREAM_ERRORS as e:
+            return b"".join(parts), e
+        if not part:
+            break
+        parts.append(part)
+        n += len(part)
+    return b"".join(parts), None
+
+
+def _compressed_pos(f: io.BufferedIOBase, path: Path) -> str:
+    """"near byte X of Y (compressed)" for a gzip file, for messages about its damage."""
+    try:
+        return f" near compressed byte {f.fileobj.tell()} of {path.stat().st_size}"  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return ""
+
+
+def _damage_message(path: Path, lines: int, pos: str, err: Exception) -> str:
+    return (f"{path}: damaged gzip stream after line {lines}{pos}: {type(err).__name__}: {err} "
+            f"(truncated or corrupt file; the {lines} whole lines before the damage are readable)")
+
+
+def _count_lines(path: Path, block_bytes: int) -> Tuple[int, Optional[str]]:
+    """(lines, message of a damaged gzip stream or None); with damage, whole lines before it."""
+    n, last = 0, b"\n"
+    with _open_binary(path) as f:
+        while True:
+            block, err = _read_block(f, block_bytes)
+            n += block.count(b"\n")
+            if block:
+                last = block[-1:]
+            if err is not None:
+                return n, _damage_message(path, n, _compressed_pos(f, path), err)
+            if not block:
+                break
+    return n + (last != b"\n"), None
+
+
 def count_lines(path: str | Path, block_bytes: int = 16 << 20) -> int:
     """Lines in a plain or gzip text file (a last line without newline counts).
+
+    Raises :class:`BadInputError` naming the file if its gzip stream is damaged.
 
     Example::
 
         n = count_lines("day_0.gz")
     """
-    n, last = 0, b"\n"
-    with _open_binary(Path(path)) as f:
-        while block := f.read(block_bytes):
-            n += block.count(b"\n")
-            last = block[-1:]
-    return n + (last != b"\n")
+    n, damage = _count_lines(Path(path), block_bytes)
+    if damage is not None:
+        raise BadInputError(damage)
+    return n
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    """Memory-map a numeric .npy array; never unpickles (a file of Python objects is an error)."""
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise BadInputError(f"{path}: not a numeric .npy array ({e}); files holding pickled Python objects "
+                            "are never loaded (allow_pickle=False)") from e
+    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "biuf":
+        raise BadInputError(f"{path}: dtype {getattr(arr, 'dtype', type(arr).__name__)}, expected a numeric array")
+    return arr
 
 
 class _CriteoReader(IterableDataset):
@@ -264,20 +337,38 @@ class CriteoTsvReader(_CriteoReader):
         super().__init__(config)
         self._has_label: Optional[bool] = config.has_label
         self._logged_bad = 0
+        self._damaged: set = set()  # paths whose damage was already reported (counting, then reading)
 
     def _count_file_rows(self) -> List[int]:
         if self.config.rows_per_file is not None:
             if len(self.config.rows_per_file) != len(self.paths):
                 raise ValueError(f"rows_per_file has {len(self.config.rows_per_file)} entries for {len(self.paths)} paths")
             return [int(n) for n in self.config.rows_per_file]
-        return [count_lines(p) for p in self.paths]
+        rows = []
+        for p in self.paths:
+            n, damage = _count_lines(p, 16 << 20)
+            if damage is not None:
+                self._damaged_file(p, damage)  # skip: the file counts its whole lines before the damage
+            rows.append(n)
+        return rows
+
+    def _damaged_file(self, path: Path, msg: str) -> None:
+        """A gzip stream that broke off: raise (strict), or count and warn once per file (skip)."""
+        if path in self._damaged:
+            return
+        self._damaged.add(path)
+        if self.config.bad_input == "strict":
+            raise BadInputError(msg)
+        self.stats.damaged_files += 1
+        logger.warning("stopping this file at the damage (bad_input=skip): %s", msg)
 
     def has_label(self) -> bool:
         """Whether lines start with a label (detected from the first line if not given)."""
         if self._has_label is None:
             for p in self.paths:
                 with _open_binary(p) as f:
-                    first = f.readline()
+                    first, _ = _read_block(f, 1 << 16)  # a damaged stream is reported when read
+                    first = first.split(b"\n", 1)[0]
                 if first.strip(b"\r\n"):
                     n = first.rstrip(b"\r\n").count(b"\t") + 1
                     if n == TSV_COLUMNS_WITH_LABEL:
@@ -299,26 +390,30 @@ class CriteoTsvReader(_CriteoReader):
         """(index of first line, bytes of whole lines each ending in newline) for lines [lo, hi)."""
         size = self.config.chunk_bytes
         with _open_binary(path) as f:
-            line, rest = 0, b""
+            line, rest, err = 0, b"", None
             while line < lo:  # skip lines before this shard
-                block = f.read(size)
-                if not block:
-                    return
+                block, err = _read_block(f, size)
                 n = block.count(b"\n")
                 if line + n < lo:
                     line += n
+                    if not block or err is not None:
+                        break
                     continue
                 nl = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
                 rest = block[nl[lo - line - 1] + 1 :]
                 line = lo
-            while hi is None or line < hi:
-                block = f.read(size)
+            while line >= lo and (hi is None or line < hi):
+                block = b""
+                if err is None:
+                    block, err = _read_block(f, size)
                 data = rest + block
-                if not block:  # end of file: a last line may lack its newline
-                    if not data:
-                        return
-                    if not data.endswith(b"\n"):
-                        data += b"\n"
+                end = err is not None or not block
+                if err is not None:  # damaged stream: only whole lines before the damage count
+                    data = data[: data.rfind(b"\n") + 1]
+                elif not block and data and not data.endswith(b"\n"):
+                    data += b"\n"  # end of file: a last line may lack its newline
+                if not data and end:
+                    break
                 cut = data.rfind(b"\n") + 1
                 if cut == 0:
                     rest = data
@@ -331,8 +426,10 @@ class CriteoTsvReader(_CriteoReader):
                     n = hi - line
                 yield line, body
                 line += n
-                if not block:
-                    return
+                if end:
+                    break
+            if err is not None and (hi is None or line < hi):
+                self._damaged_file(path, _damage_message(path, line, _compressed_pos(f, path), err))
 
     # -- parsing ------------------------------------------------------------------------
     def _bad(self, path: Path, line_idx: int, reason: str, detail: str) -> None:
@@ -346,6 +443,43 @@ class CriteoTsvReader(_CriteoReader):
             self._logged_bad += 1
             if self._logged_bad == _MAX_LOGGED_BAD_LINES:
                 logger.warning("further bad lines are counted, not logged")
+
+    def _broken_lines(self, path: Path, block: bytes, buf: np.ndarray, nl: np.ndarray, starts: np.ndarray,
+                      tabs: np.ndarray, line_idx: np.ndarray, names: List[str]) -> np.ndarray:
+        """Lines with an invalid UTF-8 byte or a carriage return inside them, reported; bool [L].
+
+        pyarrow cannot convert the first (no file or line in its error) and splits a line at
+        the second, so both are found here, before pyarrow sees the block.
+        """
+        broken = np.zeros(len(nl), bool)
+        if len(nl) == 0:
+            return broken
+
+        def field_of(pos: int, i: int) -> str:
+            k = int(np.searchsorted(tabs, pos) - np.searchsorted(tabs, starts[i]))  # 0-based field
+            return f"field {k + 1} ({names[k]})" if k < len(names) else f"field {k + 1}"
+
+        try:
+            block.decode("utf-8")
+        except UnicodeDecodeError as e:  # the rare case: find every such line, one decode per line
+            for i in range(int(np.searchsorted(nl, e.start)), len(nl)):
+                try:
+                    block[starts[i] : nl[i] + 1].decode("utf-8")
+                except UnicodeDecodeError as le:
+                    pos = int(starts[i]) + le.start
+                    broken[i] = True
+                    self._bad(path, int(line_idx[i]), "utf8", f"invalid UTF-8 byte 0x{buf[pos]:02x} in {field_of(pos, i)}")
+        cr = np.flatnonzero(buf == 13)
+        if len(cr):
+            stray = cr[buf[np.minimum(cr + 1, len(buf) - 1)] != 10]  # "\r\n" is a line end, any other "\r" is not
+            stray = stray[stray < nl[-1]]
+            lines = np.searchsorted(nl, stray)
+            for pos, i in zip(stray.tolist(), lines.tolist()):
+                if not broken[i]:
+                    broken[i] = True
+                    self._bad(path, int(line_idx[i]), "cr", f"a carriage return (\\r) inside the line, in {field_of(pos, i)}; "
+                              "lines must end in \\n or \\r\\n")
+        return broken
 
     def parse_block(self, path: Path, first_line: int, block: bytes) -> Optional[RawChunk]:
         """Parse whole lines (``block``, first line index ``first_line``) into raw columns.
@@ -373,8 +507,8 @@ class CriteoTsvReader(_CriteoReader):
                 table = pacsv.read_csv(io.BytesIO(block), read, fast, typed_opts)
             except pa.ArrowInvalid:
                 table = None
-            if invalid:
-                table = None
+            if invalid or (table is not None and table.num_rows != block.count(b"\n")):
+                table = None  # a wrong field count, or a stray "\r" that pyarrow took for a line end
         if table is not None:
             line_idx = first_line + np.arange(table.num_rows)  # physical 0-based line index per row
             int_cols = {n: table.column(n) for n in INT_NAMES}
@@ -386,11 +520,13 @@ class CriteoTsvReader(_CriteoReader):
             tabs = np.flatnonzero(buf == 9)
             fields = np.diff(np.searchsorted(tabs, nl), prepend=0) + 1  # [L]
             line_idx = first_line + np.arange(len(nl))
-            wrong = fields != ncols
+            starts = np.concatenate([[0], nl[:-1] + 1])
+            broken = self._broken_lines(path, block, buf, nl, starts, tabs, line_idx, names)
+            wrong = (fields != ncols) & ~broken
+            for i in np.flatnonzero(wrong):
+                self._bad(path, int(line_idx[i]), "fields", f"wrong number of fields: {int(fields[i])}, expected {ncols}")
+            wrong |= broken
             if wrong.any():
-                for i in np.flatnonzero(wrong):
-                    self._bad(path, int(line_idx[i]), "fields", f"wrong number of fields: {int(fields[i])}, expected {ncols}")
-                starts = np.concatenate([[0], nl[:-1] + 1])
                 keep = np.flatnonzero(~wrong)
                 block = b"".join(block[starts[i] : nl[i] + 1] for i in keep)
                 line_idx = line_idx[keep]
@@ -493,11 +629,27 @@ class CriteoParquetReader(_CriteoReader):
         batch = next(iter(reader))
     """
 
+    def _open(self, path: Path) -> pq.ParquetFile:
+        """Open and check the columns: present, integer typed (label: integer or float)."""
+        pf = pq.ParquetFile(path)
+        schema = pf.schema_arrow
+        expected = ([(LABEL_NAME, "int8")] if LABEL_NAME in schema.names else []) + [(n, "int64") for n in INT_NAMES + CAT_NAMES]
+        for name, want in expected:
+            if name not in schema.names:
+                raise BadInputError(f"{path}: column {name!r} is missing (expected {want}); the columns are those "
+                                    "written by data/preprocess_criteo.py: label, int_0 .. int_12, cat_0 .. cat_25")
+            t = schema.field(name).type
+            if not (pa.types.is_integer(t) or (name == LABEL_NAME and pa.types.is_floating(t))):
+                what = "raw 32-bit category ids" if name in CAT_NAMES else "raw integer values"
+                raise BadInputError(f"{path}: column {name!r} has type {t}, expected {want} ({what}, null = missing, "
+                                    "as data/preprocess_criteo.py writes); hex strings must be preprocessed first")
+        return pf
+
     def _count_file_rows(self) -> List[int]:
-        return [pq.ParquetFile(p).metadata.num_rows for p in self.paths]
+        return [self._open(p).metadata.num_rows for p in self.paths]
 
     def _read_range(self, file_idx: int, lo: int, hi: Optional[int]) -> Iterator[Chunk]:
-        pf = pq.ParquetFile(self.paths[file_idx])
+        pf = self._open(self.paths[file_idx])
         meta = pf.metadata
         hi = meta.num_rows if hi is None else hi
         if meta.num_rows == 0 and self._file_rows_cache is None:
@@ -576,22 +728,28 @@ class CriteoNpyReader(_CriteoReader):
     def _all_paths(self) -> List[Path]:
         return [q for p in self.paths for q in self._triplet(p)]
 
+    def _load(self, path: Path) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Memory-map and check one triplet: shapes [N, 13], [N, 26], [N] or [N, 1], one N."""
+        dense_p, sparse_p, labels_p = self._triplet(path)
+        dense, sparse, labels = (_load_npy(q) for q in (dense_p, sparse_p, labels_p))
+        for q, a, width, what in ((dense_p, dense, INT_FEATURE_COUNT, "dense features"),
+                                  (sparse_p, sparse, CAT_FEATURE_COUNT, "category ids")):
+            if a.ndim != 2 or a.shape[1] != width:
+                raise BadInputError(f"{q}: shape {list(a.shape)}, expected [N, {width}] ({what}, one row per sample)")
+        if not (labels.ndim == 1 or (labels.ndim == 2 and labels.shape[1] == 1)):
+            raise BadInputError(f"{labels_p}: shape {list(labels.shape)}, expected [N] or [N, 1] (one label per row; "
+                                f"{dense_p.name} has N = {len(dense)})")
+        if not len(dense) == len(sparse) == len(labels):
+            raise BadInputError(f"row counts differ: {dense_p} has {len(dense)} rows, {sparse_p} {len(sparse)}, "
+                                f"{labels_p} {len(labels)}; the three files of a day must hold the same rows")
+        return dense, sparse, labels
+
     def _count_file_rows(self) -> List[int]:
-        rows = []
-        for p in self.paths:
-            shapes = [np.load(q, mmap_mode="r").shape for q in self._triplet(p)]
-            if len({s[0] for s in shapes}) != 1:
-                raise BadInputError(f"{p}: dense / sparse / labels row counts differ: {shapes}")
-            if shapes[0][1:] != (INT_FEATURE_COUNT,) or shapes[1][1:] != (CAT_FEATURE_COUNT,):
-                raise BadInputError(f"{p}: expected dense [N, 13] and sparse [N, 26], got {shapes[0]} and {shapes[1]}")
-            rows.append(shapes[0][0])
-        return rows
+        return [len(self._load(p)[0]) for p in self.paths]
 
     def _read_range(self, file_idx: int, lo: int, hi: Optional[int]) -> Iterator[Chunk]:
-        dense_p, sparse_p, labels_p = self._triplet(self.paths[file_idx])
-        dense = np.load(dense_p, mmap_mode="r")
-        sparse = np.load(sparse_p, mmap_mode="r")
-        labels = np.load(labels_p, mmap_mode="r")
+        dense_p = self.paths[file_idx]
+        dense, sparse, labels = self._load(dense_p)
         hi = len(dense) if hi is None else hi
         if len(dense) == 0 and self._file_rows_cache is None:
             self._empty_file(dense_p)

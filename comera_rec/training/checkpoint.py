@@ -12,9 +12,10 @@ Every process writes its own file (model, optimisers, schedule, data position an
 RNG states) into a temporary folder; after a barrier rank 0 writes ``meta.json`` last
 and renames the folder into place (``os.replace``, atomic on one file system). A crash at
 any point leaves either the previous complete checkpoints or a ``.tmp-*`` folder that is
-never loaded (and is removed by the next save). ``meta.json`` records the size of every
-rank file, so a file cut short later (a full disk, a bad copy) also makes the checkpoint
-incomplete, and its SHA-256: :func:`latest_checkpoint` verifies the rank files of the
+never loaded (and is removed by the next save). ``meta.json`` records the run id (see
+:mod:`comera_rec.training.rundir`), and pruning to ``keep`` deletes only checkpoints of
+the same run. ``meta.json`` also records the size of every rank file, so a file cut
+short later (a full disk, a bad copy) makes the checkpoint incomplete, and its SHA-256: :func:`latest_checkpoint` verifies the rank files of the
 candidates newest first and skips (with a warning naming it and why) every damaged one, so
 a resume falls back to the newest good checkpoint; :func:`load_checkpoint` verifies the
 file it reads again (damaged bytes asked for by name are a clear error) and logs the step
@@ -263,6 +264,7 @@ def save_checkpoint(
     state: dict[str, Any],
     meta: dict[str, Any],
     keep: int = 2,
+    run_id: Optional[str] = None,
 ) -> Path:
     """Write this process's ``state`` into the checkpoint of ``step`` (collective).
 
@@ -275,7 +277,12 @@ def save_checkpoint(
         meta: JSON-serialisable description (ranks of the TT modules, config, ...).
         keep: how many complete checkpoints up to ``step`` to keep (older ones are deleted;
             newer ones, left by a run resumed from an earlier checkpoint, are not counted
-            and stay until this run saves their step again); 0 keeps all.
+            and stay until this run saves their step again); 0 keeps all. Only checkpoints
+            of this run (the same ``run_id`` in their ``meta.json``) are counted and deleted.
+        run_id: the run's id (:mod:`comera_rec.training.rundir`), recorded in ``meta.json``;
+            None records none, and then only checkpoints without one are pruned. A folder of
+            the same step left by another run is renamed aside (``step_N.run-<id>``), not
+            deleted.
 
     Returns:
         The checkpoint folder.
@@ -330,21 +337,42 @@ def save_checkpoint(
             sha256[f"rank{r}.pt"] = sidecar.read_text().strip()
             sidecar.unlink()
         meta = dict(meta, step=step, world_size=world, complete=True, files=files, sha256=sha256)
+        if run_id is not None:
+            meta["run_id"] = run_id
         meta_part = tmp / "meta.json.part"
         meta_part.write_text(json.dumps(meta, indent=1, sort_keys=True))
         os.replace(meta_part, tmp / "meta.json")
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (after a resume): replace it
-            shutil.rmtree(final)
+            other = _run_id_of(final)
+            if other != run_id:  # another run's: never deleted, renamed out of the step_* names
+                aside, n = root / f"{final.name}.run-{other or 'unknown'}", 1
+                while aside.exists():
+                    n += 1
+                    aside = root / f"{final.name}.run-{other or 'unknown'}-{n}"
+                os.replace(final, aside)
+            else:
+                shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
         if keep > 0:
             # only checkpoints up to this step count: a newer one left behind (damaged, after
-            # a resume fell back past it) must not push the one just written out
-            for old in [p for p in list_checkpoints(root) if _step_of(p) <= step][:-keep]:
+            # a resume fell back past it) must not push the one just written out; and only
+            # this run's: another run's checkpoints are never deleted
+            ours = [p for p in list_checkpoints(root) if _step_of(p) <= step and _run_id_of(p) == run_id]
+            for old in ours[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _run_id_of(path: Path) -> Optional[str]:
+    """The ``run_id`` in ``path/meta.json`` (None: none recorded, or no readable meta.json)."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("run_id") if isinstance(meta, dict) else None
 
 
 def read_meta(path: Union[str, Path]) -> dict[str, Any]:

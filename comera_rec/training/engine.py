@@ -69,12 +69,16 @@ from comera_rec.training.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from comera_rec.training.rundir import RunDir, open_run_dir
 from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.training.optim import OptimConfig, build_optimizer, lr_factor, rebuild_optimizer, set_lr_factor
 from comera_rec.training.report import JsonlLog, plot_run, read_jsonl, summary_table
+from comera_rec.training.stop import StopSignals, TrainingStopped, signal_name
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
 
 logger = logging.getLogger(__name__)
+
+_NO_BATCH = object()  # what next() gives when this process's batches are exhausted
 
 
 @runtime_checkable
@@ -136,6 +140,10 @@ class TrainerConfig:
     resume_missing_ok: bool = False
     """With resume: start afresh when run_dir holds no complete checkpoint instead of failing
     (for job scripts that always pass --resume)."""
+    overwrite: bool = False
+    """A fresh start (no resume) into a run_dir holding checkpoints fails (ExistingRunError);
+    with overwrite the old run's files are moved into a new folder <run_dir>.old-<timestamp>
+    next to it (nothing is deleted) and the run starts in the emptied run_dir."""
     skip_nonfinite: bool = True
     """Skip (and count) a batch whose loss or gradients are NaN / inf on any process instead of failing."""
     max_nonfinite: int = 100
@@ -353,6 +361,8 @@ class Trainer:
         self.wrapped: Optional[nn.Module] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.extra: list[Any] = []
+        self._stop: Optional[StopSignals] = None  # set by fit(): SIGINT / SIGTERM seen
+        self._saved: Optional[tuple[int, Path]] = None  # (step, folder) of the newest checkpoint
 
     # ------------------------------------------------------------------ setup
     def _init_distributed(self) -> None:
@@ -554,6 +564,67 @@ class Trainer:
                            "training at the starting ranks")
         return None
 
+    def _step_flags(self, has_batch: bool) -> tuple[bool, int]:
+        """Whether some process has run out of batches, and the stop signal (0: none), as
+        every process sees them: one all-reduce (max) of two integers per step when there
+        are several processes, nothing but two reads alone.
+
+        Without this agreement a process that runs out of batches (uneven data) would leave
+        the loop while the others wait for it in the step's collectives forever; a signal
+        seen by one process only would stop it alone.
+
+        Args:
+            has_batch: whether this process fetched a batch for the step.
+        """
+        signum = self._stop.signum if self._stop is not None else 0
+        if not _distributed():
+            return not has_batch, signum
+        buf = torch.tensor([0 if has_batch else 1, signum], dtype=torch.int64, device=self.device)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+        return bool(buf[0]), int(buf[1])
+
+    def _report_uneven(self, has_batch: bool, batches: Iterator[Any]) -> None:
+        """Log (rank 0) that the processes ran out of batches unevenly and how many each
+        leaves unused (collective). The rest of this process's batches is read to count
+        them, which also moves the data position to the end as on the others.
+
+        Args:
+            has_batch: whether this process still had a batch for the step.
+            batches: this process's batch iterator (finite: an epoch-bounded run).
+        """
+        unused = 0
+        if has_batch:
+            # max_steps > 0 wraps into new epochs for ever and no process runs out
+            unused = 1 + (sum(1 for _ in batches) if self.config.max_steps == 0 else 0)
+        counts = torch.zeros(_world(), dtype=torch.int64, device=self.device)
+        counts[_rank()] = unused
+        dist.all_reduce(counts)
+        if _rank() == 0:
+            left = {r: int(n) for r, n in enumerate(counts.tolist()) if n}
+            empty = [r for r, n in enumerate(counts.tolist()) if not n]
+            logger.warning(
+                "ranks ran out of batches unevenly at step %d: rank(s) %s had none left; %s; all ranks stop "
+                "here together", self.step, ", ".join(map(str, empty)),
+                ", ".join(f"rank {r} leaves {n} batch(es) unused" for r, n in left.items()))
+
+    def _stop_on_signal(self, signum: int) -> None:
+        """Checkpoint (unless this step's is written) and raise :class:`TrainingStopped`
+        (collective: every process calls it at the same step)."""
+        path: Optional[Path] = None
+        note = ""
+        if self._saved is not None and self._saved[0] == self.step:
+            path = self._saved[1]
+        else:
+            try:
+                path = self.save()
+            except NonFiniteStateError as e:
+                note = f" (none written: {e})"
+        message = (f"stopped by {signal_name(signum)} at step {self.step}; checkpoint {path}{note}; "
+                   f"resume with --resume")
+        if _rank() == 0:
+            logger.warning(message)
+        raise TrainingStopped(signum, self.step, path, message)
+
     def _batches(self) -> Iterator[Any]:
         """Training batches from the saved position on, wrapping into new epochs."""
         while True:
@@ -595,8 +666,11 @@ class Trainer:
         meta = {"ranks": model_ranks(self.model), "time": time.time()}
         if self.run_config is not None:
             meta["config"] = to_dict(self.run_config)
-        return save_checkpoint(self.run_dir / "checkpoints", self.step, self._state(), meta,
-                               keep=self.config.keep_checkpoints)
+        run = getattr(self, "_run_dir", None)  # set by fit(); pruning only deletes this run's checkpoints
+        path = save_checkpoint(self.run_dir / "checkpoints", self.step, self._state(), meta,
+                               keep=self.config.keep_checkpoints, run_id=run.run_id if run else None)
+        self._saved = (self.step, path)
+        return path
 
     def _check_compatible(self, path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
         problems = state_dict_mismatches(self.model, state["model"])
@@ -728,17 +802,28 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to the end, then validate, checkpoint, plot and summarise.
 
+        SIGINT and SIGTERM stop the run after the current step: every process agrees, a
+        checkpoint is written and :class:`~comera_rec.training.stop.TrainingStopped` (a
+        ``SystemExit`` with code 130 / 143) is raised; a second signal aborts at once. The
+        handlers are installed for the duration of the call only.
+
         Returns:
             The summary (also printed on rank 0 and saved as summary.txt / summary.json).
         """
-        try:
-            summary = self._fit()
-        except BaseException:
-            # another process may be waiting in a collective: destroying the group could
-            # block forever, so leave it to the process exit (torchrun sees the failure)
-            self.close(destroy_group=False)
-            raise
-        self.close()
+        with StopSignals() as self._stop:
+            try:
+                summary = self._fit()
+            except TrainingStopped:
+                # every process agreed on the stop and left the loop together: the group is usable
+                self.close()
+                raise
+            except BaseException:
+                # another process may be waiting in a collective: destroying the group could
+                # block forever, so leave it to the process exit (torchrun sees the failure)
+                self.close(destroy_group=False)
+                raise
+            self.close()
+        self._stop = None
         return summary
 
     def _fit(self) -> dict[str, Any]:
@@ -754,6 +839,8 @@ class Trainer:
         # before anything is built or written: a run that cannot finish fails now
         resume_from = self._resume_checkpoint()
         self._check_writable()
+        # lock run_dir, refuse a fresh start over another run, agree on the run id (rundir.py)
+        self._run_dir: Optional[RunDir] = open_run_dir(self.run_dir, resume_from, cfg.resume, cfg.overwrite)
         if cfg.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
         if self.device.type == "cpu":
@@ -769,6 +856,7 @@ class Trainer:
         self._rng_to_restore: Optional[dict[str, Any]] = None
         if resume_from is not None:
             self._restore(resume_from)
+            self._saved = (self.step, resume_from)  # a stop before the next step need not save again
         else:
             self.wrapped = self.task.wrap(self.model)
             self._build_optimizers()
@@ -792,10 +880,16 @@ class Trainer:
             freeze_live_objects()  # close() unfreezes them, so that they can be freed
         while total is None or self.step < total:
             t0 = time.perf_counter()
-            try:
-                batch = next(batches)
-            except StopIteration:
+            batch = next(batches, _NO_BATCH)
+            # every process agrees whether all still have a batch and whether a signal asks to stop
+            out_of_batches, signum = self._step_flags(batch is not _NO_BATCH)
+            if out_of_batches:
+                if _distributed():
+                    self._report_uneven(batch is not _NO_BATCH, batches)
                 break
+            if signum:
+                bar.close()
+                self._stop_on_signal(signum)
             graphed = self._graphs is not None and self._graphs_usable()
             if graphed:  # replays (after warm-up) forward, objective and backward
                 loss, labels, objective, surrogate = self._graphs.forward_backward(batch)
@@ -917,6 +1011,9 @@ class Trainer:
         self.extra = []
         gc.unfreeze()  # what freeze_gc froze (the model among it) is collectable again
         gc.collect()
+        if getattr(self, "_run_dir", None) is not None:
+            self._run_dir.release()  # the run_dir lock (rundir.py)
+            self._run_dir = None
         if destroy_group and self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False

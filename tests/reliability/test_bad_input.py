@@ -46,7 +46,8 @@ def test_ids_out_of_range_from_files_name_feature_value_and_table(tmp_path: Path
         main(args)
     if value < 0:  # hashing configured: the same file trains (ids are reduced modulo the table sizes)
         sizes = ",".join(map(str, TABLE_SIZES))
-        summary = main(args + [f"data.num_embeddings_per_feature=[{sizes}]"])
+        # a new folder: the failed run's log is kept (a fresh start never overwrites another run's log)
+        summary = main(args + [f"data.num_embeddings_per_feature=[{sizes}]", f"trainer.run_dir={tmp_path / 'run2'}"])
         assert summary["steps"] == 2
 
 

@@ -138,7 +138,7 @@ def exclusive_build(build_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.info("waiting for another process building the fused CPU kernels in %s", build_dir)
+            logger.info("waiting for another process loading or building the fused CPU kernels in %s", build_dir)
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             stale = build_dir / "lock"
