@@ -131,6 +131,8 @@ class ReaderStats:
     """Skipped lines per reason ("fields", "int", "hex", "label", "utf8", "cr")."""
     damaged_files: int = 0
     """Files whose gzip stream broke off (truncated / corrupt); read up to the damage."""
+    damaged_row_groups: int = 0
+    """Parquet row groups that could not be decoded (corrupt pages), skipped."""
 
 
 def _open_binary(path: Path) -> io.BufferedIOBase:
@@ -631,7 +633,10 @@ class CriteoParquetReader(_CriteoReader):
 
     def _open(self, path: Path) -> pq.ParquetFile:
         """Open and check the columns: present, integer typed (label: integer or float)."""
-        pf = pq.ParquetFile(path)
+        try:
+            pf = pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as e:  # not Parquet, or a footer cut short
+            raise BadInputError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from e
         schema = pf.schema_arrow
         expected = ([(LABEL_NAME, "int8")] if LABEL_NAME in schema.names else []) + [(n, "int64") for n in INT_NAMES + CAT_NAMES]
         for name, want in expected:
@@ -655,27 +660,36 @@ class CriteoParquetReader(_CriteoReader):
         if meta.num_rows == 0 and self._file_rows_cache is None:
             self._empty_file(self.paths[file_idx])
         has_label = LABEL_NAME in pf.schema_arrow.names
-        groups, base, first = [], 0, None
+        base = 0
         for g in range(meta.num_row_groups):
             n = meta.row_group(g).num_rows
             if base < hi and base + n > lo:
-                groups.append(g)
-                first = base if first is None else first
+                yield from self._read_row_group(pf, self.paths[file_idx], g, base, lo, hi, has_label)
             base += n
-        if not groups:
-            return
+
+    def _read_row_group(self, pf: pq.ParquetFile, path: Path, group: int, first: int, lo: int, hi: int,
+                        has_label: bool) -> Iterator[Chunk]:
+        """Rows [lo, hi) of row group ``group`` (whose first row is ``first``). A group that
+        cannot be decoded (corrupt pages) is a BadInputError naming the file and the group
+        (strict), or is skipped with a warning and counted (skip); rows it gave before the
+        damage are kept."""
         pos = first  # row index of the next row the iterator returns
-        for rb in pf.iter_batches(batch_size=self.config.chunk_rows, row_groups=groups):
-            a, b = max(lo - pos, 0), min(hi - pos, rb.num_rows)
-            pos += rb.num_rows
-            if a >= b:
+        try:
+            for rb in pf.iter_batches(batch_size=self.config.chunk_rows, row_groups=[group]):
+                a, b = max(lo - pos, 0), min(hi - pos, rb.num_rows)
+                pos += rb.num_rows
+                if a < b:
+                    yield self._convert(rb.slice(a, b - a), has_label)
                 if pos >= hi:
-                    break
-                continue
-            rb = rb.slice(a, b - a)
-            yield self._convert(rb, has_label)
-            if pos >= hi:
-                break
+                    return
+        except (OSError, pa.ArrowException) as e:
+            msg = (f"{path}: row group {group} (rows {first}.."
+                   f"{first + pf.metadata.row_group(group).num_rows - 1}) cannot be decoded after row {pos}: "
+                   f"{type(e).__name__}: {e}")
+            if self.config.bad_input == "strict":
+                raise BadInputError(msg) from e
+            self.stats.damaged_row_groups += 1
+            logger.warning("skipping the rest of a damaged row group (bad_input=skip): %s", msg)
 
     @staticmethod
     def _convert(rb: pa.RecordBatch, has_label: bool) -> Chunk:

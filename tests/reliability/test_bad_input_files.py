@@ -158,6 +158,29 @@ def test_parquet_string_categories_name_file_column_and_types(tmp_path: Path) ->
                 list(CriteoParquetReader(cfg))
 
 
+def test_parquet_damaged_row_group_names_file_and_group(tmp_path: Path) -> None:
+    """Corrupt data pages in row group 0 of 2: strict names the file and the group; skip
+    reads the other group and counts the damaged one."""
+    n = 64
+    rng = np.random.default_rng(0)
+    cols = {LABEL_NAME: pa.array(rng.integers(0, 2, n).astype(np.int8))}
+    cols.update({c: pa.array(rng.integers(0, 1 << 20, n)) for c in INT_NAMES + CAT_NAMES})
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table(cols), path, row_group_size=n // 2, compression="snappy")
+    meta = pq.ParquetFile(path).metadata
+    data = bytearray(path.read_bytes())
+    for j in range(meta.num_columns):  # garbage over every column chunk of row group 0
+        chunk = meta.row_group(0).column(j)
+        start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+        data[start:start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
+    path.write_bytes(bytes(data))
+    with pytest.raises(BadInputError, match=r"train.parquet: row group 0 \(rows 0..31\) cannot be decoded"):
+        list(CriteoParquetReader(CriteoReaderConfig(paths=[str(path)], bad_input="strict")))
+    reader = CriteoParquetReader(CriteoReaderConfig(paths=[str(path)], bad_input="skip", batch_size=8))
+    rows = sum(int(b.labels.shape[0]) for b in reader)
+    assert rows == n // 2 and reader.stats.damaged_row_groups == 1
+
+
 # -- npy: pickled objects, labels of the wrong shape, row counts -----------------------------------
 
 
