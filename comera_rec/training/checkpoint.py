@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from comera_rec.training import faults
+from comera_rec.training.dist import is_distributed
 
 _NAME = re.compile(r"^step_(\d{9})$")
 TMP_PREFIX = ".tmp-"
@@ -78,12 +79,8 @@ def nonfinite_entries(state: Any, prefix: str = "") -> list[str]:
     return found
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def _barrier() -> None:
-    if _distributed():
+    if is_distributed():
         dist.barrier()
 
 
@@ -296,13 +293,13 @@ def save_checkpoint(
         >>> save_checkpoint(tmp / "ckpt", 10, {"model": model.state_dict()}, {})  # doctest: +SKIP
     """
     root = Path(root)
-    rank = dist.get_rank() if _distributed() else 0
-    world = dist.get_world_size() if _distributed() else 1
+    rank = dist.get_rank() if is_distributed() else 0
+    world = dist.get_world_size() if is_distributed() else 1
     final = root / checkpoint_name(step)
     tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
     bad = nonfinite_entries(state)
     bad_anywhere = len(bad) > 0
-    if _distributed():
+    if is_distributed():
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
         flag = torch.tensor([1.0 if bad else 0.0], device=device)
         dist.all_reduce(flag)
@@ -408,9 +405,9 @@ def load_checkpoint(path: Union[str, Path], rank: Optional[int] = None) -> tuple
         meta = None
     if not isinstance(meta, dict) or meta.get("complete") is not True:
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no valid meta.json)")
-    world = dist.get_world_size() if _distributed() else 1
+    world = dist.get_world_size() if is_distributed() else 1
     if rank is None:
-        rank = dist.get_rank() if _distributed() else 0
+        rank = dist.get_rank() if is_distributed() else 0
         if int(meta["world_size"]) != world:
             raise ValueError(
                 f"{path} was written by {meta['world_size']} processes; this run has {world}"

@@ -60,7 +60,6 @@ from comera_rec.tensor.embedding import set_static_shapes
 from comera_rec.tensor.kernels import build_cpu_kernels
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training import faults
-from comera_rec.training.cuda_graph import CaptureBackend, CudaGraphCapture, StepGraphs, capturable_objective
 from comera_rec.training.checkpoint import (
     NonFiniteStateError,
     localize,
@@ -69,10 +68,12 @@ from comera_rec.training.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from comera_rec.training.rundir import RunDir, open_run_dir
+from comera_rec.training.cuda_graph import CaptureBackend, CudaGraphCapture, StepGraphs, capturable_objective
+from comera_rec.training.dist import is_distributed, process_rank, restart_count, world_size
 from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.training.optim import OptimConfig, build_optimizer, lr_factor, rebuild_optimizer, set_lr_factor
 from comera_rec.training.report import JsonlLog, plot_run, read_jsonl, summary_table
+from comera_rec.training.rundir import RunDir, open_run_dir
 from comera_rec.training.stop import StopSignals, TrainingStopped, signal_name
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
 
@@ -192,10 +193,6 @@ class IncompatibleCheckpointError(ValueError):
     """A checkpoint was written by a run whose model does not fit this one."""
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(config, dict):
         out: dict[str, Any] = {}
@@ -263,14 +260,6 @@ def state_dict_mismatches(model: nn.Module, saved: dict[str, Any]) -> list[str]:
             continue
         problems.append(f"{key}: shape {list(a)} in the checkpoint, {list(b)} in the model")
     return problems
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _distributed() else 1
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -370,7 +359,7 @@ class Trainer:
             backend = self.config.backend
             if backend == "auto":
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
-            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+            restarts = restart_count()
             if restarts > 0 and "MASTER_ADDR" in os.environ:
                 # torchrun keeps one store across restarts; keys left by the killed attempt
                 # (peer addresses) would make the new group connect to dead processes
@@ -414,13 +403,13 @@ class Trainer:
                 no permission, a read-only file system).
         """
         cfg = self.config
-        folders = [self.run_dir] if _rank() == 0 else []
+        folders = [self.run_dir] if process_rank() == 0 else []
         if cfg.checkpoint_at_end or cfg.checkpoint_every:
             folders.append(self.run_dir / "checkpoints")
         for folder in folders:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
-                fd, probe = tempfile.mkstemp(prefix=f".write-test-rank{_rank()}-", dir=folder)
+                fd, probe = tempfile.mkstemp(prefix=f".write-test-rank{process_rank()}-", dir=folder)
                 os.close(fd)
                 os.unlink(probe)
             except OSError as e:
@@ -439,10 +428,10 @@ class Trainer:
                 ``resume_missing_ok`` is off; the message names the folder.
         """
         cfg = self.config
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        restarts = restart_count()
         folder = self.run_dir / "checkpoints"
         resume_from = latest_checkpoint(folder) if cfg.resume or restarts > 0 else None
-        if restarts > 0 and _rank() == 0:
+        if restarts > 0 and process_rank() == 0:
             logger.warning("torchrun restart %d: %s", restarts,
                            f"resuming from {resume_from}" if resume_from else "no checkpoint yet, starting afresh")
         if cfg.resume and resume_from is None and restarts == 0:
@@ -452,7 +441,7 @@ class Trainer:
                     f"trainer.resume (--resume): {folder} {where}, so there is nothing to resume from; check "
                     f"trainer.run_dir={cfg.run_dir!r}, or set trainer.resume_missing_ok=true to start afresh "
                     f"when there is no checkpoint")
-            if _rank() == 0:
+            if process_rank() == 0:
                 logger.warning("trainer.resume: no complete checkpoint in %s, starting afresh "
                                "(trainer.resume_missing_ok)", folder)
         return resume_from
@@ -500,9 +489,9 @@ class Trainer:
                 f"TrainerConfig.cuda_graphs=True needs a CUDA device, but the device is {self.device} "
                 f"(trainer.device={self.config.device!r}); CUDA graphs do not exist on CPU: set cuda_graphs=false"
             )
-        if _distributed():
+        if is_distributed():
             raise ValueError("TrainerConfig.cuda_graphs=True supports one process only (collectives inside a "
-                             f"captured backward are not handled); this run has {_world()} processes")
+                             f"captured backward are not handled); this run has {world_size()} processes")
         scheduled = getattr(oc, "warmup_steps", 0) or getattr(oc, "decay", "none") != "none"
         if self.device.type == "cuda" and scheduled and oc.name not in ("Adam", "AdamW"):
             raise ValueError(f"TrainerConfig.cuda_graphs=True with a learning-rate schedule needs Adam or AdamW "
@@ -559,7 +548,7 @@ class Trainer:
             steps = 0
         if steps > 0:
             return steps
-        if self.schedule.budget and _rank() == 0:
+        if self.schedule.budget and process_rank() == 0:
             logger.warning("the budget rank schedule needs the run's length (trainer.max_steps); "
                            "training at the starting ranks")
         return None
@@ -577,7 +566,7 @@ class Trainer:
             has_batch: whether this process fetched a batch for the step.
         """
         signum = self._stop.signum if self._stop is not None else 0
-        if not _distributed():
+        if not is_distributed():
             return not has_batch, signum
         buf = torch.tensor([0 if has_batch else 1, signum], dtype=torch.int64, device=self.device)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX)
@@ -596,10 +585,10 @@ class Trainer:
         if has_batch:
             # max_steps > 0 wraps into new epochs for ever and no process runs out
             unused = 1 + (sum(1 for _ in batches) if self.config.max_steps == 0 else 0)
-        counts = torch.zeros(_world(), dtype=torch.int64, device=self.device)
-        counts[_rank()] = unused
+        counts = torch.zeros(world_size(), dtype=torch.int64, device=self.device)
+        counts[process_rank()] = unused
         dist.all_reduce(counts)
-        if _rank() == 0:
+        if process_rank() == 0:
             left = {r: int(n) for r, n in enumerate(counts.tolist()) if n}
             empty = [r for r, n in enumerate(counts.tolist()) if not n]
             logger.warning(
@@ -621,7 +610,7 @@ class Trainer:
                 note = f" (none written: {e})"
         message = (f"stopped by {signal_name(signum)} at step {self.step}; checkpoint {path}{note}; "
                    f"resume with --resume")
-        if _rank() == 0:
+        if process_rank() == 0:
             logger.warning(message)
         raise TrainingStopped(signum, self.step, path, message)
 
@@ -685,7 +674,7 @@ class Trainer:
                 f"checkpoint {path} does not fit this model: " + "; ".join(shown) + hint
                 + ". Resume with the configuration it was written with, or use another trainer.run_dir."
             )
-        if diffs and _rank() == 0:
+        if diffs and process_rank() == 0:
             logger.warning("resuming from %s with config changes: %s", path, "; ".join(diffs))
 
     def _restore(self, path: Path) -> None:
@@ -742,12 +731,12 @@ class Trainer:
         """Global mean of the loss and whether it is finite on every process."""
         value = loss.detach().float().reshape(())
         finite = bool(torch.isfinite(value))
-        if not _distributed():
+        if not is_distributed():
             return float(value), finite
         buf = torch.stack([value if finite else torch.zeros_like(value),
                            torch.tensor(0.0 if finite else 1.0, device=value.device)]).to(self.device)
         dist.all_reduce(buf)
-        return float(buf[0]) / _world(), float(buf[1]) == 0.0
+        return float(buf[0]) / world_size(), float(buf[1]) == 0.0
 
     def _clip_and_schedule(self, total_steps: Optional[int]) -> None:
         """Clip the gradient norm (gradients are already all-reduced, so every process
@@ -768,7 +757,7 @@ class Trainer:
             if g is not None:
                 flags.append(torch.isfinite(g.coalesce().values() if g.is_sparse else g).all())
         finite = bool(torch.stack(flags).all()) if flags else True
-        if not _distributed():
+        if not is_distributed():
             return finite
         buf = torch.tensor(0.0 if finite else 1.0, device=self.device)
         dist.all_reduce(buf)
@@ -848,7 +837,7 @@ class Trainer:
             # time would make the progress bar's ETA read hours); "building" / "built" lines
             # at INFO, "already built" at DEBUG
             build_cpu_kernels(say=lambda line: (logger.info if line.startswith("buil") else logger.debug)(line))
-        rank = self.process_rank = _rank()
+        rank = self.process_rank = process_rank()
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -884,7 +873,7 @@ class Trainer:
             # every process agrees whether all still have a batch and whether a signal asks to stop
             out_of_batches, signum = self._step_flags(batch is not _NO_BATCH)
             if out_of_batches:
-                if _distributed():
+                if is_distributed():
                     self._report_uneven(batch is not _NO_BATCH, batches)
                 break
             if signum:
@@ -923,7 +912,7 @@ class Trainer:
             self._zero_grad()
             self.step += 1
             faults.maybe_kill(faults.KILL_AT_STEP, self.step, rank, self.run_dir)
-            n = int(labels.shape[0]) * _world()
+            n = int(labels.shape[0]) * world_size()
             self.samples += n
             self.losses.append(global_loss)
             truncated = False
@@ -970,7 +959,7 @@ class Trainer:
         summary: dict[str, Any] = {
             "steps": self.step,
             "samples": self.samples,
-            "world_size": _world(),
+            "world_size": world_size(),
             "final_train_loss": self.losses[-1] if self.losses else float("nan"),
             # every validation metric the task reports (auc / accuracy / log_loss for DLRM)
             **{f"val_{k}": v for k, v in self.last_eval.items() if k != "count"},

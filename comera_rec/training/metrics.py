@@ -12,9 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+from comera_rec.training.dist import is_distributed
 
 
 class BinaryMetrics:
@@ -73,7 +71,7 @@ class BinaryMetrics:
             ``{"auc", "accuracy", "log_loss", "count"}``.
         """
         sums = torch.stack([self._loss_sum, self._count])
-        if _distributed():
+        if is_distributed():
             dist.all_reduce(sums)
         count = float(sums[1])
         auc = float(self.auroc.compute()) if count > 0 else float("nan")

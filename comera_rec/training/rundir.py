@@ -45,6 +45,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from comera_rec.training.dist import is_distributed, restart_count
+
 LOCK_NAME = "run.lock"
 log = logging.getLogger(__name__)
 
@@ -208,14 +210,6 @@ def run_id_of(checkpoint: Optional[Path]) -> Optional[str]:
     return run_id if isinstance(run_id, str) and run_id else None
 
 
-def _restarted() -> bool:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 @dataclass
 class RunDir:
     """A run directory opened by :func:`open_run_dir`.
@@ -263,14 +257,14 @@ def open_run_dir(run_dir: Path, resume_from: Optional[Path], resume: bool, overw
         ExistingRunError: a fresh start into a folder holding checkpoints, without overwrite.
     """
     run_dir = Path(run_dir)
-    rank = dist.get_rank() if _distributed() else 0
+    rank = dist.get_rank() if is_distributed() else 0
     lock: Optional[RunLock] = None
     outcome: list[Any] = [None, None, None, None]  # error type name, message, run id, moved to
     if rank == 0:
         try:
             lock = lock_run_dir(run_dir)
             moved = None
-            if not (resume or _restarted()):
+            if not (resume or restart_count() > 0):
                 moved = check_fresh_start(run_dir, overwrite)
             run_id = run_id_of(resume_from) if resume_from is not None else None
             if resume_from is not None and run_id is None:
@@ -282,7 +276,7 @@ def open_run_dir(run_dir: Path, resume_from: Optional[Path], resume: bool, overw
                 lock.release()
                 lock = None
             outcome = [type(e).__name__, str(e), None, None]
-    if _distributed():
+    if is_distributed():
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
         dist.broadcast_object_list(outcome, src=0, device=device)
     kind, message, run_id, moved_to = outcome
