@@ -352,6 +352,7 @@ class Trainer:
         self.extra: list[Any] = []
         self._stop: Optional[StopSignals] = None  # set by fit(): SIGINT / SIGTERM seen
         self._saved: Optional[tuple[int, Path]] = None  # (step, folder) of the newest checkpoint
+        self._run_dir: Optional[RunDir] = None  # set by fit(): the locked run directory and run id
 
     # ------------------------------------------------------------------ setup
     def _init_distributed(self) -> None:
@@ -655,9 +656,10 @@ class Trainer:
         meta = {"ranks": model_ranks(self.model), "time": time.time()}
         if self.run_config is not None:
             meta["config"] = to_dict(self.run_config)
-        run = getattr(self, "_run_dir", None)  # set by fit(); pruning only deletes this run's checkpoints
+        # pruning only deletes this run's checkpoints
+        run_id = self._run_dir.run_id if self._run_dir is not None else None
         path = save_checkpoint(self.run_dir / "checkpoints", self.step, self._state(), meta,
-                               keep=self.config.keep_checkpoints, run_id=run.run_id if run else None)
+                               keep=self.config.keep_checkpoints, run_id=run_id)
         self._saved = (self.step, path)
         return path
 
@@ -829,7 +831,7 @@ class Trainer:
         resume_from = self._resume_checkpoint()
         self._check_writable()
         # lock run_dir, refuse a fresh start over another run, agree on the run id (rundir.py)
-        self._run_dir: Optional[RunDir] = open_run_dir(self.run_dir, resume_from, cfg.resume, cfg.overwrite)
+        self._run_dir = open_run_dir(self.run_dir, resume_from, cfg.resume, cfg.overwrite)
         if cfg.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
         if self.device.type == "cpu":
@@ -1000,7 +1002,7 @@ class Trainer:
         self.extra = []
         gc.unfreeze()  # what freeze_gc froze (the model among it) is collectable again
         gc.collect()
-        if getattr(self, "_run_dir", None) is not None:
+        if self._run_dir is not None:
             self._run_dir.release()  # the run_dir lock (rundir.py)
             self._run_dir = None
         if destroy_group and self._owns_group and dist.is_initialized():
