@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torchrec.modules.crossnet import LowRankCrossNet
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.distributed.types import ShardedModule
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
 from comera_rec.integration.mlp import TTLowRankCrossNet
@@ -34,12 +36,28 @@ class ModuleReport:
         return self.params_before / max(1, self.params_after)
 
 
+@dataclass(frozen=True)
+class KeptModule:
+    """A module (or a table inside a compressed collection) that ``compress`` left dense."""
+
+    name: str
+    """Qualified name (``<collection>.<table>`` for a table)."""
+    kind: str
+    """Its class name, or ``"table"``."""
+    params: int
+    """Its parameters."""
+    reason: str
+    """Why it was not compressed, and what to do if it should be."""
+
+
 @dataclass
 class CompressionReport:
     """Per-module report of :func:`compress`."""
 
     modules: list[ModuleReport] = field(default_factory=list)
     """One entry per replaced module, in model order."""
+    kept: list[KeptModule] = field(default_factory=list)
+    """Every embedding module, table, linear layer or cross net left dense, with the reason."""
 
     @property
     def params_before(self) -> int:
@@ -58,6 +76,9 @@ class CompressionReport:
         for m in self.modules:
             lines.append(f"{m.name:48s} {m.kind:28s} {m.params_before:12d} {m.params_after:12d} {m.ratio:8.2f}")
         lines.append(f"{'total':48s} {'':28s} {self.params_before:12d} {self.params_after:12d} {self.ratio:8.2f}")
+        if self.kept:
+            lines.append("left dense:")
+            lines.extend(f"  {k.name} ({k.kind}, {k.params} parameters): {k.reason}" for k in self.kept)
         return "\n".join(lines)
 
 
@@ -123,15 +144,47 @@ def compress(model: nn.Module, policy: CompressionPolicy | None = None) -> Compr
             if linear_pays(module.in_features, module.out_features, policy.mlp_rank, policy.min_gain,
                            module.bias is not None):
                 replacement = TTLinear.from_linear(module, policy.mlp_rank)
-        if replacement is None:
-            continue
         try:
             model.get_submodule(name)
         except AttributeError:
             continue  # inside a module replaced earlier
+        if replacement is None:
+            reason = _left_dense_reason(module, policy)
+            if reason is not None and not any(name.startswith(k.name + ".") for k in report.kept):
+                report.kept.append(KeptModule(name, type(module).__name__, _numel(module), reason))
+            continue
         _set_submodule(model, name, replacement)
         report.modules.append(ModuleReport(name, type(replacement).__name__, _numel(module), _numel(replacement)))
+        if isinstance(replacement, TTMEmbeddingBagCollection):
+            sizes = {t.name: t.num_embeddings * t.embedding_dim for t in replacement.embedding_bag_configs()}
+            for table in replacement.dense_tables():
+                report.kept.append(KeptModule(f"{name}.{table}", "table", sizes[table], replacement.plans[table].reason))
     return report
+
+
+def _left_dense_reason(module: nn.Module, policy: CompressionPolicy) -> str | None:
+    """Why ``compress`` leaves ``module`` as it is (None: not a module it would compress)."""
+    kind = type(module).__name__
+    if isinstance(module, ShardedModule):
+        return "already sharded by DistributedModelParallel: call compress() on the model before wrapping it"
+    if isinstance(module, FusedEmbeddingBagCollection):
+        return "already fused (FusedEmbeddingBagCollection): call compress() on the EmbeddingBagCollection before fusing it"
+    if isinstance(module, EmbeddingCollection):
+        return "sequence (unpooled) embeddings are not compressed yet: its tables stay dense"
+    if isinstance(module, EmbeddingBagCollection):
+        return f"a subclass ({kind}) of EmbeddingBagCollection: only the class itself is converted"
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return "a plain torch embedding: put its table in a TorchRec EmbeddingBagCollection to compress it"
+    if isinstance(module, LowRankCrossNet):
+        return "policy.compress_crossnet is False"
+    if isinstance(module, nn.Linear):
+        if type(module) is not nn.Linear:
+            return f"a subclass ({kind}) of nn.Linear: only nn.Linear itself is converted"
+        if not policy.compress_mlps:
+            return "policy.compress_mlps is False"
+        return (f"{module.in_features}->{module.out_features}: TT at rank {policy.mlp_rank} would not be "
+                f"min_gain={policy.min_gain}x smaller with no more multiply-adds")
+    return None
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,8 @@ class TablePlan:
     compressed: bool
     shape: Shape | None = None
     ranks: tuple[int, ...] | None = None
+    reason: str = ""
+    """Why the table stays dense (empty when it is compressed)."""
 
     def group_key(self, embedding_dim: int) -> tuple:
         """Tables with equal keys are stacked and looked up in one call."""
@@ -177,7 +179,7 @@ def plan_table(name: str, num_embeddings: int, embedding_dim: int, policy: Compr
     """
     rule = policy.override(name)
     if rule.dense is True:
-        return TablePlan(name, compressed=False)
+        return TablePlan(name, compressed=False, reason="the policy's per_table entry says dense")
     rank = policy.table_rank(name)
     if rule.shape is not None:
         rows = check_shape(f"table {name!r} rows", num_embeddings, rule.shape[0])
@@ -194,12 +196,16 @@ def plan_table(name: str, num_embeddings: int, embedding_dim: int, policy: Compr
     ranks = tuple(cap_ranks(check_rank(f"table {name!r}", rank, len(modes) - 1), modes))
     if rule.dense is False:
         return TablePlan(name, True, shape, ranks)
-    few_rows = num_embeddings < policy.min_rows_to_compress
-    if few_rows or num_embeddings * embedding_dim < policy.min_params_to_compress:
-        return TablePlan(name, compressed=False)
+    if num_embeddings < policy.min_rows_to_compress:
+        return TablePlan(name, compressed=False,
+                         reason=f"{num_embeddings} rows < min_rows_to_compress={policy.min_rows_to_compress}")
+    if num_embeddings * embedding_dim < policy.min_params_to_compress:
+        return TablePlan(name, compressed=False, reason=f"{num_embeddings * embedding_dim} parameters < "
+                                                        f"min_params_to_compress={policy.min_params_to_compress}")
     gain = num_embeddings * embedding_dim / ttm_num_parameters(shape, ranks)
     if gain < policy.min_gain:
-        return TablePlan(name, compressed=False)
+        return TablePlan(name, compressed=False,
+                         reason=f"TT at rank {rank} would be only {gain:.2f}x smaller < min_gain={policy.min_gain}")
     return TablePlan(name, True, shape, ranks)
 
 

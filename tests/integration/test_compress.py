@@ -92,3 +92,52 @@ def test_model_size_of_tt_layer() -> None:
     size = model_size(nn.Sequential(TTLinear(512, 512, rank=8)))
     assert size.dense_num_parameters == 512 * 512 + 512
     assert size.compression_ratio > 10
+
+
+class _Mixed(nn.Module):
+    """A DLRM beside modules compress() leaves alone: a plain torch embedding, a TorchRec
+    sequence collection and an already fused collection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchrec.modules.embedding_configs import EmbeddingConfig
+        from torchrec.modules.embedding_modules import EmbeddingCollection
+        from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+
+        self.dlrm = _dlrm()
+        self.plain = nn.EmbeddingBag(50, 8)
+        self.sequence = EmbeddingCollection(
+            [EmbeddingConfig(name="s", embedding_dim=8, num_embeddings=500, feature_names=["s"])]
+        )
+        self.fused = FusedEmbeddingBagCollection(
+            [EmbeddingBagConfig(name="u", embedding_dim=8, num_embeddings=500, feature_names=["u"])],
+            optimizer_type=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, device=torch.device("cpu"),
+        )
+
+
+def test_compress_reports_every_module_it_leaves_dense_and_why() -> None:
+    model = _Mixed()
+    policy = CompressionPolicy(rank=4, min_rows_to_compress=100, min_params_to_compress=0, min_gain=2.0)
+    report = compress(model, policy)
+    kept = {k.name: k for k in report.kept}
+    assert "rows < min_rows_to_compress=100" in kept["dlrm.sparse_arch.embedding_bag_collection.t2"].reason
+    assert kept["dlrm.sparse_arch.embedding_bag_collection.t2"].params == 20 * 8
+    assert "plain torch embedding" in kept["plain"].reason
+    assert "sequence (unpooled) embeddings" in kept["sequence"].reason
+    assert "already fused" in kept["fused"].reason
+    # DLRM's 6->32 bottom layer stays dense: TT would not pay at rank 4
+    small = [k for k in report.kept if k.kind == "Linear" and "6->32" in k.reason]
+    assert small and "min_gain=2.0x" in small[0].reason
+    assert not any(k.name.startswith(("sequence.", "fused.")) for k in report.kept)  # no children listed
+    text = str(report)
+    assert "left dense:" in text and "plain (EmbeddingBag, 400 parameters)" in text
+
+
+def test_policy_reasons_for_dense_tables() -> None:
+    from comera_rec.integration.policy import plan_table
+
+    assert "per_table entry says dense" in plan_table("t", 10**6, 16, CompressionPolicy(per_table={"t": "dense"})).reason
+    assert "parameters < min_params_to_compress" in plan_table("t", 20_000, 16, CompressionPolicy()).reason
+    plan = plan_table("t", 20_000, 16, CompressionPolicy(min_params_to_compress=0, min_gain=1e6))
+    assert not plan.compressed and "min_gain=1000000.0" in plan.reason
+    assert plan_table("t", 20_000, 16, CompressionPolicy(min_params_to_compress=0)).reason == ""
