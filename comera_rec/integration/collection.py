@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torchrec.distributed.types import ShardedModule
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
@@ -25,12 +26,30 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from comera_rec.integration.fused_tables import fused_tables_lookup, single_lookup
+from comera_rec.integration.in_backward import carry_in_backward_optimizers, release_in_backward_optimizers
 from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tables
 from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import divide_bags
 from comera_rec.tensor.stacked import StackedTTMTables
 
 _POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
+
+
+def _fx_opaque(module: nn.Module, method: str, *args: object) -> object:
+    """``getattr(module, method)(*args)``; FX symbolic tracing records it as one call.
+
+    TorchRec's train pipelines (``TrainPipelineSparseDist`` and its kin) FX-trace the
+    model to find each sharded module and where its input comes from in the batch. The
+    tracer enters every module that holds a sharded one (a collection with a ``dense``
+    child under DMP) and, in a model with no sharded module at all, every module. Wrapped
+    with ``torch.fx.wrap``, the collection's checks and lookups are one node of that graph,
+    their Python control flow never sees a proxy; outside tracing (and when a traced graph
+    is run) it is a plain call.
+    """
+    return getattr(module, method)(*args)
+
+
+torch.fx.wrap("_fx_opaque")
 
 
 class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
@@ -231,6 +250,18 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 self._device = next(iter(devices))
         return self
 
+    def _release_in_backward(self) -> None:
+        # TT parameters are replicated, never fused into backward (integration/in_backward.py)
+        release_in_backward_optimizers(self.groups.named_parameters(prefix="groups"), type(self).__name__)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "TTMEmbeddingBagCollection":
+        """``nn.Module._apply`` (``.to``, ``.cpu``, ``to_empty``), after taking any
+        ``apply_optimizer_in_backward`` optimisers off the TT parameters: DMP moves the model
+        with ``.to(device)`` just before wrapping it in DDP, whose in-backward path would
+        otherwise run them (:mod:`~comera_rec.integration.in_backward`)."""
+        self._release_in_backward()
+        return super()._apply(fn, recurse)
+
     def table_weight(self, name: str) -> torch.Tensor:
         """The dense ``(num_embeddings, embedding_dim)`` table ``name`` (reconstructed if TTM).
 
@@ -389,18 +420,47 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         Returns:
             A ``KeyedTensor`` of values ``(B, sum of embedding dims)``, keys and
             ``length_per_key`` as TorchRec's ``EmbeddingBagCollection``.
+
+        Under TorchRec's train pipelines: a sharded ``dense`` child (DMP) is called on
+        ``features`` itself, the KJT this collection is given, so the pipeline's trace
+        finds its input in the batch and runs its input distribution ahead, as for any
+        sharded ``EmbeddingBagCollection``; the checks and the TTM lookups trace as one
+        call each (:func:`_fx_opaque`).
         """
+        self._release_in_backward()  # marked after the model was moved (no DMP): see _apply
+        _fx_opaque(self, "_check_features", features)  # before any table reads an id
+        # sharded: the whole KJT, in eager runs as in the pipeline (a sharded EBC picks its
+        # features; its input dist is set up for the keys of its first input)
+        dense_out = self.dense(features) if isinstance(self.dense, ShardedModule) else None
+        return _fx_opaque(self, "_pool", features, dense_out)  # type: ignore[return-value]
+
+    def _check_features(self, features: KeyedJaggedTensor) -> None:
+        """The input's type, layout and (if ``validate_inputs``) ids; see :meth:`forward`."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"TTMEmbeddingBagCollection: expected a KeyedJaggedTensor, got {type(features).__name__}")
         if features.variable_stride_per_key():
             raise ValueError("TTMEmbeddingBagCollection: variable batch sizes per feature are not supported")
+        if getattr(self.dense, "_free_features_storage_early", False):
+            raise RuntimeError(
+                "TTMEmbeddingBagCollection: the train pipeline's free_features_storage_early=True frees the "
+                "batch's KeyedJaggedTensor after the dense tables' input distribution, but the TTM tables "
+                "read it later in the forward; leave free_features_storage_early off"
+            )
         keys = features.keys()
-        index, bounds = self._key_layout(keys)
+        _, bounds = self._key_layout(keys)
         values = features.values()
         lengths = features.lengths()
         validate = self._validate and not self.static_shapes  # validation reads ids on the host
         if validate:
             self._check_batch(features, keys, values, lengths, bounds)
+
+    def _pool(self, features: KeyedJaggedTensor, dense_out: object) -> KeyedTensor:
+        """:meth:`forward` after the checks; ``dense_out`` is the sharded ``dense`` child's
+        output for ``features`` (``None`` when ``dense`` is unsharded or absent)."""
+        keys = features.keys()
+        index, _ = self._key_layout(keys)
+        values = features.values()
+        lengths = features.lengths()
         length_per_key = features.length_per_key()
         offset_per_key = features.offset_per_key()
         batch = features.stride()
@@ -451,7 +511,12 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 pooled_tt.append(out.view(len(streams), batch, -1).unbind(0))
 
         dense_parts: list[torch.Tensor] = []
-        if self.dense is not None:
+        if dense_out is not None:
+            kt = dense_out
+            if not isinstance(kt, KeyedTensor) and hasattr(kt, "wait"):
+                kt = kt.wait()  # sharded under DMP: an awaitable KeyedTensor
+            dense_values = kt.values()  # type: ignore[attr-defined]
+        elif self.dense is not None:
             parts = [stream(f) for f in self._dense_features]
             lookup = self._direct_dense_lookup()
             if lookup is not None:
@@ -470,8 +535,9 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 )
                 kt = self.dense(sub)
                 if not isinstance(kt, KeyedTensor) and hasattr(kt, "wait"):
-                    kt = kt.wait()  # sharded under DMP: an awaitable KeyedTensor
+                    kt = kt.wait()
                 dense_values = kt.values()
+        if self.dense is not None:
             if by_blocks:
                 sources.insert(0, dense_values)
             else:
@@ -541,5 +607,7 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             with torch.no_grad():
                 for name, bag in out.dense.embedding_bags.items():
                     bag.weight.copy_(weights[name])
+            for name, bag in out.dense.embedding_bags.items():  # the sharder fuses the user's optimiser
+                carry_in_backward_optimizers(ebc.embedding_bags[name].weight, bag.weight)
         out._device = device
         return out

@@ -17,6 +17,19 @@ from comera_rec.tensor.train import TensorTrainModule, cap_ranks, check_float_dt
 from comera_rec.tensor.validation import check_rank_argument
 
 
+def _fx_leaf_call(module: nn.Module, x: object) -> torch.Tensor:
+    """``module(x)``; FX symbolic tracing records it as one call, as it would a leaf.
+
+    TorchRec's train pipelines FX-trace the whole model when none of it is sharded (every
+    table compressed); the layers' forwards send a proxy here instead of into their
+    checks and kernels (``torch.fx.wrap``).
+    """
+    return module(x)
+
+
+torch.fx.wrap("_fx_leaf_call")
+
+
 class TTLinear(TensorTrainModule):
     """``nn.Linear`` with a tensor-train weight.
 
@@ -126,6 +139,8 @@ class TTLinear(TensorTrainModule):
             TypeError: an input of another dtype than the layer's.
             RuntimeError: an input on another device than the layer's.
         """
+        if isinstance(x, torch.fx.Proxy):
+            return _fx_leaf_call(self, x)
         self._check_input(x)
         if kernels.tt_chains_kernel_applies(self.cores, self.controllers):
             # the chains merged in one C++ call each way (the controllers scale the running
@@ -280,6 +295,8 @@ class NarrowLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, in_features) -> (B, out_features)`` (any leading dims on the unfused path)."""
+        if isinstance(x, torch.fx.Proxy):
+            return _fx_leaf_call(self, x)
         if x.dim() == 2 and self.in_features <= self.MAX_FUSED_INPUTS:
             identity = _identity(self.in_features, self.weight)
             right = self.weight.t()  # (in, out)
