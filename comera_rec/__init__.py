@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 # ``import comera_rec`` does not import TorchRec.
 _INTEGRATION = (
     "CompressionPolicy",
+    "RankAdapter",
     "TTMEmbeddingBagCollection",
     "TableOverride",
     "compress",

@@ -20,7 +20,7 @@ from comera_rec.integration.distributed import (
     EmbeddingOptimizerSpec,
     OptimizerBundle,
     replicated_parameter_groups,
-    rewrap_after_truncation,
+    rewrap_data_parallel,
     wrap_model,
 )
 from comera_rec.rank import RankScheduleConfig
@@ -162,8 +162,8 @@ class DLRMTask:
                 embedding_optimizer=self.config.embedding_optim.spec(),
                 sharding_type=self.config.embedding_optim.sharding_type,
             )
-        else:
-            self._wrapped, self.bundle = rewrap_after_truncation(self._wrapped, self.bundle)
+        else:  # the Trainer has pointed its optimiser at the cut parameters (as RankAdapter does)
+            self._wrapped = rewrap_data_parallel(self._wrapped)
         return self._wrapped
 
     def optimizer_parameters(self, wrapped: nn.Module) -> list[nn.Parameter]:

@@ -1,8 +1,16 @@
 """TorchRec integration: TTM embedding-bag collections, TT MLPs and cross nets,
 ``compress`` for existing models, and the DistributedModelParallel glue."""
 
+from comera_rec.integration.adapter import RankAdapter
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
-from comera_rec.integration.compress import CompressionReport, ModelSize, ModuleReport, compress, model_size
+from comera_rec.integration.compress import (
+    CompressionReport,
+    KeptModule,
+    ModelSize,
+    ModuleReport,
+    compress,
+    model_size,
+)
 from comera_rec.integration.distributed import (
     EmbeddingOptimizerSpec,
     OptimizerBundle,
@@ -11,6 +19,7 @@ from comera_rec.integration.distributed import (
     materialize_tensor_trains,
     replicated_parameter_groups,
     rewrap_after_truncation,
+    rewrap_data_parallel,
     wrap_model,
 )
 from comera_rec.integration.mlp import TTLowRankCrossNet, fuse_narrow_layers, tt_mlp
@@ -27,9 +36,11 @@ __all__ = [
     "CompressionPolicy",
     "CompressionReport",
     "EmbeddingOptimizerSpec",
+    "KeptModule",
     "ModelSize",
     "ModuleReport",
     "OptimizerBundle",
+    "RankAdapter",
     "TTLowRankCrossNet",
     "TTMEmbeddingBagCollection",
     "TableOverride",
@@ -44,6 +55,7 @@ __all__ = [
     "plan_tables",
     "replicated_parameter_groups",
     "rewrap_after_truncation",
+    "rewrap_data_parallel",
     "fuse_narrow_layers",
     "tt_mlp",
     "wrap_model",

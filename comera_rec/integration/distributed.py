@@ -368,6 +368,44 @@ def _load_sharded_tables(wrapped: nn.Module, weights: dict[str, torch.Tensor]) -
             value.copy_(full)
 
 
+def rewrap_data_parallel(wrapped: nn.Module) -> nn.Module:
+    """Rebuild the DDP wrapper of ``wrapped`` after parameters changed shape (a rank cut).
+
+    DDP registers its gradient hooks and buckets on the parameters it was built with: the
+    new, smaller parameters would silently stop being averaged over processes. Under
+    ``DistributedModelParallel`` the DDP inside is replaced through DMP's own data-parallel
+    wrapper (the sharded tables and their fused optimiser are untouched); a bare
+    ``DistributedDataParallel`` is rebuilt with the settings it had; anything else is
+    returned as it is.
+
+    Args:
+        wrapped: the model as the training loop calls it.
+
+    Returns:
+        The model to call from now on (the same DMP object; a new DDP object).
+    """
+    if isinstance(wrapped, DistributedModelParallel):
+        inner = wrapped._dmp_wrapped_module
+        if isinstance(inner, DistributedDataParallel):
+            wrapped._dmp_wrapped_module = inner.module
+            del inner
+        wrapped._data_parallel_wrapper.wrap(wrapped, wrapped._env, wrapped.device)
+        return wrapped
+    if isinstance(wrapped, DistributedDataParallel):
+        return DistributedDataParallel(
+            wrapped.module,
+            device_ids=wrapped.device_ids,
+            output_device=wrapped.output_device,
+            process_group=wrapped.process_group,
+            broadcast_buffers=wrapped.forward_sync_buffers,
+            bucket_cap_mb=wrapped.bucket_bytes_cap / (1024 * 1024),
+            find_unused_parameters=wrapped.find_unused_parameters,
+            gradient_as_bucket_view=wrapped.gradient_as_bucket_view,
+            static_graph=wrapped.static_graph,
+        )
+    return wrapped
+
+
 def rewrap_after_truncation(wrapped: nn.Module, optim: OptimizerBundle) -> tuple[nn.Module, OptimizerBundle]:
     """Rebuild the DDP wrapper and the dense optimizer after TT ranks were truncated.
 
@@ -388,14 +426,9 @@ def rewrap_after_truncation(wrapped: nn.Module, optim: OptimizerBundle) -> tuple
         >>> if any(m.truncate_ranks(1e-2) for _, m in tensor_train_modules(model)):  # doctest: +SKIP
         ...     wrapped, optim = rewrap_after_truncation(wrapped, optim)
     """
-    if isinstance(wrapped, DistributedModelParallel):
-        inner = wrapped._dmp_wrapped_module
-        if isinstance(inner, DistributedDataParallel):
-            wrapped._dmp_wrapped_module = inner.module
-            del inner
-        wrapped._data_parallel_wrapper.wrap(wrapped, wrapped._env, wrapped.device)
-    elif isinstance(wrapped, DistributedDataParallel):
+    if isinstance(wrapped, DistributedDataParallel):
         raise TypeError("rewrap_after_truncation: pass the DMP-wrapped model (or the plain model), not a bare DDP")
+    wrapped = rewrap_data_parallel(wrapped)
     groups = replicated_parameter_groups(wrapped)
     dense = optim.make_dense_optimizer(groups)
     old = optim.dense

@@ -131,19 +131,56 @@ class SliceImportance:
         seen = False
         for name, m in tensor_train_modules(model):
             for k, d in enumerate(m.controllers):
-                g = d.grad
-                if g is None:
-                    continue
-                g = g.to_dense() if g.is_sparse else g
-                cost = (d * g).float().pow(2)
-                while cost.dim() > 1:  # stacked trains: a slice is cut from every train
-                    cost = cost.sum(dim=0)
-                key = (name, k)
-                prev = self.costs.get(key)
-                self.costs[key] = cost if prev is None or prev.shape != cost.shape else prev + cost
-                seen = True
+                if d.grad is not None:
+                    self.observe_controller(name, k, d)
+                    seen = True
         if seen:
             self.steps += 1
+
+    @torch.no_grad()
+    def observe_controller(self, name: str, bond: int, controller: torch.Tensor) -> None:
+        """Add one controller's cost from its ``.grad`` (the step is counted by the caller:
+        :class:`~comera_rec.integration.adapter.RankAdapter` calls this from a gradient hook).
+
+        Args:
+            name: the TT module's name in the model.
+            bond: the controller's bond index.
+            controller: the controller parameter, its ``.grad`` set.
+        """
+        g = controller.grad
+        g = g.to_dense() if g.is_sparse else g
+        cost = (controller * g).float().pow(2)
+        while cost.dim() > 1:  # stacked trains: a slice is cut from every train
+            cost = cost.sum(dim=0)
+        key = (name, bond)
+        prev = self.costs.get(key)
+        self.costs[key] = cost if prev is None or prev.shape != cost.shape else prev + cost
+
+    @torch.no_grad()
+    def all_reduce(self, model: nn.Module) -> None:
+        """Sum the costs over all processes (every bond of ``model``, in one fixed order), so
+        that costs gathered from local gradients give every process the same cuts; a no-op
+        without a process group."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        keys, flat = [], []
+        for name, m in tensor_train_modules(model):
+            for k, d in enumerate(m.controllers):
+                rank = d.shape[-1]
+                cost = self.costs.get((name, k))
+                flat.append(cost.cpu() if cost is not None and cost.shape == (rank,) else torch.zeros(rank))
+                keys.append((name, k))
+        if not flat:
+            return
+        buffer = torch.cat(flat).to(torch.float64)
+        if dist.get_backend() == "nccl":  # nccl reduces device tensors only
+            buffer = buffer.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(buffer)
+        buffer = buffer.cpu()
+        for key, part in zip(keys, buffer.split([t.numel() for t in flat])):
+            self.costs[key] = part.float()
 
     def reset(self) -> None:
         """Forget the costs (after a cut: the slices and their indices change)."""
@@ -151,7 +188,8 @@ class SliceImportance:
         self.steps = 0
 
     @torch.no_grad()
-    def select(self, model: nn.Module, target_entries: float, floor_entries: float = 0.0) -> list[Cut]:
+    def select(self, model: nn.Module, target_entries: float, floor_entries: float = 0.0,
+               entry_exponent: float = 1.0) -> list[Cut]:
         """The slices to cut so that the live size is at most ``target_entries``.
 
         Greedy: repeatedly the live slice of least cost per entry freed, on a bond that keeps
@@ -196,7 +234,7 @@ class SliceImportance:
                 entries = bond_slice_entries(modules[name], live[name])[k]
                 if size - entries < floor_entries:
                     continue
-                value = queue[0][0] / max(entries, 1)
+                value = queue[0][0] / max(entries, 1) ** entry_exponent
                 if best is None or value < best[0]:
                     best = (value, name, k, entries)
                 if size - entries <= target_entries and (finish is None or queue[0][0] < finish[0]):

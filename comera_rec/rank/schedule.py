@@ -66,6 +66,8 @@ class RankScheduleConfig:
     run trains at the ranks found."""
     num_cuts: int = 20
     """budget: number of cut events, spread evenly over the window."""
+    entry_exponent: float = 1.0
+    """budget: slices are ranked by cost / entries ** entry_exponent (1: loss per byte)."""
     gamma: float = 0.01
     """Threshold mode: weight of the size surrogate S^ in the early stage (reference 0.01).
     Not used in budget mode."""
@@ -471,7 +473,7 @@ class RankSchedule:
             self._note_start(model)
             target = self.planned_size(self.window()[1] if step is None else step)
             floor = (1.0 - TARGET_TOLERANCE / 2) * self.target_size_elements()
-            self.last_cuts = self.importance.select(model, target, floor)
+            self.last_cuts = self.importance.select(model, target, floor, self.config.entry_exponent)
             apply_cuts(model, self.last_cuts)
             self.importance.reset()
         self.last_truncation = truncate_model(model, self.config.threshold)

@@ -55,6 +55,7 @@ from comera_rec.rank.size import (
     model_tt_bytes,
     total_live_rank,
 )
+from comera_rec.rank.optim_state import retarget_optimizer
 from comera_rec.rank.truncation import resize_to_state_dict
 from comera_rec.tensor.embedding import set_static_shapes
 from comera_rec.tensor.kernels import build_cpu_kernels
@@ -71,7 +72,7 @@ from comera_rec.training.checkpoint import (
 from comera_rec.training.cuda_graph import CaptureBackend, CudaGraphCapture, StepGraphs, capturable_objective
 from comera_rec.training.dist import is_distributed, process_rank, restart_count, world_size
 from comera_rec.training.metrics import BinaryMetrics
-from comera_rec.training.optim import OptimConfig, build_optimizer, lr_factor, rebuild_optimizer, set_lr_factor
+from comera_rec.training.optim import OptimConfig, build_optimizer, lr_factor, set_lr_factor
 from comera_rec.training.report import JsonlLog, plot_run, read_jsonl, summary_table
 from comera_rec.training.rundir import RunDir, open_run_dir
 from comera_rec.training.stop import StopSignals, TrainingStopped, signal_name
@@ -452,14 +453,15 @@ class Trainer:
         return ([self.optimizer] if self.optimizer is not None else []) + list(self.extra)
 
     def _build_optimizers(self, truncation: Any = None) -> None:
-        include = None
-        if hasattr(self.task, "optimizer_parameters"):
-            include = list(self.task.optimizer_parameters(self.wrapped))
         if self.optimizer is None:
+            include = None
+            if hasattr(self.task, "optimizer_parameters"):
+                include = list(self.task.optimizer_parameters(self.wrapped))
             self.optimizer = build_optimizer(self.model, self.optim_config, include, self._capturable)
-        else:
-            self.optimizer = rebuild_optimizer(self.optimizer, self.model, self.optim_config, truncation, include,
-                                               self._capturable)
+        elif truncation is not None:
+            # the path RankAdapter users take: the same optimiser, pointed at the cut
+            # parameters with its state sliced (comera_rec/rank/optim_state.py)
+            retarget_optimizer(self.optimizers, truncation)
         self.extra = list(self.task.extra_optimizers(self.wrapped)) if hasattr(self.task, "extra_optimizers") else []
 
     def _zero_grad(self) -> None:
