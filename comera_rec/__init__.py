@@ -24,6 +24,7 @@ _INTEGRATION = (
     "TTMEmbeddingBagCollection",
     "TableOverride",
     "compress",
+    "decompress",
     "model_size",
     "rewrap_after_truncation",
     "wrap_model",

@@ -11,6 +11,7 @@ from comera_rec.integration.compress import (
     compress,
     model_size,
 )
+from comera_rec.integration.decompress import DecompressionReport, decompress
 from comera_rec.integration.distributed import (
     EmbeddingOptimizerSpec,
     OptimizerBundle,
@@ -35,6 +36,7 @@ from comera_rec.integration.policy import (
 __all__ = [
     "CompressionPolicy",
     "CompressionReport",
+    "DecompressionReport",
     "EmbeddingOptimizerSpec",
     "KeptModule",
     "ModelSize",
@@ -46,6 +48,7 @@ __all__ = [
     "TableOverride",
     "TablePlan",
     "compress",
+    "decompress",
     "default_dense_optimizer",
     "destroy_distributed",
     "linear_pays",

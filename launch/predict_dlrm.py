@@ -1,0 +1,18 @@
+"""Score Criteo rows with a trained DLRM; print AUC and log loss when the rows have labels.
+
+    python launch/predict_dlrm.py --checkpoint runs/dlrm_demo day_23.tsv --out scores.parquet
+    python launch/predict_dlrm.py --checkpoint runs/x/checkpoints/step_000001500 \
+        --config configs/dlrm_criteo_kaggle.yaml test.parquet --out scores.csv
+
+`--checkpoint` takes a run directory (its newest checkpoint), a checkpoints/ folder, a
+step_* folder or its rank0.pt. The output holds one row per input row: `score` (click
+probability) and `label` when the input has one; Parquet or CSV by the suffix of --out.
+The logic lives in dlrm/predict.py; see docs/serving.md.
+"""
+
+from __future__ import annotations
+
+from dlrm.predict import predict_cli as main
+
+if __name__ == "__main__":
+    main()
