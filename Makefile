@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench-tensor install clean
+.PHONY: demo test wheel-smoke bench-tensor install clean
 
 $(STAMP): pyproject.toml requirements/cpu.txt third_party/fbgemm-gpu-shim/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ bench-tensor: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
+
+# the built wheel in a fresh venv over the CPU set: console scripts, a short demo (CI runs it)
+wheel-smoke: $(STAMP)
+	PY=$(abspath $(PY)) bash .ci/wheel_smoke
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from pathlib import Path
@@ -221,19 +222,91 @@ def _dataclass_of(tp: Any) -> Optional[type]:
     return None
 
 
+CONFIG_SUFFIXES = (".yaml", ".yml")
+
+
+def config_dirs() -> list[Path]:
+    """The folders whose ``*.yaml`` files are the shipped run configs, looked up by name.
+
+    Installed from a wheel, ``comera_rec/configs`` holds a copy of the repository's
+    ``configs/`` (package data); in a checkout ``comera_rec/configs`` is a link to it, and
+    the repository's ``configs/`` itself is the fallback where the link did not survive
+    (a file system without symbolic links).
+    """
+    here = Path(__file__).resolve().parent
+    dirs = [Path(__file__).parent / "configs", here.parent / "configs"]
+    seen, out = set(), []
+    for d in dirs:
+        if d.is_dir() and d.resolve() not in seen:
+            seen.add(d.resolve())
+            out.append(d)
+    return out
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The shipped run configs, by name (the file name without ``.yaml``), sorted.
+
+    Example::
+
+        >>> "dlrm_demo" in shipped_configs()
+        True
+    """
+    found: dict[str, Path] = {}
+    for d in config_dirs():
+        for f in sorted(d.iterdir()):
+            if f.suffix in CONFIG_SUFFIXES and f.is_file():
+                found.setdefault(f.stem, f)
+    return dict(sorted(found.items()))
+
+
+def resolve_config(name_or_path: Union[str, Path]) -> Path:
+    """The YAML file that ``--config`` names: a path, else a shipped config by name.
+
+    - an existing file is used as it is (a local file wins over a shipped name);
+    - a bare name (no folder part; ``.yaml`` / ``.yml`` optional), e.g. ``dlrm_demo``, is
+      looked up among :func:`shipped_configs`;
+    - anything else (a path with a folder part that does not exist) is a
+      ``FileNotFoundError``.
+
+    Raises:
+        ConfigError: a bare name that is neither a file nor a shipped config (the message
+            lists the shipped names).
+        FileNotFoundError: a path with a folder part that does not exist.
+
+    Example::
+
+        >>> resolve_config("dlrm_demo").name
+        'dlrm_demo.yaml'
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    text = str(name_or_path)
+    available = shipped_configs()
+    names = ", ".join(available) or "(none found)"
+    if "/" in text or os.sep in text or (os.altsep and os.altsep in text):
+        raise FileNotFoundError(f"config file {text} does not exist (shipped configs, by name: {names})")
+    stem = path.stem if path.suffix in CONFIG_SUFFIXES else text
+    if stem in available:
+        return available[stem]
+    raise ConfigError(f"unknown config {text!r}: not a file, nor the name of a shipped config; available: {names}")
+
+
 def load_config(cls: type[T], path: Optional[Union[str, Path]] = None, overrides: Sequence[str] = ()) -> T:
     """Read a YAML file (or nothing: defaults) plus overrides into the dataclass ``cls``.
 
     Args:
         cls: the top-level config dataclass (e.g. a ``RunConfig`` with sections).
-        path: YAML file; ``None`` starts from the dataclass defaults.
+        path: YAML file, or the name of a shipped config (``dlrm_demo``, see
+            :func:`resolve_config`); ``None`` starts from the dataclass defaults.
         overrides: ``"key.sub=value"`` strings applied after the file; values are
             parsed with ``yaml.safe_load`` (``steps=10`` is an int, ``name=x`` a string).
 
     Raises:
         ConfigError: unknown keys (listing the valid ones), wrong types, bad values; an
-            empty ``path`` (no keys, or only comments), named in the message.
-        FileNotFoundError: ``path`` does not exist.
+            empty ``path`` (no keys, or only comments), named in the message; a bare name
+            that is neither a file nor a shipped config (listing the shipped names).
+        FileNotFoundError: ``path`` (with a folder part) does not exist.
 
     Example::
 
@@ -241,7 +314,7 @@ def load_config(cls: type[T], path: Optional[Union[str, Path]] = None, overrides
     """
     data: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
+        path = resolve_config(path)
         with path.open() as f:
             loaded = yaml.safe_load(f)
         if loaded is None:
@@ -267,7 +340,8 @@ def run_config_from_args(
     cls: type[T],
     argv: Optional[Sequence[str]],
     description: Optional[str],
-    config_help: str = "YAML run config (configs/*.yaml); defaults apply without one",
+    config_help: str = ("YAML run config: a path, or the name of a shipped config (configs/*.yaml, e.g. "
+                        "dlrm_demo); defaults apply without one"),
     resume_help: str = "continue from the newest checkpoint in trainer.run_dir",
     overrides_help: str = "section.key=value, e.g. trainer.max_steps=200",
 ) -> Optional[T]:
@@ -301,6 +375,11 @@ def run_config_from_args(
     parser.add_argument("--help-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help=overrides_help)
     args = parser.parse_args(argv)
+    if args.config is not None:
+        try:
+            args.config = resolve_config(args.config)
+        except (ConfigError, FileNotFoundError) as e:
+            parser.error(str(e))  # exit 2 with the usage and the shipped names
     config = load_config(cls, args.config, args.overrides + (["trainer.resume=true"] if args.resume else []))
     if args.help_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False))

@@ -1,15 +1,12 @@
-"""The DLRM benchmark's own helpers (launch/bench_dlrm.py)."""
+"""The DLRM benchmark's own helpers (dlrm/bench.py, run by launch/bench_dlrm.py and comera-bench)."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "launch"))
-import bench_dlrm  # noqa: E402
+from dlrm import bench as bench_dlrm
 
 
 def test_every_timed_step_gets_its_own_batch() -> None:

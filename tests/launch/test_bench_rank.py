@@ -1,17 +1,14 @@
-"""The accuracy-size benchmark (launch/bench_rank.py): its interpolation and a tiny front end to end."""
+"""The accuracy-size benchmark (dlrm/bench_rank.py: launch/bench_rank.py, comera-bench-rank): its interpolation and a tiny front end to end."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "launch"))
-import bench_rank  # noqa: E402
-
-from tests.dlrm.tiny import TINY  # noqa: E402
+from dlrm import bench_rank
+from tests.dlrm.tiny import TINY
 
 
 def test_interpolation_is_linear_in_log_bytes_and_refuses_to_extrapolate() -> None:
