@@ -29,7 +29,7 @@ from comera_rec.integration.fused_tables import fused_tables_lookup, single_look
 from comera_rec.integration.in_backward import carry_in_backward_optimizers, release_in_backward_optimizers
 from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tables
 from comera_rec.tensor import kernels
-from comera_rec.tensor.contract import divide_bags
+from comera_rec.tensor.bags import divide_bags
 from comera_rec.tensor.stacked import StackedTTMTables
 
 _POOLINGS = (PoolingType.SUM, PoolingType.MEAN)

@@ -1,10 +1,10 @@
 """The tensor core: shapes, tensor-train cores with rank controllers, contractions,
 truncation and TT-SVD. Pure PyTorch; it never imports TorchRec or the trainer."""
 
+from comera_rec.tensor.bags import pool_bags
 from comera_rec.tensor.contract import (
     merge_input_chain,
     merge_output_chain,
-    pool_bags,
     tt_linear,
     ttm_dense_table,
     ttm_embedding_bag,

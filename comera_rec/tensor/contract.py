@@ -12,6 +12,8 @@ from typing import Sequence
 import torch
 
 from comera_rec.tensor import kernels
+from comera_rec.tensor.bags import pool_bags, pool_bags_static, streams_side_by_side
+from comera_rec.tensor.halves import half, half_keys, half_rows, split_point
 
 # ---------------------------------------------------------------------------- TT linear
 
@@ -136,123 +138,6 @@ def linear_from_chains(
 # ---------------------------------------------------------------------------- TTM lookup
 
 
-def _left_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Contract the left half (1 or 2 cores) of stacked trains over all its row indices.
-
-    ``cores[k]: (T, r_{k-1}, n_k, m_k, r_k)``, ``r_0 = 1`` ->
-    ``(T * N, M, r)`` with N = n_1 n_2 (row-major) and M = m_1 m_2.
-    """
-    T, _, n1, m1, r1 = cores[0].shape
-    if len(cores) == 1:
-        return cores[0].reshape(T * n1, m1, r1)
-    _, _, n2, m2, r2 = cores[1].shape
-    table = torch.bmm(cores[0].reshape(T, n1 * m1, r1), cores[1].reshape(T, r1, n2 * m2 * r2))
-    # (T, n1, m1, n2, m2, r2) -> (T, n1, n2, m1, m2, r2): blocks of m2 * r2 stay contiguous
-    table = table.reshape(T, n1, m1, n2, m2 * r2).transpose(2, 3)
-    return table.reshape(T * n1 * n2, m1 * m2, r2)
-
-
-def _left_rows(cores: Sequence[torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
-    """Rows ``(K, m_1 m_2, r_2)`` of the whole 2-core left half for ``keys``.
-
-    One GEMM per train gives the half in the layout ``(n_1, m_1, n_2, m_2 r_2)``; each
-    key's ``m_1`` blocks of ``m_2 r_2`` contiguous values are gathered from it directly,
-    so the half is never transposed (forward or backward).
-    """
-    T, _, n1, m1, r1 = cores[0].shape
-    _, _, n2, m2, r2 = cores[1].shape
-    raw = torch.bmm(cores[0].reshape(T, n1 * m1, r1), cores[1].reshape(T, r1, n2 * m2 * r2))
-    raw = raw.reshape(T * n1 * m1 * n2, m2 * r2)  # rows (t, i1, a, i2)
-    t_i1, i2 = keys // n2, keys % n2  # keys = (t * n1 + i1) * n2 + i2
-    a = torch.arange(m1, device=keys.device)
-    rows = ((t_i1 * m1).unsqueeze(1) + a) * n2 + i2.unsqueeze(1)  # (K, m1)
-    return raw.index_select(0, rows.reshape(-1)).reshape(keys.numel(), m1 * m2, r2)
-
-
-def _right_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Contract the right half (1 or 2 cores) of stacked trains over all its row indices.
-
-    ``cores[k]: (T, r_{k-1}, n_k, m_k, r_k)``, ``r_K = 1`` -> ``(T * N, m_b, r, m_a)``
-    with N = n_a n_b (row-major), ``a`` the first and ``b`` the second core (``m_b = 1``
-    for one core). Each row's block is written contiguously by the GEMM itself, so no
-    permutation of the whole half is ever copied; the caller puts ``m_b`` after ``m_a``
-    on the few rows it keeps.
-    """
-    a = cores[0]
-    T, r, na, ma, ra = a.shape
-    if len(cores) == 1:
-        # (T, r, n, m, 1) -> (T, n, 1, r, m); a copy of one core, not of a table
-        return a.reshape(T, r, na, ma).transpose(1, 2).reshape(T * na, 1, r, ma)
-    b = cores[1]
-    _, _, nb, mb, _ = b.shape
-    b_t = b.reshape(T, ra, nb * mb).transpose(1, 2)  # (T, nb*mb, ra), a view
-    a_t = a.permute(0, 2, 1, 3, 4).reshape(T, na, r * ma, ra).transpose(2, 3)  # (T, na, ra, r*ma)
-    table = torch.matmul(b_t.unsqueeze(1), a_t)  # (T, na, nb*mb, r*ma): (T, na, nb, mb, r, ma)
-    return table.reshape(T * na * nb, mb, r, ma)
-
-
-def _right_rows(cores: Sequence[torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
-    """Rows ``(K, m_b, r, m_a)`` of the whole 2-core right half for ``keys`` (as
-    :func:`_right_table`), from one GEMM per train.
-
-    The GEMM ``G_b^T (n_b m_b, r_a) @ G_a (r_a, n_a r m_a)`` writes the half as
-    ``(n_b, m_b, n_a, r m_a)``; each key's ``m_b`` blocks of ``r m_a`` contiguous values are
-    gathered from it directly. Only the first core (small) is permuted, never the half,
-    and the backward is two GEMMs, where the batched form (a GEMM per ``(train, i_a)``,
-    broadcast over ``i_a``) reduced a half-sized product over ``i_a``.
-    """
-    a, b = cores
-    T, r, na, ma, ra = a.shape
-    _, _, nb, mb, _ = b.shape
-    a_t = a.permute(0, 4, 2, 1, 3).reshape(T, ra, na * r * ma)  # (T, r_a, n_a r m_a)
-    b_t = b.reshape(T, ra, nb * mb).transpose(1, 2)  # (T, n_b m_b, r_a), a view
-    raw = torch.bmm(b_t, a_t).reshape(T * nb * mb * na, r * ma)  # rows (t, i_b, b, i_a)
-    t_ia, ib = keys // nb, keys % nb  # keys = (t * n_a + i_a) * n_b + i_b
-    t, ia = t_ia // na, t_ia % na
-    blocks = torch.arange(mb, device=keys.device)
-    rows = ((t * nb + ib) * mb).unsqueeze(1) + blocks  # (K, m_b): row (t, i_b, b) ...
-    rows = rows * na + ia.unsqueeze(1)  # ... at i_a
-    return raw.index_select(0, rows.reshape(-1)).reshape(keys.numel(), mb, r, ma)
-
-
-def _half(
-    cores: Sequence[torch.Tensor],
-    row_shape: Sequence[int],
-    keys: torch.Tensor,
-    left: bool,
-    strategy: str = "auto",
-) -> torch.Tensor:
-    """Per-key matrices of one half: ``(K, M, r)`` (left) or ``(K, m_b, r, m_a)`` (right,
-    see :func:`_right_table`).
-
-    ``keys`` are ``train * N_half + index``. Either the whole half is contracted for
-    every index (one GEMM per core, no gathers) and the keys' rows selected, or only
-    the distinct keys are contracted from their gathered core slices; the cheaper
-    one, counted in elements touched, is taken (``strategy`` "auto"), or the one named
-    ("gather" / "full").
-    """
-    T = cores[0].shape[0]
-    n_half = math.prod(row_shape)
-    out_elems = math.prod(c.shape[3] for c in cores) * (cores[-1].shape[-1] if left else cores[0].shape[1])
-    full_cost = T * n_half * out_elems
-    # the number of keys bounds the number of distinct keys: no sort needed to decide
-    gather_cost = keys.numel() * (sum(c[0].numel() // c.shape[2] for c in cores) + out_elems)
-    gather = gather_cost < full_cost if strategy == "auto" else strategy == "gather"
-    if len(cores) > 1 and not gather:
-        return _left_rows(cores, keys) if left else _right_rows(cores, keys)
-    # Gather the distinct keys' slices of each core, then contract them as one-row trains.
-    table_fn = _left_table if left else _right_table
-    distinct, key_of = torch.unique(keys, return_inverse=True)
-    train, index = distinct // n_half, distinct % n_half
-    slices, stride = [], n_half
-    for core, n in zip(cores, row_shape):
-        stride //= n
-        flat = core.permute(0, 2, 1, 3, 4).reshape(core.shape[0] * n, -1)  # (T*n, r*m*r')
-        rows = flat.index_select(0, train * n + (index // stride) % n)
-        slices.append(rows.reshape(-1, core.shape[1], 1, core.shape[3], core.shape[4]))
-    return table_fn(slices).index_select(0, key_of)  # contracted once per distinct key
-
-
 def ttm_rows(
     cores: Sequence[torch.Tensor],
     row_shape: Sequence[int],
@@ -279,53 +164,18 @@ def ttm_rows(
     d = len(cores)
     if d < 2:
         raise ValueError(f"ttm_rows: need at least 2 cores, got {d}")
-    h = (d + 1) // 2
+    h = split_point(d)
     left_rows, right_rows = math.prod(row_shape[:h]), math.prod(row_shape[h:])
     if trains is None:
         trains = torch.zeros_like(rows)
-    prefix = _half(cores[:h], row_shape[:h], trains * left_rows + rows // right_rows, left=True)  # (U, M_l, r)
-    suffix = _half(cores[h:], row_shape[h:], trains * right_rows + rows % right_rows, left=False)
+    prefix = half(cores[:h], row_shape[:h], trains * left_rows + rows // right_rows, left=True)  # (U, M_l, r)
+    suffix = half(cores[h:], row_shape[h:], trains * right_rows + rows % right_rows, left=False)
     U, m_b, r, m_a = suffix.shape  # (U, m_b, r, m_a)
     # per row: prefix (M_l, r) x suffix (r, m_a, m_b); einsum's own plan was measured ~2x
     # faster here than batched GEMMs of these tiny matrices
     out = torch.einsum("uxr,ubra->uxab", prefix, suffix)  # (U, M_l, m_a, m_b)
     return out.reshape(U, prefix.shape[1] * m_a * m_b)
 
-
-def pool_bags(
-    rows: torch.Tensor,
-    row_of_id: torch.Tensor,
-    offsets: torch.Tensor,
-    mode: str,
-    per_sample_weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Pool looked-up rows into bags (``include_last_offset=True`` layout).
-
-    Each id's row is gathered (``index_select``) and added into its bag (``index_add``,
-    see :func:`pool_bags_static`): both backward passes are plain scatters / gathers,
-    which on CPU made the compressed DLRM step ~4% faster than ``F.embedding_bag``,
-    whose backward sorts the ids (docs/performance.md).
-
-    Args:
-        rows: ``(U, D)`` distinct rows.
-        row_of_id: ``(N,)`` which row each id of the input uses.
-        offsets: ``(B + 1,)`` bag boundaries into the N ids (well formed: from 0 to N,
-            non-decreasing; the callers build or check them).
-        mode: ``"sum"`` or ``"mean"`` (mean divides the weighted sum by the bag length).
-        per_sample_weights: optional ``(N,)``.
-
-    Returns:
-        ``(B, D)``; empty bags give zeros.
-
-    Example::
-
-        >>> rows = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
-        >>> pool_bags(rows, torch.tensor([0, 1, 1]), torch.tensor([0, 1, 1, 3]), "sum")
-        tensor([[1., 0.],
-                [0., 0.],
-                [0., 4.]])
-    """
-    return pool_bags_static(rows.index_select(0, row_of_id), offsets, mode, per_sample_weights)
 
 
 def ttm_embedding_bag(
@@ -389,41 +239,6 @@ def ttm_embedding_bag(
     return streams_side_by_side(out, stream_batch) if stream_batch > 0 else out
 
 
-def streams_side_by_side(out: torch.Tensor, stream_batch: int) -> torch.Tensor:
-    """``(F * B, D)`` bags of F streams of B samples -> ``(B, F * D)``, stream ``f`` in columns
-    ``f * D ...`` (a copy).
-
-    Example::
-
-        >>> streams_side_by_side(torch.arange(4.0).reshape(4, 1), 2)
-        tensor([[0., 2.],
-                [1., 3.]])
-    """
-    bags, dim = out.shape
-    if bags % stream_batch:
-        raise ValueError(f"streams_side_by_side: {bags} bags are not whole streams of {stream_batch}")
-    return out.view(bags // stream_batch, stream_batch, dim).transpose(0, 1).reshape(stream_batch, -1)
-
-
-def divide_bags(out: torch.Tensor, divisor: torch.Tensor, stream_batch: int = 0) -> torch.Tensor:
-    """Divide each bag by its entry of ``divisor`` (``(bags,)``), in either layout of
-    :func:`ttm_embedding_bag`: ``(bags, D)``, or with ``stream_batch > 0`` ``(stream_batch,
-    streams * D)`` where bag ``f * stream_batch + b`` is row ``b``, columns ``f * D ...``.
-
-    Example::
-
-        >>> divide_bags(torch.ones(2, 4), torch.tensor([1.0, 2.0, 4.0, 8.0]), 2)
-        tensor([[1.0000, 1.0000, 0.2500, 0.2500],
-                [0.5000, 0.5000, 0.1250, 0.1250]])
-    """
-    divisor = divisor.to(out.dtype)
-    if stream_batch <= 0:
-        return out / divisor.unsqueeze(1)
-    streams = divisor.numel() // stream_batch
-    per_sample = divisor.view(streams, stream_batch).t().unsqueeze(2)  # (stream_batch, streams, 1)
-    return (out.view(stream_batch, streams, -1) / per_sample).reshape(stream_batch, -1)
-
-
 def _ttm_embedding_bag_dedup(
     cores: Sequence[torch.Tensor],
     row_shape: Sequence[int],
@@ -449,91 +264,6 @@ def _ttm_embedding_bag_dedup(
 # ---------------------------------------------------------------------------- static shapes
 
 
-def half_keys(
-    row_shape: Sequence[int],
-    ids: torch.Tensor,
-    trains: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefix and suffix key of every id: ``train * N_half + index`` into each whole half.
-
-    The left half holds the first ``h = ceil(d / 2)`` cores. Shapes follow ``ids``; no
-    host synchronisation.
-
-    Args:
-        row_shape: ``(n_1..n_d)``.
-        ids: ``(N,)`` row ids.
-        trains: optional ``(N,)`` stacked-table index of each id.
-
-    Returns:
-        ``(prefix_keys (N,), suffix_keys (N,))``, int64.
-
-    Example::
-
-        >>> half_keys((3, 4), torch.tensor([0, 5, 11]), torch.tensor([0, 1, 1]))
-        (tensor([0, 4, 5]), tensor([0, 5, 7]))
-    """
-    h = (len(row_shape) + 1) // 2
-    left_rows, right_rows = math.prod(row_shape[:h]), math.prod(row_shape[h:])
-    ids = ids.long()
-    prefix_keys, suffix_keys = ids // right_rows, ids % right_rows  # (N,)
-    if trains is not None:
-        trains = trains.long()
-        prefix_keys = trains * left_rows + prefix_keys
-        suffix_keys = trains * right_rows + suffix_keys
-    return prefix_keys, suffix_keys
-
-
-def _half_rows(cores: Sequence[torch.Tensor], keys: torch.Tensor, left: bool) -> torch.Tensor:
-    """Rows of one whole half for ``keys`` (repeats allowed): ``(K, M, r)`` left,
-    ``(K, m_b, r, m_a)`` right. Always the dense contraction of :func:`_half`'s "full"
-    strategy, also for a one-core half, so no ``torch.unique`` is ever called."""
-    if len(cores) > 1:
-        return _left_rows(cores, keys) if left else _right_rows(cores, keys)
-    table = _left_table(cores) if left else _right_table(cores)
-    return table.index_select(0, keys)
-
-
-def pool_bags_static(
-    rows: torch.Tensor,
-    offsets: torch.Tensor,
-    mode: str,
-    per_sample_weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Pool one row per id into bags by a scatter-add: :func:`pool_bags` with
-    ``row_of_id = arange(N)``, without host synchronisation.
-
-    ``offsets`` must be well formed (start at 0, end at N, non-decreasing): nothing is
-    checked, as a check would read values on the host.
-
-    Args:
-        rows: ``(N, D)``, row ``i`` for id ``i``.
-        offsets: ``(B + 1,)`` bag boundaries.
-        mode: ``"sum"`` or ``"mean"`` (mean divides the weighted sum by the bag length).
-        per_sample_weights: optional ``(N,)``.
-
-    Returns:
-        ``(B, D)``; empty bags give zeros.
-
-    Example::
-
-        >>> pool_bags_static(torch.ones(3, 2), torch.tensor([0, 1, 1, 3]), "mean")
-        tensor([[1., 1.],
-                [0., 0.],
-                [1., 1.]])
-    """
-    n, dim = rows.shape
-    lengths = offsets[1:] - offsets[:-1]  # (B,)
-    bags = torch.arange(lengths.numel(), device=rows.device)
-    # output_size: the length is known from the shape, so no sync to count the ids
-    bag_of_id = torch.repeat_interleave(bags, lengths, output_size=n)  # (N,)
-    if per_sample_weights is not None:
-        rows = rows * per_sample_weights.to(rows.dtype).unsqueeze(1)
-    out = rows.new_zeros(lengths.numel(), dim).index_add(0, bag_of_id, rows)  # (B, D)
-    if mode == "mean":
-        out = out / lengths.clamp_min(1).to(out.dtype).unsqueeze(1)
-    return out
-
-
 def ttm_embedding_bag_static(
     cores: Sequence[torch.Tensor],
     row_shape: Sequence[int],
@@ -549,7 +279,7 @@ def ttm_embedding_bag_static(
     The capturable counterpart of :func:`ttm_embedding_bag` (the PyTorch path; CUDA ids
     with Triton go to the fused kernels instead): no ``torch.unique``, no host
     synchronisation. Each half is contracted for all its indices (one GEMM per train,
-    see :func:`_left_rows` / :func:`_right_rows`), every id gathers its own prefix
+    see :func:`.halves.left_rows` / :func:`.halves.right_rows`), every id gathers its own prefix
     ``(M_l, r)`` and suffix by key, one batched contraction gives one row per id, and
     the rows are scatter-added into their bags. It costs a row per id instead of per
     distinct id; the values equal the de-duplicated lookup's up to rounding.
@@ -578,10 +308,10 @@ def ttm_embedding_bag_static(
     d = len(cores)
     if d < 2:
         raise ValueError(f"ttm_embedding_bag_static: need at least 2 cores, got {d}")
-    h = (d + 1) // 2
+    h = split_point(d)
     prefix_keys, suffix_keys = half_keys(row_shape, ids, trains)  # (N,), (N,)
-    prefix = _half_rows(cores[:h], prefix_keys, left=True)  # (N, M_l, r)
-    suffix = _half_rows(cores[h:], suffix_keys, left=False)  # (N, m_b, r, m_a)
+    prefix = half_rows(cores[:h], prefix_keys, left=True)  # (N, M_l, r)
+    suffix = half_rows(cores[h:], suffix_keys, left=False)  # (N, m_b, r, m_a)
     n, m_b, _, m_a = suffix.shape
     rows = torch.einsum("uxr,ubra->uxab", prefix, suffix)  # (N, M_l, m_a, m_b)
     rows = rows.reshape(n, prefix.shape[1] * m_a * m_b)[:, :embedding_dim]  # (N, D)

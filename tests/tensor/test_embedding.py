@@ -4,7 +4,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from comera_rec import TTMEmbeddingBag
-from comera_rec.tensor.contract import pool_bags, ttm_embedding_bag, ttm_rows
+from comera_rec.tensor.bags import pool_bags
+from comera_rec.tensor.contract import ttm_embedding_bag, ttm_rows
 
 from .reference import embedding_bag, full_train, ttm_table
 
@@ -85,33 +86,33 @@ def test_stacked_tables_in_one_call() -> None:
 
 
 def test_prefix_and_suffix_are_computed_once(monkeypatch) -> None:
-    from comera_rec.tensor import contract, kernels
+    from comera_rec.tensor import halves, kernels
 
     monkeypatch.setattr(kernels, "cpu_kernel_applies", lambda *args: False)  # the PyTorch path's internals
 
     bag = make_bag(shape=((16, 16, 4, 4), (1, 2, 2, 3)), num=4096, dim=12)
     produced = []
-    for name in ("_left_table", "_right_table", "_right_rows"):
-        original = getattr(contract, name)
+    for name in ("left_table", "right_table", "right_rows"):
+        original = getattr(halves, name)
 
         def recording(cores, *keys, _original=original, _name=name):
             out = _original(cores, *keys)
             produced.append((_name, out.shape[0]))
             return out
 
-        monkeypatch.setattr(contract, name, recording)
+        monkeypatch.setattr(halves, name, recording)
     # 48 ids, 16 distinct rows, all with the prefix (0, 0), 16 distinct suffixes
     ids = torch.arange(16).repeat(3)
     bag(ids, torch.tensor([0, 48]))
     # the one prefix is contracted once from its gathered slices (the left half has 256
     # indices); the 16 suffixes are read from the whole right half (4 x 4 indices),
     # contracted by one GEMM; never one contraction per id
-    assert produced == [("_left_table", 1), ("_right_rows", 16)]
+    assert produced == [("left_table", 1), ("right_rows", 16)]
 
 
 def test_right_rows_equal_the_right_table_rows() -> None:
     """The one-GEMM right half read by key equals the batched table, values and gradients."""
-    from comera_rec.tensor.contract import _right_rows, _right_table
+    from comera_rec.tensor.halves import right_rows as _right_rows, right_table as _right_table
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(3, 4, 5, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)  # (T, r, n_a, m_a, r_a)
@@ -126,7 +127,7 @@ def test_right_rows_equal_the_right_table_rows() -> None:
 
 
 def test_half_tables_agree_between_gather_and_full_paths() -> None:
-    from comera_rec.tensor.contract import _half
+    from comera_rec.tensor.halves import half as _half
 
     bag = make_bag(shape=((4, 4, 4, 4), (1, 2, 2, 3)), num=256, dim=12)
     cores = [c.unsqueeze(0) for c in bag.scaled_cores()]

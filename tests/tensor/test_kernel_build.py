@@ -118,10 +118,10 @@ def fake_build(monkeypatch, tmp_path):
     monkeypatch.delenv(ttm_cpu.VECTOR_BYTES_ENV, raising=False)
     monkeypatch.setattr(ttm_cpu, "_enabled", True)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
-    ttm_cpu._extension.cache_clear()
+    ttm_cpu.extension.cache_clear()
     ttm_cpu.cpu_vector_bytes.cache_clear()
     yield calls
-    ttm_cpu._extension.cache_clear()
+    ttm_cpu.extension.cache_clear()
     ttm_cpu.cpu_vector_bytes.cache_clear()
 
 

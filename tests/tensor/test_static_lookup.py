@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from comera_rec.tensor import TTMEmbeddingBag, set_static_shapes
 from comera_rec.tensor.stacked import StackedTTMTables
-from comera_rec.tensor.contract import pool_bags, pool_bags_static, ttm_embedding_bag
+from comera_rec.tensor.bags import pool_bags, pool_bags_static
+from comera_rec.tensor.contract import ttm_embedding_bag
 
 ROWS, COLS = (3, 4, 2, 3), (2, 3, 2, 1)
 

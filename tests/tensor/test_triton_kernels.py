@@ -65,7 +65,7 @@ def _bag_case(mode: str, weighted: bool, chunk: int, block_elems: int, n_ids: in
     """``ttm_bag_triton`` against gathered rows pooled by ``pool_bags``: output and grads.
 
     ``static``: the backward's work items without host synchronisation (one per id)."""
-    from comera_rec.tensor.contract import pool_bags
+    from comera_rec.tensor.bags import pool_bags
     from comera_rec.tensor.kernels.ttm_triton import ttm_bag_triton
 
     g = torch.Generator().manual_seed(1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import _extension, cpu_float_tensors_apply
+from comera_rec.tensor.kernels.ttm_cpu import cpu_float_tensors_apply, extension
 
 
 def pairwise_kernel_applies(dense: torch.Tensor, sparse: torch.Tensor) -> bool:
@@ -23,13 +23,13 @@ class _FusedPairwiseDots(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dense, sparse):
         ctx.save_for_backward(dense, sparse)
-        return _extension().pairwise_dots_forward(dense, sparse)
+        return extension().pairwise_dots_forward(dense, sparse)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         dense, sparse = ctx.saved_tensors
-        return tuple(_extension().pairwise_dots_backward(grad, dense, sparse))
+        return tuple(extension().pairwise_dots_backward(grad, dense, sparse))
 
 
 def pairwise_dots_cpu(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:

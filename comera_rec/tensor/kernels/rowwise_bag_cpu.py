@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import _EMPTY, _extension, cpu_kernel_enabled
+from comera_rec.tensor.kernels.ttm_cpu import EMPTY, cpu_kernel_enabled, extension
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def rowwise_bag_kernel_applies(weights: torch.Tensor, momentum: torch.Tensor, id
 class _RowwiseAdagradBag(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weights, momentum, tables, ids, offsets, per_sample_weights, batch, lr, eps):
-        ext = _extension()
+        ext = extension()
         out = ext.rowwise_bag_forward(
             weights.detach(), tables.table_offset, tables.dim_offset, tables.rows, ids, offsets, per_sample_weights,
             batch,
@@ -70,7 +70,7 @@ class _RowwiseAdagradBag(torch.autograd.Function):
     def backward(ctx, grad):
         weights, momentum = ctx.buffers
         tables, ids, offsets, per_sample_weights, batch, lr, eps = ctx.args
-        _extension().rowwise_bag_backward_adagrad(
+        extension().rowwise_bag_backward_adagrad(
             grad, weights, momentum, tables.table_offset, tables.momentum_offset, tables.dim_offset, tables.rows,
             tables.feature_table, ids, offsets, per_sample_weights, batch, float(lr), float(eps),
         )
@@ -116,5 +116,5 @@ def rowwise_adagrad_bag(
         >>> out.shape
         torch.Size([2, 2])
     """
-    psw = per_sample_weights if per_sample_weights is not None else _EMPTY.to(torch.float32)
+    psw = per_sample_weights if per_sample_weights is not None else EMPTY.to(torch.float32)
     return _RowwiseAdagradBag.apply(weights, momentum, tables, ids, offsets, psw, int(batch), lr, float(eps))

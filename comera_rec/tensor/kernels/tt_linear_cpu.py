@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import _extension, cpu_float_tensors_apply, cpu_vector_bytes
+from comera_rec.tensor.kernels.ttm_cpu import cpu_float_tensors_apply, cpu_vector_bytes, extension
 
 _MAX_RANK_BYTES = 256  # the kernel keeps a row's rank vectors in registers: r <= 64 float32
 _MAX_RANK_VECTORS = 8  # ... in at most 8 vectors (the widths the kernel is built for)
@@ -41,7 +41,7 @@ def tt_linear_kernel_applies(x: torch.Tensor, left: torch.Tensor, right: torch.T
 class _FusedTTLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, left, right, bias, relu):
-        y, t = _extension().tt_linear_forward(x, left, right, bias if bias is not None else _EMPTY.to(x.dtype), relu)
+        y, t = extension().tt_linear_forward(x, left, right, bias if bias is not None else _EMPTY.to(x.dtype), relu)
         ctx.save_for_backward(x, left, right, t, y if relu else _EMPTY.to(x.dtype))
         ctx.has_bias = bias is not None
         return y
@@ -51,7 +51,7 @@ class _FusedTTLinear(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, left, right, t, y = ctx.saved_tensors
         need_bias = ctx.has_bias and bool(ctx.needs_input_grad[3])
-        grad_x, grad_left, grad_right, grad_bias = _extension().tt_linear_backward(
+        grad_x, grad_left, grad_right, grad_bias = extension().tt_linear_backward(
             grad_y, x, left, right, t, y, bool(ctx.needs_input_grad[0]), need_bias, bool(ctx.needs_input_grad[1])
         )
         return grad_x, grad_left, grad_right, grad_bias, None
@@ -91,7 +91,7 @@ class _TTChains(torch.autograd.Function):
     @staticmethod
     def forward(ctx, num_input_cores, in_features, out_features, *tensors):
         cores, controllers = list(tensors[: 2 * num_input_cores]), list(tensors[2 * num_input_cores :])
-        left, right, *saved = _extension().tt_chains_forward(cores, controllers, num_input_cores, in_features, out_features)
+        left, right, *saved = extension().tt_chains_forward(cores, controllers, num_input_cores, in_features, out_features)
         ctx.num_input_cores = num_input_cores
         ctx.save_for_backward(*tensors, *saved)
         return left, right
@@ -107,7 +107,7 @@ class _TTChains(torch.autograd.Function):
             grad_left = cores[0].new_zeros(left_shape)
         if grad_right is None:
             grad_right = cores[0].new_zeros((cores[d].shape[0], 1))
-        grads = _extension().tt_chains_backward(
+        grads = extension().tt_chains_backward(
             grad_left.contiguous(), grad_right.contiguous(), list(cores), list(controllers), list(saved), d
         )
         return (None, None, None, *grads)

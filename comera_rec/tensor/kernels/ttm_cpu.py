@@ -43,6 +43,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from comera_rec.tensor.bags import divide_bags
+
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "COMERA_DISABLE_CPU_KERNEL"
@@ -215,8 +217,10 @@ def _needs_build(name: str, build_dir: Path) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _extension():
-    """The compiled module, or ``None`` when it cannot be built (logged once).
+def extension():
+    """The compiled module of all the CPU kernels (the ``.cpp`` sources of this package), or
+    ``None`` when it cannot be built (logged once). The one loader: the other kernel
+    modules call it too.
 
     Built here when nothing built before (:func:`build_cpu_kernels` at set-up): the call
     that first needs a kernel waits for the build, and the log says how long it may take.
@@ -280,7 +284,7 @@ def _compiler_found() -> bool:
 def build_cpu_kernels(say: Callable[[str], None] | None = None) -> KernelBuild:
     """Build (or find built) the fused CPU kernels now, not in the first call that needs them.
 
-    Runs the loader the kernels use (:func:`_extension`: same build folder, lock and
+    Runs the loader the kernels use (:func:`extension`: same build folder, lock and
     ``ninja``), saying one line before a build (the target, the folder, how long) and one
     after (the time, the cache). Run by ``python -m comera_rec.tensor.kernels`` and so by
     ``make``'s set-up; a trainer may call it before its loop, so that no training step
@@ -310,14 +314,14 @@ def build_cpu_kernels(say: Callable[[str], None] | None = None) -> KernelBuild:
         return KernelBuild(False, False, time.perf_counter() - start, None, 0, message)
     name, build_dir, _ = _build_spec()
     target = _target_description(_forced_vector_bytes())
-    loaded = _extension.cache_info().currsize > 0  # loaded (or failed) earlier in this process
+    loaded = extension.cache_info().currsize > 0  # loaded (or failed) earlier in this process
     building = not loaded and _needs_build(name, build_dir)
     if building:
         say(f"building the fused CPU kernels for {target} in {build_dir}, once per machine and source version, "
             f"{BUILD_TIME}")
     _quiet_build = True
     try:
-        ext = _extension()
+        ext = extension()
     finally:
         _quiet_build = False
     seconds = time.perf_counter() - start
@@ -341,7 +345,7 @@ def build_cpu_kernels(say: Callable[[str], None] | None = None) -> KernelBuild:
 def cpu_vector_bytes() -> int:
     """The vector width (bytes) of the fused CPU kernels' build: 64 with AVX-512, 32 with
     AVX2, 16 elsewhere, or ``COMERA_CPU_VECTOR_BYTES``. 0 when the kernels do not build."""
-    ext = _extension()
+    ext = extension()
     return int(ext.vector_bytes()) if ext is not None else 0
 
 
@@ -363,7 +367,7 @@ def cpu_kernel_enabled() -> bool:
     ``COMERA_DISABLE_CPU_KERNEL`` set to anything but ``""`` / ``"0"`` / ``"false"``
     disables it; it is read on every call.
     """
-    return not disabled_by_env(DISABLE_ENV) and _enabled and _extension() is not None
+    return not disabled_by_env(DISABLE_ENV) and _enabled and extension() is not None
 
 
 def cpu_float_tensors_apply(*tensors: torch.Tensor) -> bool:
@@ -385,7 +389,7 @@ def cpu_kernel_applies(cores: Sequence[torch.Tensor], ids: torch.Tensor) -> bool
     return 2 <= len(cores) <= 4 and ids.device.type == "cpu" and cpu_float_tensors_apply(*cores)
 
 
-_EMPTY = torch.empty(0, dtype=torch.long)
+EMPTY = torch.empty(0, dtype=torch.long)  # an absent optional tensor argument (``.to(dtype)`` for floats)
 
 
 class _FusedTTMBag(torch.autograd.Function):
@@ -394,7 +398,7 @@ class _FusedTTMBag(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, offsets, trains, weights, dim, batch, *cores):
-        out, pslot, sslot, pkeys, skeys, ptab, stab = _extension().ttm_bag_forward(
+        out, pslot, sslot, pkeys, skeys, ptab, stab = extension().ttm_bag_forward(
             list(cores), ids, trains, offsets, weights, dim, batch
         )
         ctx.save_for_backward(offsets, weights, pslot, sslot, pkeys, skeys, ptab, stab, *cores)
@@ -406,7 +410,7 @@ class _FusedTTMBag(torch.autograd.Function):
     def backward(ctx, grad_out):
         offsets, weights, pslot, sslot, pkeys, skeys, ptab, stab, *cores = ctx.saved_tensors
         weights_need_grad = bool(ctx.needs_input_grad[3]) and weights.numel() > 0
-        *grad_cores, grad_weights = _extension().ttm_bag_backward(
+        *grad_cores, grad_weights = extension().ttm_bag_backward(
             grad_out, cores, offsets, weights, pslot, sslot, pkeys, skeys, ptab, stab, weights_need_grad, *ctx.layout
         )
         return (None, None, None, grad_weights if weights_need_grad else None, None, None, *grad_cores)
@@ -416,13 +420,13 @@ class _GatherBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src, col, width, *sources):
         ctx.map = (src, col, width, [s.shape[1] for s in sources])
-        return _extension().gather_blocks(list(sources), src, col, width)
+        return extension().gather_blocks(list(sources), src, col, width)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         src, col, width, widths = ctx.map
-        return (None, None, None, *_extension().scatter_blocks(grad, widths, src, col, width))
+        return (None, None, None, *extension().scatter_blocks(grad, widths, src, col, width))
 
 
 def check_jagged(
@@ -446,8 +450,8 @@ def check_jagged(
         bag ``position``, 2 offsets that disagree with the lengths at bag ``position``, 3 an
         id out of its key's range at ``position`` of ``values``.
     """
-    empty = _EMPTY if offsets is None else offsets
-    code, pos, total, key = _extension().check_jagged(values, lengths, empty, int(batch), list(bounds))
+    empty = EMPTY if offsets is None else offsets
+    code, pos, total, key = extension().check_jagged(values, lengths, empty, int(batch), list(bounds))
     return int(code), int(pos), int(total), int(key)
 
 
@@ -497,13 +501,11 @@ def ttm_embedding_bag_cpu(
     shape = tuple(int(c.shape[2]) for c in cores)
     if tuple(int(n) for n in row_shape) != shape:
         raise ValueError(f"ttm_embedding_bag: row_shape {tuple(row_shape)} does not match the cores' {shape}")
-    weights = per_sample_weights if per_sample_weights is not None else _EMPTY.to(cores[0].dtype)
+    weights = per_sample_weights if per_sample_weights is not None else EMPTY.to(cores[0].dtype)
     batch = int(stream_batch)
     out = _FusedTTMBag.apply(
-        ids, offsets, trains if trains is not None else _EMPTY, weights, int(embedding_dim), batch, *cores
+        ids, offsets, trains if trains is not None else EMPTY, weights, int(embedding_dim), batch, *cores
     )  # (B, D), or (batch, streams * D)
     if mode == "mean":
-        from comera_rec.tensor.contract import divide_bags  # contract imports this package
-
         out = divide_bags(out, (offsets[1:] - offsets[:-1]).clamp_min(1), batch)
     return out

@@ -1,6 +1,6 @@
 """Fused Triton TTM lookup: gather + contract + pool in one kernel, and its backward.
 
-The de-duplicated torch code of :mod:`comera_rec.tensor.contract` still builds the two
+The de-duplicated torch code of :mod:`comera_rec.tensor.halves` still builds the two
 halves of the train: one prefix ``(M_l, r)`` per distinct ``(train, i_1..i_h)`` and one
 suffix ``(r, M_r)`` per distinct ``(train, i_{h+1}..i_d)``. The kernels take over from
 there, so that no ``(U, D)`` row matrix and no per-id intermediate is ever written:
@@ -30,13 +30,12 @@ interpreter setting.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import Callable, Sequence
 
 import torch
 
-from comera_rec.tensor.contract import _half, _left_table, _right_table, half_keys
+from comera_rec.tensor.halves import half, half_keys, left_table, right_table, split_point
 
 try:
     import triton
@@ -533,27 +532,21 @@ def ttm_embedding_bag_triton(
     d = len(cores)
     if d < 2:
         raise ValueError(f"ttm_embedding_bag_triton: need at least 2 cores, got {d}")
-    h = (d + 1) // 2
+    h = split_point(d)
+    p_keys, s_keys = half_keys(row_shape, ids, trains)  # (N,) keys into the whole halves
     if static_shapes:
-        p_keys, s_keys = half_keys(row_shape, ids, trains)  # (N,) keys into the whole halves
-        prefix = _left_table(cores[:h])  # (T * N_l, M_l, r)
-        suffix = _right_table(cores[h:])  # (T * N_r, m_b, r, m_a)
+        prefix = left_table(cores[:h])  # (T * N_l, M_l, r)
+        suffix = right_table(cores[h:])  # (T * N_r, m_b, r, m_a)
         k_s, m_b, r, m_a = suffix.shape
         suffix = suffix.permute(0, 2, 3, 1).reshape(k_s, r, m_a * m_b)  # (K_s, r, M_r)
         return ttm_bag_triton(
             prefix, suffix, p_keys, s_keys, offsets, per_sample_weights, mode, embedding_dim,
             chunk=chunk, block_elems=block_elems, static_shapes=True,
         )
-    left_rows, right_rows = math.prod(row_shape[:h]), math.prod(row_shape[h:])
-    ids = ids.long()
-    p_keys, s_keys = ids // right_rows, ids % right_rows  # (N,)
-    if trains is not None:
-        trains = trains.long()
-        p_keys, s_keys = trains * left_rows + p_keys, trains * right_rows + s_keys
     p_distinct, p_of_id = torch.unique(p_keys, return_inverse=True)  # (K_p,), (N,)
     s_distinct, s_of_id = torch.unique(s_keys, return_inverse=True)  # (K_s,), (N,)
-    prefix = _half(cores[:h], row_shape[:h], p_distinct, left=True)  # (K_p, M_l, r)
-    suffix = _half(cores[h:], row_shape[h:], s_distinct, left=False)  # (K_s, m_b, r, m_a)
+    prefix = half(cores[:h], row_shape[:h], p_distinct, left=True)  # (K_p, M_l, r)
+    suffix = half(cores[h:], row_shape[h:], s_distinct, left=False)  # (K_s, m_b, r, m_a)
     k_s, m_b, r, m_a = suffix.shape
     suffix = suffix.permute(0, 2, 3, 1).reshape(k_s, r, m_a * m_b)  # (K_s, r, M_r)
     return ttm_bag_triton(
