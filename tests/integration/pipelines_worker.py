@@ -1,0 +1,388 @@
+"""TorchRec training pipelines as TorchRec's examples write them, stock and compressed.
+
+Each style is the ordinary TorchRec code; the compressed version adds only the lines
+marked ``# comera-rec``:
+
+* ``dcn``: ``DLRMTrain(DLRM_DCN(...))`` with its ``EmbeddingBagCollection`` on ``meta``,
+  ``apply_optimizer_in_backward(RowWiseAdagrad, sparse_arch.parameters())``, stock
+  ``DistributedModelParallel`` with a table-wise plan, and a ``CombinedOptimizer`` of
+  ``model.fused_optimizer`` and a ``KeyedOptimizerWrapper`` over
+  ``in_backward_optimizer_filter(...)``.
+* ``tower``: a two-tower retrieval model (a query and a candidate
+  ``EmbeddingBagCollection``, each followed by a small MLP, dot-product logits, BCE on
+  the labels of the batch's pairs), the same DMP and optimiser setup without the
+  in-backward call (the sharder's fused SGD).
+* ``pipeline_adapter``: the compressed ``dcn`` model trained by
+  ``TrainPipelineSparseDist`` with a ``RankAdapter`` (``model = adapter.step(model,
+  optimizer)`` after each ``pipeline.progress``).
+
+The table-wise plan is there because on CPU TorchRec's planner puts small tables on
+``data_parallel``, whose FBGEMM dense lookup has no autograd kernel there: such a table
+would never train (docs/torchrec.md). DMP initialises each shard on the rank that holds
+it, so the draws depend on the world size; to compare runs, every run starts from the
+same values (:func:`initial_state`, copied in after DMP).
+
+Run under ``torchrun --nproc_per_node=N`` with ``OUT_DIR [STYLE ...]`` it trains on the
+global batch split across ranks and writes ``OUT_DIR/<style>.rank<r>.pt``; the tests call
+:func:`run` for one process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import weakref
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.models.dlrm import DLRM_DCN, DLRMTrain
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.mlp import MLP
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import comera_rec  # comera-rec
+from comera_rec.integration import CompressionPolicy
+from comera_rec.rank import RankScheduleConfig
+from comera_rec.tensor.train import TensorTrainModule
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+DIM = 8
+DENSE_IN = 4
+GLOBAL_BATCH = 16
+DISTINCT = 4  # batches, seen again and again
+STEPS = 16
+ADAPTER_STEPS = 30
+TARGET = 0.4  # of the starting TT size
+LR = 0.05
+TOWER_LR = 0.5  # the towers' tables (fused SGD)
+POLICY = CompressionPolicy(rank=4, min_rows_to_compress=100, min_params_to_compress=0, min_gain=0.0)
+
+DCN_SIZES = [600, 500, 40, 30]  # t0, t1 compressed (stacked); t2, t3 dense, one a rank on two
+QUERY = {"user": 600, "query_ctx": 40}  # table (= feature) -> rows; the large ones compressed
+CANDIDATE = {"item": 500, "item_cat": 30}
+
+STYLES = ("dcn_stock", "dcn_compressed", "tower_stock", "tower_compressed", "pipeline_adapter")
+
+
+# ---------------------------------------------------------------------------- shared pieces
+
+
+def table_wise_plan(model: nn.Module, sharders: list, world: int):
+    """TorchRec's planner, every table TorchRec will shard constrained to table-wise."""
+    names = [c.name for m in model.modules() if isinstance(m, EmbeddingBagCollection)
+             for c in m.embedding_bag_configs()]
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device="cpu"),
+        constraints={name: ParameterConstraints(sharding_types=["table_wise"]) for name in names},
+    )
+    return planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+
+
+def plain_name(name: str) -> str:
+    return name.removeprefix("_dmp_wrapped_module.").removeprefix("module.")
+
+
+def initial_state(build: Callable[[torch.device], nn.Module], compressed: bool) -> dict[str, torch.Tensor]:
+    """The starting values every run of a style loads: the same model built on the CPU
+    (same seed) and, for the compressed style, compressed (TT-SVD of its tables)."""
+    model = build(CPU)
+    if compressed:
+        comera_rec.compress(model, POLICY)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def load_initial(model: DistributedModelParallel, initial: dict[str, torch.Tensor]) -> None:
+    """Copy ``initial`` into the wrapped model: replicated tensors whole, sharded tables
+    their local shards (views of FBGEMM's weights)."""
+    with torch.no_grad():
+        for name, value in model.state_dict().items():
+            full = initial[plain_name(name)]
+            if isinstance(value, ShardedTensor):
+                assert list(value.size()) == list(full.shape), name
+                for shard in value.local_shards():
+                    rows, cols = shard.tensor.shape
+                    r0, c0 = shard.metadata.shard_offsets
+                    shard.tensor.copy_(full[r0:r0 + rows, c0:c0 + cols])
+            else:
+                assert value.shape == full.shape, (name, value.shape, full.shape)
+                value.copy_(full)
+
+
+def snapshot(model: DistributedModelParallel) -> tuple[dict[str, torch.Tensor], list]:
+    """(replicated tensors by name, [(table name, offsets, local shard)])."""
+    replicated, shards = {}, []
+    for name, value in model.state_dict().items():
+        name = plain_name(name)
+        if isinstance(value, ShardedTensor):
+            for shard in value.local_shards():
+                shards.append((name, list(shard.metadata.shard_offsets), shard.tensor.detach().clone()))
+        else:
+            replicated[name] = value.detach().clone()
+    return replicated, shards
+
+
+def tt_names(model: nn.Module) -> list[str]:
+    inner = model.module if isinstance(model, DistributedModelParallel) else model
+    return [f"{m_name}.{p_name}" for m_name, m in inner.named_modules() if isinstance(m, TensorTrainModule)
+            for p_name, _ in m.named_parameters()]
+
+
+def report(model: DistributedModelParallel, initial: dict[str, torch.Tensor], losses: list[float]) -> dict:
+    """What the tests check: losses, the trained state, and what did not move."""
+    replicated, shards = snapshot(model)
+    params = {plain_name(n) for n, _ in model.named_parameters()}
+    unchanged = [n for n, v in replicated.items() if n in params and torch.equal(v, initial[n])]
+    unchanged_shards = []
+    for name, (r0, c0), shard in shards:
+        rows, cols = shard.shape
+        if torch.equal(shard, initial[name][r0:r0 + rows, c0:c0 + cols]):
+            unchanged_shards.append(name)
+    return {
+        "losses": losses, "finite": all(math.isfinite(v) for v in losses),
+        "replicated": replicated, "shards": shards, "tt": tt_names(model),
+        "unchanged": unchanged, "unchanged_shards": unchanged_shards,
+        "tables": sorted({name for name, _, _ in shards}),
+    }
+
+
+def make_optimizer(model: DistributedModelParallel) -> CombinedOptimizer:
+    """As TorchRec's examples: the sharded tables' fused optimiser and a dense one on the rest."""
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                  lambda params: torch.optim.Adagrad(params, lr=LR))
+    return CombinedOptimizer([model.fused_optimizer, dense])
+
+
+# ---------------------------------------------------------------------------- (a) DLRM-DCN
+
+
+def dcn_model(device: torch.device) -> DLRMTrain:
+    torch.manual_seed(0)
+    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
+               for i, n in enumerate(DCN_SIZES)]
+    ebc = EmbeddingBagCollection(tables=configs, device=device)
+    return DLRMTrain(DLRM_DCN(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
+                              dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[32, 1],
+                              dcn_num_layers=2, dcn_low_rank_dim=4, dense_device=CPU))
+
+
+def dcn_batch(step: int, start: int = 0, stop: int = GLOBAL_BATCH) -> Batch:
+    """Samples [start, stop) of step ``step``'s global batch; the label follows the first
+    dense feature and the parity of the first table's id."""
+    g = torch.Generator().manual_seed(step % DISTINCT)
+    dense = torch.rand(GLOBAL_BATCH, DENSE_IN, generator=g)
+    ids = [torch.randint(0, n, (GLOBAL_BATCH,), generator=g) for n in DCN_SIZES]
+    labels = ((dense[:, 0] > 0.5) ^ (ids[0] % 2 == 1)).long()
+    features = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f{i}" for i in range(len(DCN_SIZES))], values=torch.cat([i[start:stop] for i in ids]),
+        lengths=torch.ones(len(DCN_SIZES) * (stop - start), dtype=torch.long),
+    )
+    return Batch(dense_features=dense[start:stop], sparse_features=features, labels=labels[start:stop])
+
+
+def build_dcn(world: int, compressed: bool) -> DistributedModelParallel:
+    model = dcn_model(META)
+    if compressed:
+        comera_rec.compress(model, POLICY)  # comera-rec
+    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": LR, "eps": 1e-8})
+    sharders = [EmbeddingBagCollectionSharder()]
+    return DistributedModelParallel(module=model, device=CPU, plan=table_wise_plan(model, sharders, world),
+                                    sharders=sharders)
+
+
+def run_dcn(rank: int, world: int, compressed: bool) -> dict:
+    model = build_dcn(world, compressed)
+    initial = initial_state(dcn_model, compressed)
+    load_initial(model, initial)
+    optimizer = make_optimizer(model)
+    per = GLOBAL_BATCH // world
+    losses = []
+    for step in range(STEPS):
+        loss, _ = model(dcn_batch(step, rank * per, (rank + 1) * per))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return report(model, initial, losses)
+
+
+# ---------------------------------------------------------------------------- (b) two towers
+
+
+def _configs(tables: dict[str, int]) -> list[EmbeddingBagConfig]:
+    return [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[name])
+            for name, n in tables.items()]
+
+
+class Tower(nn.Module):
+    """An ``EmbeddingBagCollection`` and a small MLP to the shared embedding space."""
+
+    def __init__(self, tables: dict[str, int], device: torch.device) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables=_configs(tables), device=device)
+        self.mlp = MLP(in_size=DIM * len(tables), layer_sizes=[32], device=CPU)
+        self.proj = nn.Linear(32, DIM, device=CPU)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.proj(self.mlp(self.ebc(features).values()))
+
+
+class TwoTower(nn.Module):
+    """Query and candidate towers; the logit of a pair is the dot product of their outputs."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.query_tower = Tower(QUERY, device)
+        self.candidate_tower = Tower(CANDIDATE, device)
+
+    def forward(self, query: KeyedJaggedTensor, candidate: KeyedJaggedTensor) -> torch.Tensor:
+        return (self.query_tower(query) * self.candidate_tower(candidate)).sum(dim=1)
+
+
+class TwoTowerTrain(nn.Module):
+    def __init__(self, two_tower: TwoTower) -> None:
+        super().__init__()
+        self.two_tower = two_tower
+        self.loss_fn = nn.BCEWithLogitsLoss()
+
+    def forward(self, query: KeyedJaggedTensor, candidate: KeyedJaggedTensor,
+                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.two_tower(query, candidate)
+        return self.loss_fn(logits, labels.float()), logits.detach()
+
+
+def tower_model(device: torch.device) -> TwoTowerTrain:
+    torch.manual_seed(0)
+    return TwoTowerTrain(TwoTower(device))
+
+
+def tower_batch(step: int, start: int = 0, stop: int = GLOBAL_BATCH):
+    """(query KJT, candidate KJT, labels) of samples [start, stop): a pair is positive
+    when its query context and its item category have the same parity."""
+    g = torch.Generator().manual_seed(100 + step % DISTINCT)
+    ids = {name: torch.randint(0, n, (GLOBAL_BATCH,), generator=g) for name, n in {**QUERY, **CANDIDATE}.items()}
+    labels = (ids["query_ctx"] % 2 == ids["item_cat"] % 2).long()
+
+    def kjt(tables: dict[str, int]) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys=list(tables), values=torch.cat([ids[name][start:stop] for name in tables]),
+            lengths=torch.ones(len(tables) * (stop - start), dtype=torch.long),
+        )
+
+    return kjt(QUERY), kjt(CANDIDATE), labels[start:stop]
+
+
+def run_tower(rank: int, world: int, compressed: bool) -> dict:
+    model = tower_model(META)
+    if compressed:
+        comera_rec.compress(model, POLICY)  # comera-rec
+    sharders = [EmbeddingBagCollectionSharder(fused_params={"learning_rate": TOWER_LR})]
+    model = DistributedModelParallel(module=model, device=CPU, plan=table_wise_plan(model, sharders, world),
+                                     sharders=sharders)
+    initial = initial_state(tower_model, compressed)
+    load_initial(model, initial)
+    optimizer = make_optimizer(model)
+    per = GLOBAL_BATCH // world
+    losses = []
+    for step in range(STEPS):
+        loss, _ = model(*tower_batch(step, rank * per, (rank + 1) * per))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return report(model, initial, losses)
+
+
+# ---------------------------------------------------------------------------- (c) pipeline + RankAdapter
+
+
+def tt_numel(model: DistributedModelParallel) -> int:
+    return sum(p.numel() for m in model.module.modules() if isinstance(m, TensorTrainModule) for p in m.parameters())
+
+
+def run_pipeline_adapter(rank: int, world: int) -> dict:
+    model = build_dcn(world, compressed=True)
+    initial = initial_state(dcn_model, compressed=True)
+    load_initial(model, initial)
+    optimizer = make_optimizer(model)
+    adapter = comera_rec.RankAdapter(model, total_steps=ADAPTER_STEPS,  # comera-rec
+                                     config=RankScheduleConfig(target_size_ratio=TARGET))
+    pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
+    ddp = weakref.ref(model._dmp_wrapped_module)
+    per = GLOBAL_BATCH // world
+    batches = iter([dcn_batch(step, rank * per, (rank + 1) * per) for step in range(ADAPTER_STEPS)])
+    start_bytes, start_numel = adapter.size_bytes(model), tt_numel(model)
+    losses, sizes, numels, rebuilt = [], [], [], []
+    for _ in range(ADAPTER_STEPS):
+        loss, _logits, _labels = pipeline.progress(batches)
+        model = adapter.step(model, optimizer)  # comera-rec
+        losses.append(loss.item())
+        sizes.append(adapter.size_bytes(model))
+        numels.append(tt_numel(model))
+        rebuilt.append(ddp() is not model._dmp_wrapped_module)  # a new DDP after a cut
+        ddp = weakref.ref(model._dmp_wrapped_module)  # a reference would keep the old DDP alive
+    try:
+        pipeline.progress(batches)
+        exhausted = False
+    except StopIteration:
+        exhausted = True
+    inner = model.module
+    collection = inner.model.sparse_arch.embedding_bag_collection
+    ddp = model._dmp_wrapped_module
+    live_ddp = {id(p) for p in ddp.parameters()} if isinstance(ddp, nn.parallel.DistributedDataParallel) else set()
+    in_optimizer = {id(p) for _, keyed in optimizer.optimizers for g in keyed.param_groups for p in g["params"]}
+    tt_params = [(f"{m_name}.{p_name}", p) for m_name, m in inner.named_modules()
+                 if isinstance(m, TensorTrainModule) for p_name, p in m.named_parameters()]
+    result = report(model, initial, losses)
+    result.update({
+        "sizes": sizes, "numels": numels, "start_bytes": start_bytes, "start_numel": start_numel,
+        "target_bytes": adapter.target_bytes(), "rebuilt": rebuilt,
+        "ranks": {n: list(m.ranks) for n, m in comera_rec.tensor_train_modules(inner)},
+        "stale_ddp": [n for n, p in tt_params if id(p) not in live_ddp],
+        "missing_from_optimizer": [n for n, p in tt_params if id(p) not in in_optimizer],
+        "pipelined": isinstance(collection.dense.forward, PipelinedForward), "exhausted": exhausted,
+    })
+    adapter.close()
+    del pipeline
+    return result
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def run(style: str, rank: int, world: int) -> dict:
+    """One style on this process's share of each global batch (a process group must exist)."""
+    if style == "pipeline_adapter":
+        return run_pipeline_adapter(rank, world)
+    kind, version = style.split("_")
+    runner = run_dcn if kind == "dcn" else run_tower
+    return runner(rank, world, compressed=version == "compressed")
+
+
+def main(out_dir: str, styles: list[str]) -> None:
+    from comera_rec.integration import destroy_distributed
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for style in styles or STYLES:
+        torch.save(run(style, rank, world), os.path.join(out_dir, f"{style}.rank{rank}.pt"))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

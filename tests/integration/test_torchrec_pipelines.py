@@ -1,0 +1,194 @@
+"""TorchRec training pipelines, stock and with ``comera_rec.compress`` added (issue 26).
+
+Three styles as TorchRec's examples write them (``tests/integration/pipelines_worker.py``):
+
+* DLRM-DCN: ``DLRM_DCN`` in ``DLRMTrain``, tables on ``meta``, ``RowWiseAdagrad`` applied
+  in backward, stock DMP, ``KeyedOptimizerWrapper`` + ``CombinedOptimizer``;
+* a two-tower retrieval model (query and candidate ``EmbeddingBagCollection`` + MLP,
+  dot-product logits, BCE), stock DMP, the sharder's fused SGD;
+* ``TrainPipelineSparseDist`` on the compressed DLRM-DCN with a ``RankAdapter``.
+
+Each stock model and its compressed version (one added line) trains: finite, falling
+loss, every TT parameter, every other replicated parameter and every dense table moved.
+Under ``torchrun`` with two processes, each on its half of the global batch, the
+replicated parameters are bit-equal on both ranks and equal to one process on the whole
+batch (1e-4: float32 noise grown by Adagrad, see ``TOL``), and the table shards put together are the one-process tables.
+
+CPU only: the dense tables are planned ``table_wise`` (TorchRec's planner would put the
+small ones on ``data_parallel``, whose FBGEMM CPU lookup has no autograd kernel, so they
+would not train; docs/torchrec.md). One torchrun launch runs every style.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from comera_rec.integration import destroy_distributed
+from tests.integration import pipelines_worker as worker
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:HeuristicalStorageReservation is known to cause issues:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:Grad strides do not match bucket view strides:UserWarning"),
+    pytest.mark.filterwarnings("ignore:fbgemm..dense_embedding_codegen_lookup_function:UserWarning"),
+    pytest.mark.filterwarnings("ignore:This API is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:.*does not apply to TT parameters:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning"),  # DMP's ShardedTensor state
+]
+
+TRAINING = ["dcn_stock", "dcn_compressed", "tower_stock", "tower_compressed"]
+# Two ranks sum their halves of the batch in another order than one process, and DDP
+# averages: float32 noise (1e-7 on the loss) that 16 Adagrad steps through the TT products
+# grow to ~3e-5 on a few core entries (the stock models: ~1e-6). A real difference (a
+# gradient not averaged, or averaged twice) moves parameters by the learning rate, 5e-2.
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+DENSE_TABLES = {  # the tables TorchRec shards (all of them in the stock models)
+    "dcn_stock": {"t0", "t1", "t2", "t3"},
+    "dcn_compressed": {"t2", "t3"},
+    "tower_stock": {"user", "query_ctx", "item", "item_cat"},
+    "tower_compressed": {"query_ctx", "item_cat"},
+    "pipeline_adapter": {"t2", "t3"},
+}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Callable[[str], dict]:
+    """``get(style)``: the style trained by one process on the global batches (run once)."""
+    results: dict[str, dict] = {}
+
+    def get(style: str) -> dict:
+        if style not in results:
+            store = tmp_path_factory.mktemp("pg") / "store"
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+            try:
+                results[style] = worker.run(style, rank=0, world=1)
+            finally:
+                destroy_distributed()
+        return results[style]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Callable[[str], list[dict]]:
+    """``get(style)``: both ranks' results of one torchrun launch that runs every style."""
+    tmp = tmp_path_factory.mktemp("torchrun")
+    out = tmp / "out"
+    out.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+         str(ROOT / "tests" / "integration" / "pipelines_worker.py"), str(out)],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return lambda style: [torch.load(out / f"{style}.rank{r}.pt") for r in range(2)]
+
+
+def table_name(state_name: str) -> str:
+    return state_name.rsplit(".", 2)[-2]  # "...embedding_bags.<table>.weight"
+
+
+def check_trains(result: dict, style: str) -> None:
+    """Finite, falling loss; every replicated parameter (TT ones included) and every local
+    table shard moved; TT modules exactly in the compressed styles."""
+    losses = result["losses"]
+    assert result["finite"], losses
+    first, last = losses[: worker.DISTINCT], losses[-worker.DISTINCT :]  # each batch once
+    assert sum(last) / len(last) < sum(first) / len(first) - 0.05, losses
+    assert result["unchanged"] == [], result["unchanged"]
+    assert result["unchanged_shards"] == [], result["unchanged_shards"]
+    assert bool(result["tt"]) == (style != "dcn_stock" and style != "tower_stock")
+    assert not result["tt"] or any("groups" in n for n in result["tt"])  # the tables themselves
+
+
+@pytest.mark.parametrize("style", TRAINING)
+def test_one_process_trains(one_process, style: str) -> None:
+    result = one_process(style)
+    check_trains(result, style)
+    assert {table_name(n) for n in result["tables"]} == DENSE_TABLES[style]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", TRAINING)
+def test_two_processes_match_one_process(one_process, two_processes, style: str) -> None:
+    ranks, expected = two_processes(style), one_process(style)
+    for r in ranks:
+        check_trains(r, style)
+    # replicated (TT cores, controllers, MLPs, cross net): the same on both ranks, and
+    # those of one process on the global batch
+    assert ranks[0]["replicated"].keys() == ranks[1]["replicated"].keys() == expected["replicated"].keys()
+    for name, value in ranks[0]["replicated"].items():
+        torch.testing.assert_close(ranks[1]["replicated"][name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(value, expected["replicated"][name], **TOL, msg=name)
+    # sharded tables: each rank's shards are slices of the one-process tables, every element
+    # held once; table-wise on two ranks, both ranks hold some
+    full = {name: shard for name, _, shard in expected["shards"]}  # one process: whole tables
+    covered: dict[str, int] = {}
+    for r in ranks:
+        for name, (r0, c0), shard in r["shards"]:
+            rows, cols = shard.shape
+            torch.testing.assert_close(shard, full[name][r0:r0 + rows, c0:c0 + cols], **TOL, msg=name)
+            covered[name] = covered.get(name, 0) + shard.numel()
+    assert {table_name(n) for n in covered} == DENSE_TABLES[style]
+    assert all(covered[n] == full[n].numel() for n in covered)
+    assert all(r["shards"] for r in ranks)
+    # the losses are of each half; their mean is the one-process loss of the global batch
+    torch.testing.assert_close(
+        (torch.tensor(ranks[0]["losses"]) + torch.tensor(ranks[1]["losses"])) / 2,
+        torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-5,
+    )
+
+
+# ---------------------------------------------------------------------------- pipeline + RankAdapter
+
+
+def check_adapted(result: dict) -> None:
+    """Cuts in several events down to the target; the pipeline and training go on after each."""
+    sizes, numels, losses = result["sizes"], result["numels"], result["losses"]
+    assert result["finite"], losses  # after every cut too
+    assert numels[-1] < result["start_numel"] / 2 and sizes[-1] < result["start_bytes"] / 2
+    assert all(b <= a for a, b in zip(numels, numels[1:])), numels
+    events = sum(result["rebuilt"])  # DMP's DDP rebuilt exactly at the cut events
+    assert events >= 3 and events == sum(1 for a, b in zip([result["start_numel"], *numels], numels) if b < a)
+    assert abs(sizes[-1] - result["target_bytes"]) <= 0.1 * result["target_bytes"]
+    assert max(result["ranks"]["model.sparse_arch.embedding_bag_collection.groups.0"]) < worker.POLICY.rank
+    assert result["stale_ddp"] == [] and result["missing_from_optimizer"] == []
+    assert result["pipelined"] and result["exhausted"]  # the dense tables' input dist still pipelined
+    last_cut = max(i for i, r in enumerate(result["rebuilt"]) if r)
+    assert last_cut < len(losses) - 5  # steps after the last cut
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1, losses
+    assert result["unchanged"] == [] and result["unchanged_shards"] == []
+
+
+def test_sparse_dist_pipeline_with_rank_adapter(one_process) -> None:
+    result = one_process("pipeline_adapter")
+    check_adapted(result)
+    assert {table_name(n) for n in result["tables"]} == DENSE_TABLES["pipeline_adapter"]
+
+
+@pytest.mark.slow
+def test_sparse_dist_pipeline_with_rank_adapter_two_processes(two_processes) -> None:
+    ranks = two_processes("pipeline_adapter")
+    for r in ranks:
+        check_adapted(r)
+    # every process cut the same slices at the same steps, and stayed in sync
+    assert ranks[0]["ranks"] == ranks[1]["ranks"] and ranks[0]["sizes"] == ranks[1]["sizes"]
+    assert ranks[0]["rebuilt"] == ranks[1]["rebuilt"]
+    assert ranks[0]["replicated"].keys() == ranks[1]["replicated"].keys()
+    for name, value in ranks[0]["replicated"].items():
+        torch.testing.assert_close(ranks[1]["replicated"][name], value, rtol=0, atol=0, msg=name)
+    held = [{table_name(n) for n in r["tables"]} for r in ranks]
+    assert held[0] | held[1] == DENSE_TABLES["pipeline_adapter"] and not held[0] & held[1]
+    assert all(math.isfinite(v) for r in ranks for v in r["losses"])
