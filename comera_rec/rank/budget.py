@@ -189,7 +189,7 @@ class SliceImportance:
 
     @torch.no_grad()
     def select(self, model: nn.Module, target_entries: float, floor_entries: float = 0.0,
-               entry_exponent: float = 1.0) -> list[Cut]:
+               entry_exponent: float = 1.0, module_floors: Optional[dict[str, float]] = None) -> list[Cut]:
         """The slices to cut so that the live size is at most ``target_entries``.
 
         Greedy: repeatedly the live slice of least cost per entry freed, on a bond that keeps
@@ -204,15 +204,20 @@ class SliceImportance:
             target_entries: the size (core entries) to reach.
             floor_entries: no cut may take the size below this (the schedule passes a little
                 under its final target, so that one large slice cannot overshoot it).
+            entry_exponent: slices are ranked by cost / entries ** entry_exponent (1: loss
+                per entry freed).
+            module_floors: per module name, a size (entries) no cut takes it below.
 
         Returns:
             The cuts, in the order chosen (empty when the size is already within target).
         """
         modules = dict(tensor_train_modules(model))
         live = {name: m.live_ranks(self.threshold) for name, m in modules.items()}
-        size = float(sum(m.tt_size(self.threshold) for m in modules.values()))
+        module_size = {name: float(m.tt_size(self.threshold)) for name, m in modules.items()}
+        size = float(sum(module_size.values()))
         if size <= target_entries:
             return []
+        floors = module_floors or {}
         # per bond: its live slices sorted by cost (cheapest first)
         queues: dict[tuple[str, int], list[tuple[float, int]]] = {}
         for name, m in modules.items():
@@ -232,7 +237,7 @@ class SliceImportance:
                 if live[name][k] <= 1 or not queue:
                     continue
                 entries = bond_slice_entries(modules[name], live[name])[k]
-                if size - entries < floor_entries:
+                if size - entries < floor_entries or module_size[name] - entries < floors.get(name, 0.0):
                     continue
                 value = queue[0][0] / max(entries, 1) ** entry_exponent
                 if best is None or value < best[0]:
@@ -250,6 +255,7 @@ class SliceImportance:
             cuts.append(Cut(name, k, j, cost, entries))
             live[name][k] -= 1
             size -= entries
+            module_size[name] -= entries
         return cuts
 
 

@@ -42,6 +42,7 @@ from comera_rec.rank.budget import (
 from comera_rec.rank.size import model_tt_size, size_element_bytes
 from comera_rec.rank.truncation import TruncationResult, truncate_model
 from comera_rec.tensor.train import tensor_train_modules
+from comera_rec.tensor.train import tensor_train_modules
 
 MODES = ("budget", "threshold")
 TARGET_TOLERANCE = 0.1  # budget mode: the size reached is within this fraction of the target
@@ -68,6 +69,9 @@ class RankScheduleConfig:
     """budget: number of cut events, spread evenly over the window."""
     entry_exponent: float = 1.0
     """budget: slices are ranked by cost / entries ** entry_exponent (1: loss per byte)."""
+    module_floor: float = 0.0
+    """budget: no TT module is cut below this fraction of its share of the target (its
+    starting size times target / starting size); 0: no floor."""
     gamma: float = 0.01
     """Threshold mode: weight of the size surrogate S^ in the early stage (reference 0.01).
     Not used in budget mode."""
@@ -109,7 +113,8 @@ class RankScheduleConfig:
     """Late stage: weight of the size gap and of S^ when it is descended."""
 
     def __post_init__(self) -> None:
-        for name in ("gamma", "beta", "threshold", "rho_loss", "rho_size", "w1", "w2", "plateau_min_delta"):
+        for name in ("gamma", "beta", "threshold", "rho_loss", "rho_size", "w1", "w2", "plateau_min_delta",
+                     "entry_exponent", "module_floor"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
                 raise ValueError(f"RankScheduleConfig.{name} must be a finite number >= 0, got {value!r}")
@@ -193,6 +198,7 @@ class RankSchedule:
         # budget mode
         self.total_steps: Optional[int] = None
         self.size_at_start: int = 0
+        self.module_sizes_at_start: dict[str, int] = {}
         self.importance = SliceImportance(config.threshold)
         self.last_cuts: list = []
 
@@ -245,6 +251,15 @@ class RankSchedule:
         if self.size_at_start == 0:
             self.size_at_start = self.size(model)
             self._element_bytes = size_element_bytes(model)
+            self.module_sizes_at_start = {name: int(m.tt_size(self.config.threshold))
+                                          for name, m in tensor_train_modules(model)}
+
+    def module_floors(self) -> dict[str, float]:
+        """Budget mode: the size (entries) below which no cut takes each module."""
+        if self.config.module_floor <= 0 or self.size_at_start == 0:
+            return {}
+        ratio = self.target_size_elements() / self.size_at_start
+        return {name: self.config.module_floor * ratio * size for name, size in self.module_sizes_at_start.items()}
 
     def planned_size(self, step: int) -> float:
         """Budget mode: the size (core entries) the plan asks for after ``step`` steps."""
@@ -473,7 +488,8 @@ class RankSchedule:
             self._note_start(model)
             target = self.planned_size(self.window()[1] if step is None else step)
             floor = (1.0 - TARGET_TOLERANCE / 2) * self.target_size_elements()
-            self.last_cuts = self.importance.select(model, target, floor, self.config.entry_exponent)
+            self.last_cuts = self.importance.select(model, target, floor, self.config.entry_exponent,
+                                                    self.module_floors())
             apply_cuts(model, self.last_cuts)
             self.importance.reset()
         self.last_truncation = truncate_model(model, self.config.threshold)
@@ -489,6 +505,7 @@ class RankSchedule:
             "best_val_loss": self.best_val_loss,
             "evals_without_improvement": self.evals_without_improvement,
             "size_at_start": self.size_at_start,
+            "module_sizes_at_start": dict(self.module_sizes_at_start),
             # budget: the slice costs gathered since the last cut, so a resumed run cuts as an
             # uninterrupted one would ("module|bond" -> floats)
             "slice_costs": {f"{name}|{k}": [float(v) for v in cost.tolist()]
@@ -507,6 +524,7 @@ class RankSchedule:
         self.best_val_loss = float(state["best_val_loss"])  # type: ignore[arg-type]
         self.evals_without_improvement = int(state["evals_without_improvement"])  # type: ignore[arg-type]
         self.size_at_start = int(state.get("size_at_start", 0))  # type: ignore[arg-type]
+        self.module_sizes_at_start = {str(k): int(v) for k, v in dict(state.get("module_sizes_at_start", {})).items()}  # type: ignore[arg-type]
         self.importance.reset()
         for key, values in dict(state.get("slice_costs", {})).items():  # type: ignore[arg-type]
             name, _, bond = str(key).rpartition("|")

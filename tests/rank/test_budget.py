@@ -116,6 +116,43 @@ def test_select_reaches_the_target_cheapest_slices_first():
     assert all(r >= 1 for _, m in tensor_train_modules(model) for r in m.live_ranks(1e-2))
 
 
+def test_module_floor_stops_cuts_at_the_floor():
+    model = toy_model()
+    importance = SliceImportance(threshold=1e-2)
+    for name, m in tensor_train_modules(model):  # the table's slices cost nothing: cut first
+        for k, d in enumerate(m.controllers):
+            importance.costs[(name, k)] = torch.zeros(d.shape[-1]) if name == "table" else torch.ones(d.shape[-1])
+    importance.steps = 1
+    table_size = model["table"].tt_size(1e-2)
+    size = model_tt_size(model, 1e-2)
+    assert table_size > 0.8 * size  # the table holds most of the bytes
+    floors = {"table": 0.55 * table_size}
+    cuts = importance.select(model, 0.6 * size, module_floors=floors)
+    apply_cuts(model, cuts)
+    assert model["table"].tt_size(1e-2) >= 0.55 * table_size  # the floor held
+    assert any(c.module == "mlp" for c in cuts)  # the rest came from the other module
+    assert model_tt_size(model, 1e-2) <= 0.6 * size
+    # without the floor only the free table slices are cut
+    unfloored = importance.select(toy_model(), 0.6 * size)
+    assert {c.module for c in unfloored} == {"table"}
+
+
+def test_schedule_module_floors_follow_the_target_and_round_trip():
+    model = toy_model()
+    schedule = RankSchedule(RankScheduleConfig(module_floor=0.5, target_size_ratio=0.2))
+    schedule.set_total_steps(100)
+    schedule.maybe_switch(0, model)
+    floors = schedule.module_floors()
+    for name, m in tensor_train_modules(model):
+        assert floors[name] == pytest.approx(0.5 * 0.2 * m.tt_size(1e-2), rel=1e-3)
+    other = RankSchedule(RankScheduleConfig(module_floor=0.5, target_size_ratio=0.2))
+    other.load_state_dict(schedule.state_dict())
+    assert other.module_floors() == floors
+    assert RankSchedule(RankScheduleConfig()).module_floors() == {}  # off by default
+    with pytest.raises(ValueError, match="module_floor"):
+        RankScheduleConfig(module_floor=-1.0)
+
+
 def test_select_keeps_one_slice_per_bond_when_the_target_is_unreachable():
     model = toy_model()
     importance = SliceImportance(threshold=1e-2)
