@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test wheel-smoke bench-tensor install clean
+.PHONY: demo test lint format wheel-smoke bench-tensor install clean
 
 $(STAMP): pyproject.toml requirements/cpu.txt third_party/fbgemm-gpu-shim/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,15 @@ bench-tensor: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
+
+# formatting and lint as configured in pyproject.toml ([tool.ruff]); `make format` rewrites
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 # the built wheel in a fresh venv over the CPU set: console scripts, a short demo (CI runs it)
 wheel-smoke: $(STAMP)

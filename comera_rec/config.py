@@ -340,8 +340,10 @@ def run_config_from_args(
     cls: type[T],
     argv: Optional[Sequence[str]],
     description: Optional[str],
-    config_help: str = ("YAML run config: a path, or the name of a shipped config (configs/*.yaml, e.g. "
-                        "dlrm_demo); defaults apply without one"),
+    config_help: str = (
+        "YAML run config: a path, or the name of a shipped config (configs/*.yaml, e.g. "
+        "dlrm_demo); defaults apply without one"
+    ),
     resume_help: str = "continue from the newest checkpoint in trainer.run_dir",
     overrides_help: str = "section.key=value, e.g. trainer.max_steps=200",
 ) -> Optional[T]:

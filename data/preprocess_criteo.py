@@ -24,9 +24,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("inputs", nargs="+", help="Criteo TSV files, plain or gzip, in row order")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--frequency-threshold", type=int, default=1, help="ids seen fewer times share the rare bucket (id 1)")
+    p.add_argument(
+        "--frequency-threshold", type=int, default=1, help="ids seen fewer times share the rare bucket (id 1)"
+    )
     p.add_argument("--strict", action="store_true", help="stop at the first bad line (default: skip and count)")
-    p.add_argument("--has-label", choices=["auto", "yes", "no"], default="auto", help="first column is the label (test.txt: no)")
+    p.add_argument(
+        "--has-label", choices=["auto", "yes", "no"], default="auto", help="first column is the label (test.txt: no)"
+    )
     p.add_argument("--row-group-rows", type=int, default=1 << 18, help="Parquet row group size")
     p.add_argument("--chunk-mb", type=int, default=16, help="MiB of text parsed per step")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")

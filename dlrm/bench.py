@@ -68,7 +68,9 @@ class Setup:
     timed_steps: int = 30  # per process: its median step time is the process's figure
     rounds: int = 3  # fresh processes per variant, the variants alternating
     keep_freed_memory: bool = True  # glibc malloc reuses freed activations (trainer.keep_freed_memory)
-    fused_interaction: bool = True  # PairwiseDotInteraction + FlatSparseArch (+ NarrowLinear) in the compressed models and in dense_fi
+    fused_interaction: bool = (
+        True  # PairwiseDotInteraction + FlatSparseArch (+ NarrowLinear) in the compressed models and in dense_fi
+    )
     lookup_paths: bool = False  # also the compressed models with the CPU kernels off (tt_torch, tt_half_torch)
 
 
@@ -97,8 +99,9 @@ def model_config(variant: str, setup: Setup, mlperf: bool) -> DLRMConfig:
     base = DLRMConfig.mlperf_dcn() if mlperf else DLRMConfig.kaggle()
     # TorchRec's interaction for "dense" always: it is the baseline as TorchRec ships it
     fused = setup.fused_interaction and variant != "dense" and not mlperf
-    return replace(base, compressed=not variant.startswith("dense"), rank=setup.rank, mlp_rank=setup.rank,
-                   fused_interaction=fused)
+    return replace(
+        base, compressed=not variant.startswith("dense"), rank=setup.rank, mlp_rank=setup.rank, fused_interaction=fused
+    )
 
 
 @torch.no_grad()
@@ -117,7 +120,9 @@ def build(variant: str, setup: Setup, mlperf: bool):
     if variant.removesuffix(TORCH_LOOKUP) == "tt_half":
         cut_ranks_to_half(model)
     wrapped, bundle = wrap_model(
-        model, device="cpu", make_dense_optimizer=adamw,
+        model,
+        device="cpu",
+        make_dense_optimizer=adamw,
         embedding_optimizer=EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": EMBEDDING_LR, "eps": 1e-8}),
     )
     return wrapped, bundle
@@ -131,15 +136,21 @@ EMBEDDING_LR = 0.05
 def adamw(groups: dict[str, list[nn.Parameter]]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         [{"params": groups[k], "lr": LEARNING_RATES[k]} for k in LEARNING_RATES if groups[k]],
-        weight_decay=0.0, fused=True,  # torch's fused AdamW, for every variant alike
+        weight_decay=0.0,
+        fused=True,  # torch's fused AdamW, for every variant alike
     )
 
 
 def batches(setup: Setup, mlperf: bool, stream: str, rows: int):
     sizes = list(model_config("dense", setup, mlperf).table_sizes)
     cfg = SyntheticCriteoConfig(
-        num_embeddings_per_feature=sizes, zipf_exponent=setup.zipf, batch_size=setup.batch_size,
-        num_rows=rows, seed=0, stream=stream, drop_last=True,
+        num_embeddings_per_feature=sizes,
+        zipf_exponent=setup.zipf,
+        batch_size=setup.batch_size,
+        num_rows=rows,
+        seed=0,
+        stream=stream,
+        drop_last=True,
     )
     return SyntheticCriteo(cfg)
 
@@ -197,8 +208,14 @@ def process_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # r
         train_step(wrapped, bundle, data[step % len(data)])
         times.append(time.perf_counter() - start)
     faults = (minor_page_faults() - faults_at_start) / setup.timed_steps
-    queue.put({"base": base, "peak": peak_rss_bytes(), "step_s": statistics.median_high(times[setup.warmup_steps:]),
-               "faults": faults})
+    queue.put(
+        {
+            "base": base,
+            "peak": peak_rss_bytes(),
+            "step_s": statistics.median_high(times[setup.warmup_steps :]),
+            "faults": faults,
+        }
+    )
     queue.close()
     queue.join_thread()  # the result is in the pipe
     _exit_now()
@@ -236,9 +253,13 @@ def own_process_rounds(names: tuple[str, ...], setup: Setup, mlperf: bool) -> di
             runs[v].append(run_in_process(v, setup, mlperf))
     median = statistics.median_high
     return {
-        v: {"step_s": median([r["step_s"] for r in rs]), "faults": median([r["faults"] for r in rs]),
-            "peak": max(r["peak"] for r in rs), "base": rs[0]["base"],
-            "steps": [r["step_s"] for r in rs]}
+        v: {
+            "step_s": median([r["step_s"] for r in rs]),
+            "faults": median([r["faults"] for r in rs]),
+            "peak": max(r["peak"] for r in rs),
+            "base": rs[0]["base"],
+            "steps": [r["step_s"] for r in rs],
+        }
         for v, rs in runs.items()
     }
 
@@ -330,10 +351,12 @@ def parts(setup: Setup, repeats: int = 20) -> None:
         kernels.set_cpu_kernel_enabled(False)
         flops[v] = part_times(models[v][0], data[0], count_flops=True)
     kernels.set_cpu_kernel_enabled(True)
-    print(f"\nmatrix-multiply FLOPs per part (forward + backward, torch.utils.flop_counter, counted on the "
-          f"PyTorch path; lookups: the TTM contractions only, FBGEMM's row reads count 0) against a 2048^3 "
-          f"sgemm at {rate / 1e9:.0f} GFLOP/s:"
-          f"\nGFLOP / time those FLOPs need at that rate (ms) / measured time over it")
+    print(
+        f"\nmatrix-multiply FLOPs per part (forward + backward, torch.utils.flop_counter, counted on the "
+        f"PyTorch path; lookups: the TTM contractions only, FBGEMM's row reads count 0) against a 2048^3 "
+        f"sgemm at {rate / 1e9:.0f} GFLOP/s:"
+        f"\nGFLOP / time those FLOPs need at that rate (ms) / measured time over it"
+    )
     print(f"{'variant':14s}" + "".join(f"{n:>22s}" for n in names[:-1]))
     for v in names_:
         cells = []
@@ -348,9 +371,11 @@ def parts(setup: Setup, repeats: int = 20) -> None:
 
 
 def kaggle(setup: Setup) -> None:
-    print(f"Criteo Kaggle shapes, batch {setup.batch_size}, Zipf({setup.zipf}) ids, rank {setup.rank}; "
-          f"{torch.get_num_threads()} threads; malloc keeps freed memory: {setup.keep_freed_memory} "
-          f"(every variant alike)")
+    print(
+        f"Criteo Kaggle shapes, batch {setup.batch_size}, Zipf({setup.zipf}) ids, rank {setup.rank}; "
+        f"{torch.get_num_threads()} threads; malloc keeps freed memory: {setup.keep_freed_memory} "
+        f"(every variant alike)"
+    )
     names = variants(setup)
     # Step time, peak RSS and page faults: each variant alone in fresh processes, as it would train.
     alone = own_process_rounds(names, setup, mlperf=False)
@@ -361,8 +386,10 @@ def kaggle(setup: Setup) -> None:
         keep_freed_memory()
     models = {v: build(v, setup, mlperf=False) for v in names}
     freeze_live_objects()
-    params = {v: model_num_parameters(m[0]) if not v.startswith("dense") else sum(p.numel() for p in m[0].parameters())
-              for v, m in models.items()}
+    params = {
+        v: model_num_parameters(m[0]) if not v.startswith("dense") else sum(p.numel() for p in m[0].parameters())
+        for v, m in models.items()
+    }
     sizes = {v: model_bytes(m[0]) for v, m in models.items()}
     times: dict[str, list[float]] = {v: [] for v in names}
     stream = iter(batches(Setup(**{**setup.__dict__}), False, "train", setup.batch_size * setup.train_steps))
@@ -382,33 +409,46 @@ def kaggle(setup: Setup) -> None:
 
     step = {v: alone[v]["step_s"] for v in names}
     fused = DENSE_FUSED in names  # then also the speed-up over the dense model with the same interaction
-    print(f"\n{'variant':14s} {'step ms':>9s} {'speed-up':>9s}" + (f" {'vs ' + DENSE_FUSED:>12s}" if fused else "")
-          + f" {'samples/s':>10s} {'params':>13s} "
-          f"{'model bytes':>12s} {'smaller':>8s} {'peak RSS':>10s} {'RSS ratio':>9s} {'faults/step':>11s} "
-          f"{'val AUC':>8s}")
+    print(
+        f"\n{'variant':14s} {'step ms':>9s} {'speed-up':>9s}"
+        + (f" {'vs ' + DENSE_FUSED:>12s}" if fused else "")
+        + f" {'samples/s':>10s} {'params':>13s} "
+        f"{'model bytes':>12s} {'smaller':>8s} {'peak RSS':>10s} {'RSS ratio':>9s} {'faults/step':>11s} "
+        f"{'val AUC':>8s}"
+    )
     for v in names:
         peak = alone[v]["peak"]
         versus = f" {step[DENSE_FUSED] / step[v]:11.2f}x" if fused else ""
-        print(f"{v:14s} {step[v] * 1e3:9.2f} {step['dense'] / step[v]:8.2f}x{versus} "
-              f"{setup.batch_size / step[v]:10.0f} {params[v]:13,d} {fmt_bytes(sizes[v]):>12s} "
-              f"{sizes['dense'] / sizes[v]:7.0f}x {fmt_bytes(peak):>10s} {alone['dense']['peak'] / peak:8.1f}x "
-              f"{alone[v]['faults']:11.0f} {aucs[v]:8.4f}")
-    print(f"\nstep: median over {setup.rounds} fresh processes per variant (variants alternating) of each "
-          f"process's median of {setup.timed_steps} steps after {setup.warmup_steps} warm-up steps (AdamW on "
-          f"MLPs/cores, fused row-wise Adagrad on dense tables); per-process medians (ms): "
-          + "; ".join(f"{v} " + " ".join(f"{t * 1e3:.1f}" for t in alone[v]["steps"]) for v in names))
-    print(f"peak RSS: the largest of those processes (imports included: {fmt_bytes(alone['dense']['base'])} "
-          f"before the model); AUC on {setup.val_rows} synthetic validation rows after {setup.train_steps} steps")
-    print("all variants in one process, steps interleaved (median of "
-          f"{setup.train_steps - 3}): " + ", ".join(
-              f"{v} {shared[v] * 1e3:.1f} ms ({shared['dense'] / shared[v]:.2f}x)" for v in names))
+        print(
+            f"{v:14s} {step[v] * 1e3:9.2f} {step['dense'] / step[v]:8.2f}x{versus} "
+            f"{setup.batch_size / step[v]:10.0f} {params[v]:13,d} {fmt_bytes(sizes[v]):>12s} "
+            f"{sizes['dense'] / sizes[v]:7.0f}x {fmt_bytes(peak):>10s} {alone['dense']['peak'] / peak:8.1f}x "
+            f"{alone[v]['faults']:11.0f} {aucs[v]:8.4f}"
+        )
+    print(
+        f"\nstep: median over {setup.rounds} fresh processes per variant (variants alternating) of each "
+        f"process's median of {setup.timed_steps} steps after {setup.warmup_steps} warm-up steps (AdamW on "
+        f"MLPs/cores, fused row-wise Adagrad on dense tables); per-process medians (ms): "
+        + "; ".join(f"{v} " + " ".join(f"{t * 1e3:.1f}" for t in alone[v]["steps"]) for v in names)
+    )
+    print(
+        f"peak RSS: the largest of those processes (imports included: {fmt_bytes(alone['dense']['base'])} "
+        f"before the model); AUC on {setup.val_rows} synthetic validation rows after {setup.train_steps} steps"
+    )
+    print(
+        "all variants in one process, steps interleaved (median of "
+        f"{setup.train_steps - 3}): "
+        + ", ".join(f"{v} {shared[v] * 1e3:.1f} ms ({shared['dense'] / shared[v]:.2f}x)" for v in names)
+    )
 
 
 def mlperf(setup: Setup) -> None:
     print(f"MLPerf DLRM-DCNv2 shapes (204M rows, dim 128), compressed at rank {setup.rank}, batch {setup.batch_size}")
     result = run_in_process("tt", setup, mlperf=True)
-    print(f"  step {result['step_s'] * 1e3:.1f} ms, {setup.batch_size / result['step_s']:.0f} samples/s, "
-          f"peak RSS {fmt_bytes(result['peak'])} (before the model: {fmt_bytes(result['base'])})")
+    print(
+        f"  step {result['step_s'] * 1e3:.1f} ms, {setup.batch_size / result['step_s']:.0f} samples/s, "
+        f"peak RSS {fmt_bytes(result['peak'])} (before the model: {fmt_bytes(result['base'])})"
+    )
     dense_bytes = sum(model_config("dense", setup, True).table_sizes) * 128 * 4
     print(f"  dense tables alone would need {fmt_bytes(dense_bytes)}")
 
@@ -423,20 +463,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per variant")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--fused-interaction", action=argparse.BooleanOptionalAction, default=True,
-                        help="PairwiseDotInteraction and FlatSparseArch in the compressed models, and dense_fi, the "
-                             "dense model with them (and so with the fused row-wise Adagrad lookup); default on")
-    parser.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
-                        help="leave glibc malloc as it is (it may return freed activations to the kernel and "
-                             "page-fault them in again); the default keeps them, as the trainer does")
+    parser.add_argument(
+        "--fused-interaction",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="PairwiseDotInteraction and FlatSparseArch in the compressed models, and dense_fi, the "
+        "dense model with them (and so with the fused row-wise Adagrad lookup); default on",
+    )
+    parser.add_argument(
+        "--no-keep-freed-memory",
+        dest="keep_freed_memory",
+        action="store_false",
+        help="leave glibc malloc as it is (it may return freed activations to the kernel and "
+        "page-fault them in again); the default keeps them, as the trainer does",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per variant for the step time")
-    parser.add_argument("--lookup-paths", action="store_true",
-                        help="also time the compressed models with the fused CPU kernels off (tt_torch, tt_half_torch)")
+    parser.add_argument(
+        "--lookup-paths",
+        action="store_true",
+        help="also time the compressed models with the fused CPU kernels off (tt_torch, tt_half_torch)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    setup = Setup(batch_size=args.batch_size, rank=args.rank, keep_freed_memory=args.keep_freed_memory,
-                  fused_interaction=args.fused_interaction, rounds=args.rounds, lookup_paths=args.lookup_paths)
+    setup = Setup(
+        batch_size=args.batch_size,
+        rank=args.rank,
+        keep_freed_memory=args.keep_freed_memory,
+        fused_interaction=args.fused_interaction,
+        rounds=args.rounds,
+        lookup_paths=args.lookup_paths,
+    )
     if args.quick:
         setup = replace(setup, train_steps=10, val_rows=8192, warmup_steps=1, timed_steps=3, rounds=1)
     if args.steps:

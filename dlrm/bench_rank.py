@@ -45,10 +45,19 @@ from typing import Any, Optional
 PRESETS = {
     "demo": ("dlrm_demo", []),  # shipped configs, by name (comera_rec.config.resolve_config)
     # Criteo Kaggle's 26 table sizes and MLPs on the synthetic generator (no download)
-    "kaggle": ("dlrm_criteo_kaggle",
-               ["data.source=synthetic", "data.synthetic_train_rows=4194304", "data.synthetic_val_rows=65536",
-                "data.batch_size=1024", "trainer.max_steps=3000", "trainer.eval_every=1000",
-                "trainer.eval_max_batches=32", "trainer.checkpoint_at_end=false"]),
+    "kaggle": (
+        "dlrm_criteo_kaggle",
+        [
+            "data.source=synthetic",
+            "data.synthetic_train_rows=4194304",
+            "data.synthetic_val_rows=65536",
+            "data.batch_size=1024",
+            "trainer.max_steps=3000",
+            "trainer.eval_every=1000",
+            "trainer.eval_max_batches=32",
+            "trainer.checkpoint_at_end=false",
+        ],
+    ),
 }
 
 
@@ -58,8 +67,17 @@ def run_one(config: str, overrides: list[str], run_dir: Path, threads: int, reru
     if not rerun and (run_dir / "summary.json").exists():
         return json.loads((run_dir / "summary.json").read_text())
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "dlrm.cli", "--config", config,
-           f"trainer.run_dir={run_dir}", "trainer.progress=false", "trainer.plots=false", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dlrm.cli",
+        "--config",
+        config,
+        f"trainer.run_dir={run_dir}",
+        "trainer.progress=false",
+        "trainer.plots=false",
+        *overrides,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"run {run_dir.name} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -138,15 +156,18 @@ def plot_front(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     for row in rows:
         label = "fixed rank" if row["kind"] == "fixed" else f"adaptive from rank {row['start']}"
         groups.setdefault(label, []).append(row)
-    for ax, key, xlabel in ((axes[0], "model_bytes", "model bytes, every parameter (log)"),
-                            (axes[1], "tt_bytes", "TT bytes, the schedule's size (log)")):
+    for ax, key, xlabel in (
+        (axes[0], "model_bytes", "model bytes, every parameter (log)"),
+        (axes[1], "tt_bytes", "TT bytes, the schedule's size (log)"),
+    ):
         for label, group in sorted(groups.items()):
             keyed: dict[Any, list[dict[str, Any]]] = {}
             for row in group:
                 keyed.setdefault(row["setting"], []).append(row)
             points = sorted((mean([r[key] for r in rs]), mean([r["auc"] for r in rs])) for rs in keyed.values())
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-" if label == "fixed rank" else "s--",
-                    label=label)
+            ax.plot(
+                [p[0] for p in points], [p[1] for p in points], "o-" if label == "fixed rank" else "s--", label=label
+            )
             ax.scatter([r[key] for r in group], [r["auc"] for r in group], s=8, alpha=0.4)
         ax.set_xscale("log")
         ax.set_xlabel(xlabel)
@@ -159,8 +180,9 @@ def plot_front(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def compare(rows: list[dict[str, Any]], key: str, fixed_ranks: list[int], starts: list[int],
-            targets: list[float]) -> list[dict[str, Any]]:
+def compare(
+    rows: list[dict[str, Any]], key: str, fixed_ranks: list[int], starts: list[int], targets: list[float]
+) -> list[dict[str, Any]]:
     """Per adaptive setting (means over seeds): the size on axis ``key``, the AUC, the fixed
     curve there and the difference."""
     fixed_points = []
@@ -173,20 +195,34 @@ def compare(rows: list[dict[str, Any]], key: str, fixed_ranks: list[int], starts
             rs = [x for x in rows if x["kind"] == "adaptive" and x["start"] == r and x.get("target") == t]
             size, auc = mean([x[key] for x in rs]), mean([x["auc"] for x in rs])
             ref = interpolate_fixed(fixed_points, size)
-            out.append({"start": r, "target_ratio": t, "size": size, "auc": auc, "fixed_auc_at_size": ref,
-                        "difference": None if ref is None else auc - ref})
+            out.append(
+                {
+                    "start": r,
+                    "target_ratio": t,
+                    "size": size,
+                    "auc": auc,
+                    "fixed_auc_at_size": ref,
+                    "difference": None if ref is None else auc - ref,
+                }
+            )
     return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="demo")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="trainer.seed of each repeat")
     parser.add_argument("--fixed", type=int, nargs="+", default=[2, 4, 8, 12, 16, 32], help="fixed ranks")
     parser.add_argument("--starts", type=int, nargs="+", default=[16, 32], help="starting ranks of adaptive runs")
-    parser.add_argument("--targets", type=float, nargs="+", default=[0.5, 0.25, 0.1, 0.05],
-                        help="size targets as ratios of the starting model's size")
+    parser.add_argument(
+        "--targets",
+        type=float,
+        nargs="+",
+        default=[0.5, 0.25, 0.1, 0.05],
+        help="size targets as ratios of the starting model's size",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each gets cores / jobs threads)")
     parser.add_argument("--out", default="runs/bench_rank", help="folder for the runs, front.png, front.json")
     parser.add_argument("--rerun", action="store_true", help="run again the settings whose summary.json exists")
@@ -200,28 +236,57 @@ def main(argv: Optional[list[str]] = None) -> int:
     specs: list[dict[str, Any]] = []
     for seed in args.seeds:
         for r in args.fixed:
-            specs.append({"kind": "fixed", "setting": f"fixed r{r}", "start": r, "seed": seed,
-                          "overrides": [f"model.rank={r}", f"model.mlp_rank={r}", "schedule.enabled=false"]})
+            specs.append(
+                {
+                    "kind": "fixed",
+                    "setting": f"fixed r{r}",
+                    "start": r,
+                    "seed": seed,
+                    "overrides": [f"model.rank={r}", f"model.mlp_rank={r}", "schedule.enabled=false"],
+                }
+            )
         for r in args.starts:
             for t in args.targets:
-                specs.append({"kind": "adaptive", "setting": f"r{r} -> {t:g}", "start": r, "target": t,
-                              "seed": seed, "overrides": [f"model.rank={r}", f"model.mlp_rank={r}",
-                                                          "schedule.enabled=true", "schedule.mode=budget",
-                                                          f"schedule.target_size_ratio={t}"]})
-    print(f"bench_rank: preset {args.preset} ({config}), {len(specs)} runs, {args.jobs} at a time x {threads} "
-          f"thread(s)", flush=True)
+                specs.append(
+                    {
+                        "kind": "adaptive",
+                        "setting": f"r{r} -> {t:g}",
+                        "start": r,
+                        "target": t,
+                        "seed": seed,
+                        "overrides": [
+                            f"model.rank={r}",
+                            f"model.mlp_rank={r}",
+                            "schedule.enabled=true",
+                            "schedule.mode=budget",
+                            f"schedule.target_size_ratio={t}",
+                        ],
+                    }
+                )
+    print(
+        f"bench_rank: preset {args.preset} ({config}), {len(specs)} runs, {args.jobs} at a time x {threads} thread(s)",
+        flush=True,
+    )
 
     def launch(spec: dict[str, Any]) -> dict[str, Any]:
         name = f"{spec['setting'].replace(' -> ', '_to_').replace(' ', '_')}_s{spec['seed']}"
         overrides = preset_overrides + spec["overrides"] + [f"trainer.seed={spec['seed']}"] + args.overrides
         summary = run_one(config, overrides, out / name, threads, args.rerun)
-        row = {**{k: v for k, v in spec.items() if k != "overrides"}, "tt_bytes": int(summary["model_bytes"]),
-               # live parameters (dense / compression) in float32 bytes
-               "model_bytes": int(round(4 * dense / float(summary["compression"]))),
-               "auc": float(summary["val_auc"]), "log_loss": float(summary["val_log_loss"]),
-               "wall_s": float(summary["wall_s"]), "live_ranks": summary.get("live_ranks", {})}
-        print(f"  done {spec['setting']:>14} seed {spec['seed']}: {row['model_bytes']:>10,} B model, "
-              f"{row['tt_bytes']:>10,} B TT  AUC {row['auc']:.4f}  {row['wall_s']:.0f} s", flush=True)
+        row = {
+            **{k: v for k, v in spec.items() if k != "overrides"},
+            "tt_bytes": int(summary["model_bytes"]),
+            # live parameters (dense / compression) in float32 bytes
+            "model_bytes": int(round(4 * dense / float(summary["compression"]))),
+            "auc": float(summary["val_auc"]),
+            "log_loss": float(summary["val_log_loss"]),
+            "wall_s": float(summary["wall_s"]),
+            "live_ranks": summary.get("live_ranks", {}),
+        }
+        print(
+            f"  done {spec['setting']:>14} seed {spec['seed']}: {row['model_bytes']:>10,} B model, "
+            f"{row['tt_bytes']:>10,} B TT  AUC {row['auc']:.4f}  {row['wall_s']:.0f} s",
+            flush=True,
+        )
         return row
 
     dense = dense_parameter_count(config, preset_overrides + args.overrides)  # the same at every rank
@@ -229,19 +294,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows = list(pool.map(launch, specs))
 
     # the fixed runs at each start rank give the adaptive runs' starting TT size
-    start_tt = {r: mean([x["tt_bytes"] for x in rows if x["kind"] == "fixed" and x["start"] == r])
-                for r in args.fixed}
+    start_tt = {r: mean([x["tt_bytes"] for x in rows if x["kind"] == "fixed" and x["start"] == r]) for r in args.fixed}
     print("\n| run | seed | model bytes | TT bytes | val AUC | wall s | live ranks |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['setting']} | {row['seed']} | {row['model_bytes']:,} | {row['tt_bytes']:,} | {row['auc']:.4f} "
-              f"| {row['wall_s']:.0f} | {short_ranks(row['live_ranks'])} |")
+        print(
+            f"| {row['setting']} | {row['seed']} | {row['model_bytes']:,} | {row['tt_bytes']:,} | {row['auc']:.4f} "
+            f"| {row['wall_s']:.0f} | {short_ranks(row['live_ranks'])} |"
+        )
 
     by_model = compare(rows, "model_bytes", args.fixed, args.starts, args.targets)
     by_tt = compare(rows, "tt_bytes", args.fixed, args.starts, args.targets)
     print("\nadaptive (mean over seeds) against the fixed-rank curve at the same size:")
-    print("| adaptive | target TT bytes | TT bytes | off target | val AUC | model bytes | fixed curve there | "
-          "difference | fixed curve at the TT bytes | difference |")
+    print(
+        "| adaptive | target TT bytes | TT bytes | off target | val AUC | model bytes | fixed curve there | "
+        "difference | fixed curve at the TT bytes | difference |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
 
     def fmt(ref: Optional[float], diff: Optional[float]) -> str:
@@ -253,11 +321,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         m["off_target"] = t["size"] / target - 1 if target == target else None
         m["fixed_auc_at_tt_bytes"], m["difference_tt_axis"] = t["fixed_auc_at_size"], t["difference"]
         off = f"{100 * m['off_target']:+.1f}%" if m["off_target"] is not None else "-"
-        print(f"| r{m['start']} -> {m['target_ratio']:g} | {target:,.0f} | {t['size']:,.0f} | {off} | {m['auc']:.4f} | "
-              f"{m['size']:,.0f} | {fmt(m['fixed_auc_at_size'], m['difference'])} | "
-              f"{fmt(t['fixed_auc_at_size'], t['difference'])} |")
-    (out / "front.json").write_text(json.dumps({"preset": args.preset, "runs": rows, "adaptive": by_model},
-                                               indent=1))
+        print(
+            f"| r{m['start']} -> {m['target_ratio']:g} | {target:,.0f} | {t['size']:,.0f} | {off} | {m['auc']:.4f} | "
+            f"{m['size']:,.0f} | {fmt(m['fixed_auc_at_size'], m['difference'])} | "
+            f"{fmt(t['fixed_auc_at_size'], t['difference'])} |"
+        )
+    (out / "front.json").write_text(json.dumps({"preset": args.preset, "runs": rows, "adaptive": by_model}, indent=1))
     plot_front(rows, out / "front.png", f"accuracy-size front, {args.preset} ({len(args.seeds)} seeds)")
     print(f"\nwrote {out / 'front.png'} and {out / 'front.json'}")
     return 0

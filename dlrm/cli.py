@@ -27,7 +27,9 @@ def train(argv: Optional[Sequence[str]] = None) -> dict:
     both run this."""
     setup_logging()
     config = run_config_from_args(
-        DLRMRunConfig, argv, __doc__,
+        DLRMRunConfig,
+        argv,
+        __doc__,
         overrides_help="section.key=value, e.g. trainer.max_steps=200 model.rank=16",
     )
     if config is None:  # --help-config

@@ -9,13 +9,61 @@ from comera_rec.integration.policy import CompressionPolicy, TableRule
 
 # Criteo Kaggle (DLRM reference script): 26 tables, 33.8M rows.
 KAGGLE_TABLE_SIZES: tuple[int, ...] = (
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
-    14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
 )
 # MLPerf DLRM-DCNv2 (Criteo 1TB multi-hot): 26 tables, 204M rows.
 MLPERF_TABLE_SIZES: tuple[int, ...] = (
-    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
-    2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
+    40000000,
+    39060,
+    17295,
+    7424,
+    20265,
+    3,
+    7122,
+    1543,
+    63,
+    40000000,
+    3067956,
+    405282,
+    10,
+    2209,
+    11938,
+    155,
+    4,
+    976,
+    14,
+    40000000,
+    40000000,
+    40000000,
+    590152,
+    12973,
+    108,
+    36,
 )
 
 
@@ -86,18 +134,20 @@ class DLRMConfig:
     def features(self) -> list[str]:
         names = self.feature_names or [f"cat_{i}" for i in range(self.num_tables)]
         if len(names) != self.num_tables:
-            raise ValueError(
-                f"DLRMConfig: {len(names)} feature_names for {self.num_tables} tables"
-            )
+            raise ValueError(f"DLRMConfig: {len(names)} feature_names for {self.num_tables} tables")
         return list(names)
 
     def policy(self) -> CompressionPolicy:
         """The compression policy these fields describe."""
         return CompressionPolicy(
-            rank=self.rank, min_rows_to_compress=self.min_rows_to_compress,
-            min_params_to_compress=self.min_params_to_compress, min_gain=self.min_gain,
-            per_table=dict(self.per_table), linear_rank=self.mlp_rank,
-            share_shapes_within=self.share_shapes_within, two_cores_within=self.two_cores_within,
+            rank=self.rank,
+            min_rows_to_compress=self.min_rows_to_compress,
+            min_params_to_compress=self.min_params_to_compress,
+            min_gain=self.min_gain,
+            per_table=dict(self.per_table),
+            linear_rank=self.mlp_rank,
+            share_shapes_within=self.share_shapes_within,
+            two_cores_within=self.two_cores_within,
         )
 
     @classmethod
@@ -109,7 +159,12 @@ class DLRMConfig:
     def mlperf_dcn(cls, **overrides: object) -> "DLRMConfig":
         """MLPerf DLRM-DCNv2 reference shapes (Criteo 1TB multi-hot)."""
         base: Mapping[str, object] = dict(
-            table_sizes=list(MLPERF_TABLE_SIZES), embedding_dim=128, bottom_mlp=[512, 256, 128],
-            top_mlp=[1024, 1024, 512, 256, 1], interaction="dcn", dcn_num_layers=3, dcn_low_rank=512,
+            table_sizes=list(MLPERF_TABLE_SIZES),
+            embedding_dim=128,
+            bottom_mlp=[512, 256, 128],
+            top_mlp=[1024, 1024, 512, 256, 1],
+            interaction="dcn",
+            dcn_num_layers=3,
+            dcn_low_rank=512,
         )
         return cls(**{**base, **overrides})  # type: ignore[arg-type]

@@ -98,8 +98,10 @@ class PairwiseDotInteraction(nn.Module):
             ``(B, D + F (F + 1) / 2)``.
         """
         if sparse_features.dim() != 3 or sparse_features.shape[1] != self.num_sparse_features:
-            raise ValueError(f"PairwiseDotInteraction: expected sparse features (B, {self.num_sparse_features}, D), "
-                             f"got {tuple(sparse_features.shape)}")
+            raise ValueError(
+                f"PairwiseDotInteraction: expected sparse features (B, {self.num_sparse_features}, D), "
+                f"got {tuple(sparse_features.shape)}"
+            )
         if kernels.pairwise_kernel_applies(dense_features, sparse_features):
             return kernels.pairwise_dots_cpu(dense_features, sparse_features)
         combined = torch.cat([dense_features.unsqueeze(1), sparse_features], dim=1)  # (B, n, D)

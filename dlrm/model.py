@@ -23,8 +23,9 @@ def criteo_tables(
     """One table ``t_<feature>`` per sparse feature."""
     kind = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}[pooling]
     return [
-        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=n,
-                           feature_names=[f], pooling=kind)
+        EmbeddingBagConfig(
+            name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=n, feature_names=[f], pooling=kind
+        )
         for f, n in zip(feature_names, table_sizes)
     ]
 
@@ -118,19 +119,20 @@ def make_dlrm(
             model.sparse_arch = FlatSparseArch(ebc)
             model.inter_arch = PairwiseDotInteraction(len(tables_features(tables)))
     else:
-        model = DLRM_DCN(ebc, dense_in_features, bottom_mlp, top_mlp, dcn_num_layers, dcn_low_rank,
-                         dense_device=dense_device)
+        model = DLRM_DCN(
+            ebc, dense_in_features, bottom_mlp, top_mlp, dcn_num_layers, dcn_low_rank, dense_device=dense_device
+        )
     if policy is None:
         if fused_interaction:
             fuse_narrow_layers(model.dense_arch.model)
         return model
     rank = policy.mlp_rank
     if policy.compress_mlps:
-        model.dense_arch.model = tt_mlp(dense_in_features, bottom_mlp, rank=rank, min_gain=policy.min_gain,
-                                        device=device)
+        model.dense_arch.model = tt_mlp(
+            dense_in_features, bottom_mlp, rank=rank, min_gain=policy.min_gain, device=device
+        )
         over_in = model.over_arch.model[0]._mlp[0]._linear.in_features
-        model.over_arch.model[0] = tt_mlp(over_in, top_mlp[:-1], rank=rank, min_gain=policy.min_gain,
-                                          device=device)
+        model.over_arch.model[0] = tt_mlp(over_in, top_mlp[:-1], rank=rank, min_gain=policy.min_gain, device=device)
     fuse_narrow_layers(model.dense_arch.model)
     if interaction == "dcn" and policy.compress_crossnet:
         n = (len(tables_features(tables)) + 1) * dim
@@ -155,11 +157,17 @@ def build_dlrm(config: DLRMConfig, *, device: torch.device | str | None = None) 
     """
     tables = criteo_tables(config.table_sizes, config.embedding_dim, config.features(), config.pooling)
     return make_dlrm(
-        tables, dense_in_features=config.dense_in_features, bottom_mlp=list(config.bottom_mlp),
-        top_mlp=list(config.top_mlp), interaction=config.interaction,
-        fused_interaction=config.fused_interaction, dcn_num_layers=config.dcn_num_layers,
-        dcn_low_rank=config.dcn_low_rank, policy=config.policy() if config.compressed else None,
-        validate_inputs=config.validate_inputs, device=device,
+        tables,
+        dense_in_features=config.dense_in_features,
+        bottom_mlp=list(config.bottom_mlp),
+        top_mlp=list(config.top_mlp),
+        interaction=config.interaction,
+        fused_interaction=config.fused_interaction,
+        dcn_num_layers=config.dcn_num_layers,
+        dcn_low_rank=config.dcn_low_rank,
+        policy=config.policy() if config.compressed else None,
+        validate_inputs=config.validate_inputs,
+        device=device,
     )
 
 

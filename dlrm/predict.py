@@ -133,14 +133,18 @@ def load_model(checkpoint: PathLike, config: Optional[PathLike] = None, device: 
     task = DLRMTask(run_config)
     model = task.build_model(torch.device(device))  # fills table sizes from the data, as in training
     # only the model section defines the weights; data / trainer may differ freely
-    problems = [f"config {d}" for d in config_differences(saved, to_dict(run_config), ignore=())
-                if d.startswith("model.")] if saved is not None else []
+    problems = (
+        [f"config {d}" for d in config_differences(saved, to_dict(run_config), ignore=()) if d.startswith("model.")]
+        if saved is not None
+        else []
+    )
     problems += state_dict_mismatches(model, state["model"])
     if problems:
         shown = problems[:12] + ([f"... {len(problems) - 12} more"] if len(problems) > 12 else [])
         where = f"--config {config}" if config is not None else "the config stored in the checkpoint"
         raise CheckpointConfigMismatchError(
-            f"{where} does not describe the model of checkpoint {path}: " + "; ".join(shown)
+            f"{where} does not describe the model of checkpoint {path}: "
+            + "; ".join(shown)
             + ". Leave out --config to use the checkpoint's own, or pass the config the run was trained with."
         )
     resize_to_state_dict(model, state["model"])  # ranks cut by truncation during training
@@ -170,7 +174,11 @@ def input_format(paths: Sequence[PathLike]) -> str:
 
 
 def read_batches(
-    paths: Sequence[PathLike], config: DLRMRunConfig, *, batch_size: int, fmt: Optional[str] = None,
+    paths: Sequence[PathLike],
+    config: DLRMRunConfig,
+    *,
+    batch_size: int,
+    fmt: Optional[str] = None,
     bad_input: str = "strict",
 ) -> Iterator[Batch]:
     """Batches of the input files in row order, with the run's categorical transform.
@@ -188,11 +196,17 @@ def read_batches(
     if fmt not in _READERS:
         raise ValueError(f"format must be one of {sorted(_READERS)}, got {fmt!r}")
     data = config.data
-    reader = _READERS[fmt](CriteoReaderConfig(
-        paths=[str(p) for p in paths], batch_size=batch_size, split="all", holdout="none",
-        num_embeddings_per_feature=data.num_embeddings_per_feature,
-        vocab_dir=data.vocab_dir if data.source != "synthetic" else None, bad_input=bad_input,
-    ))
+    reader = _READERS[fmt](
+        CriteoReaderConfig(
+            paths=[str(p) for p in paths],
+            batch_size=batch_size,
+            split="all",
+            holdout="none",
+            num_embeddings_per_feature=data.num_embeddings_per_feature,
+            vocab_dir=data.vocab_dir if data.source != "synthetic" else None,
+            bad_input=bad_input,
+        )
+    )
     return iter(reader)
 
 
@@ -287,8 +301,13 @@ def predict(
         raise ValueError(f"--out {out}: the suffix must be .parquet or .csv")
     loaded = load_model(checkpoint, config, device)
     data = loaded.config.data
-    batches = read_batches(inputs, loaded.config, batch_size=batch_size or data.val_batch_size or data.batch_size,
-                           fmt=fmt, bad_input=bad_input)
+    batches = read_batches(
+        inputs,
+        loaded.config,
+        batch_size=batch_size or data.val_batch_size or data.batch_size,
+        fmt=fmt,
+        bad_input=bad_input,
+    )
     metrics = BinaryMetrics(loaded.device)
     writer: Optional[_Writer] = None
     with_label: Optional[bool] = None
@@ -346,26 +365,50 @@ def predict_cli(argv: Optional[Sequence[str]] = None) -> dict:
         >>> predict_cli(["--checkpoint", "runs/dlrm_demo", "val.tsv", "--out", "s.parquet"])  # doctest: +SKIP
     """
     parser = argparse.ArgumentParser(description=_USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="run directory, checkpoints/ folder, step_* folder or rank0.pt")
-    parser.add_argument("--config", help="run config (must match the checkpoint's model); default: the checkpoint's own")
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="Criteo TSV (.tsv/.txt/.gz), .parquet or *_dense.npy files")
+    parser.add_argument(
+        "--checkpoint", required=True, help="run directory, checkpoints/ folder, step_* folder or rank0.pt"
+    )
+    parser.add_argument(
+        "--config", help="run config (must match the checkpoint's model); default: the checkpoint's own"
+    )
+    parser.add_argument(
+        "inputs", nargs="+", metavar="INPUT", help="Criteo TSV (.tsv/.txt/.gz), .parquet or *_dense.npy files"
+    )
     parser.add_argument("--out", required=True, help="output file, .parquet or .csv")
-    parser.add_argument("--batch-size", type=int, default=None, help="rows per batch (default: the run's validation batch size)")
-    parser.add_argument("--format", choices=sorted(_READERS), default=None, help="input format (default: from the suffix)")
-    parser.add_argument("--bad-input", choices=["strict", "skip"], default="strict",
-                        help="malformed lines: error (default; every output row is an input row) or skip")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="rows per batch (default: the run's validation batch size)"
+    )
+    parser.add_argument(
+        "--format", choices=sorted(_READERS), default=None, help="input format (default: from the suffix)"
+    )
+    parser.add_argument(
+        "--bad-input",
+        choices=["strict", "skip"],
+        default="strict",
+        help="malformed lines: error (default; every output row is an input row) or skip",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     setup_logging()
-    result = predict(args.checkpoint, args.inputs, args.out, config=args.config, batch_size=args.batch_size,
-                     fmt=args.format, bad_input=args.bad_input, device=args.device, progress=not args.no_progress)
+    result = predict(
+        args.checkpoint,
+        args.inputs,
+        args.out,
+        config=args.config,
+        batch_size=args.batch_size,
+        fmt=args.format,
+        bad_input=args.bad_input,
+        device=args.device,
+        progress=not args.no_progress,
+    )
     print(f"checkpoint {result.checkpoint}: scored {result.rows} rows into {result.out}")
     if result.metrics is not None:
-        print(f"AUC {result.metrics['auc']:.10f}  log loss {result.metrics['log_loss']:.10f}  "
-              f"accuracy {result.metrics['accuracy']:.6f}")
-    return {"rows": result.rows, "out": str(result.out), "checkpoint": str(result.checkpoint),
-            **(result.metrics or {})}
+        print(
+            f"AUC {result.metrics['auc']:.10f}  log loss {result.metrics['log_loss']:.10f}  "
+            f"accuracy {result.metrics['accuracy']:.6f}"
+        )
+    return {"rows": result.rows, "out": str(result.out), "checkpoint": str(result.checkpoint), **(result.metrics or {})}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

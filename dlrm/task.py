@@ -105,8 +105,11 @@ def check_run_config(config: DLRMRunConfig) -> None:
     """
     data = config.data
     if data.source != "synthetic" and data.holdout == "none" and not data.val_paths:
-        when = (f"every trainer.eval_every={config.trainer.eval_every} steps and at the end"
-                if config.trainer.eval_every else "at the end of the run (it always does)")
+        when = (
+            f"every trainer.eval_every={config.trainer.eval_every} steps and at the end"
+            if config.trainer.eval_every
+            else "at the end of the run (it always does)"
+        )
         raise ValueError(
             f"the data config gives no validation set (data.holdout='none' and data.val_paths is empty), but "
             f"the trainer validates {when}; set data.val_paths to validation files, or data.holdout to "
@@ -225,8 +228,10 @@ def check_batch(batch: Batch, dense_in_features: int) -> None:
     if dense.dtype != torch.float32:
         raise TypeError(f"batch.dense_features must be float32, got {dense.dtype}")
     if dense.dim() != 2 or dense.shape[1] != dense_in_features:
-        raise ValueError(f"batch.dense_features must have shape [B, {dense_in_features}] "
-                         f"(model.dense_in_features), got {list(dense.shape)}")
+        raise ValueError(
+            f"batch.dense_features must have shape [B, {dense_in_features}] "
+            f"(model.dense_in_features), got {list(dense.shape)}"
+        )
     if not labels.dtype.is_floating_point:
         raise TypeError(f"batch.labels must be floating point (0.0 / 1.0), got {labels.dtype}")
     if labels.shape != (dense.shape[0],):

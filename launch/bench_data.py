@@ -62,7 +62,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=200_000, help="synthetic rows to write and read")
     p.add_argument("--batch-size", type=int, default=2048, help="rows per batch")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per measurement (best is kept)")
-    p.add_argument("--train-rows-per-s", type=float, default=None, help="rows/s one training process consumes, to print the margin")
+    p.add_argument(
+        "--train-rows-per-s", type=float, default=None, help="rows/s one training process consumes, to print the margin"
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -86,24 +88,46 @@ def main() -> None:
         np.save(tmp / "synth_sparse.npy", np.concatenate(sparse).astype(np.int32))
         np.save(tmp / "synth_labels.npy", np.concatenate(labels).astype(np.int32).reshape(-1, 1))
         mb = tsv.stat().st_size / 2**20
-        print(f"data: {args.rows} rows, TSV {mb:.1f} MiB (written in {t_write:.2f} s), Parquet {pq_path.stat().st_size / 2**20:.1f} MiB "
-              f"(preprocessing {args.rows / t_pre:,.0f} rows/s), batch size {args.batch_size}")
+        print(
+            f"data: {args.rows} rows, TSV {mb:.1f} MiB (written in {t_write:.2f} s), Parquet {pq_path.stat().st_size / 2**20:.1f} MiB "
+            f"(preprocessing {args.rows / t_pre:,.0f} rows/s), batch size {args.batch_size}"
+        )
 
         bs = args.batch_size
         results = {}
         results["pandas.read_csv (parse only)"] = rows_per_s(lambda: pandas_read(tsv, 1 << 16), args.repeats)
         results["TSV reader (Batches, hashed ids)"] = rows_per_s(
-            lambda: CriteoTsvReader(CriteoReaderConfig(paths=[str(tsv)], batch_size=bs, num_embeddings_per_feature=KAGGLE_NUM_EMBEDDINGS)), args.repeats)
+            lambda: CriteoTsvReader(
+                CriteoReaderConfig(paths=[str(tsv)], batch_size=bs, num_embeddings_per_feature=KAGGLE_NUM_EMBEDDINGS)
+            ),
+            args.repeats,
+        )
         results["Parquet reader (Batches, vocab ids)"] = rows_per_s(
-            lambda: CriteoParquetReader(CriteoReaderConfig(paths=[str(pq_path)], batch_size=bs, vocab_dir=str(tmp / "pq"))), args.repeats)
+            lambda: CriteoParquetReader(
+                CriteoReaderConfig(paths=[str(pq_path)], batch_size=bs, vocab_dir=str(tmp / "pq"))
+            ),
+            args.repeats,
+        )
         results["Parquet reader (Batches, hashed ids)"] = rows_per_s(
-            lambda: CriteoParquetReader(CriteoReaderConfig(paths=[str(pq_path)], batch_size=bs, num_embeddings_per_feature=KAGGLE_NUM_EMBEDDINGS)), args.repeats)
+            lambda: CriteoParquetReader(
+                CriteoReaderConfig(
+                    paths=[str(pq_path)], batch_size=bs, num_embeddings_per_feature=KAGGLE_NUM_EMBEDDINGS
+                )
+            ),
+            args.repeats,
+        )
         results["npy reader (Batches)"] = rows_per_s(
-            lambda: CriteoNpyReader(CriteoReaderConfig(paths=[str(tmp / "synth_dense.npy")], batch_size=bs)), args.repeats)
+            lambda: CriteoNpyReader(CriteoReaderConfig(paths=[str(tmp / "synth_dense.npy")], batch_size=bs)),
+            args.repeats,
+        )
         results["synthetic generator (Batches)"] = rows_per_s(
-            lambda: SyntheticCriteo(SyntheticCriteoConfig(batch_size=bs, num_rows=args.rows, seed=1)), args.repeats)
+            lambda: SyntheticCriteo(SyntheticCriteoConfig(batch_size=bs, num_rows=args.rows, seed=1)), args.repeats
+        )
         base = results["pandas.read_csv (parse only)"]
-        print(f"{'pipeline':40s} {'rows/s':>12s} {'x pandas':>9s}" + (f" {'x training':>11s}" if args.train_rows_per_s else ""))
+        print(
+            f"{'pipeline':40s} {'rows/s':>12s} {'x pandas':>9s}"
+            + (f" {'x training':>11s}" if args.train_rows_per_s else "")
+        )
         for name, r in results.items():
             line = f"{name:40s} {r:12,.0f} {r / base:9.2f}"
             if args.train_rows_per_s:

@@ -59,21 +59,24 @@ def bench_linear(n_in: int, n_out: int, rank: int, sizes: Sizes) -> None:
     t = time_interleaved(
         {"dense": lambda: linear_step(dense, xd, gd), "tt": lambda: linear_step(tt, xt, gt)}, sizes.repeats
     )
-    mem = {
-        k: peak_rss_of(functools.partial(linear_memory, k, n_in, n_out, rank, sizes.rows))
-        for k in ("dense", "tt")
-    }
+    mem = {k: peak_rss_of(functools.partial(linear_memory, k, n_in, n_out, rank, sizes.rows)) for k in ("dense", "tt")}
     grow = {k: peak - base for k, (base, peak) in mem.items()}
     flops_dense = 3 * 2 * sizes.rows * n_in * n_out
     r = tt.ranks[len(tt.in_shape) - 1]
     flops_tt = 4 * 2 * sizes.rows * r * (n_in + n_out) / 2 + 2 * 2 * sizes.rows * r * n_in
     print(f"\nTTLinear({n_in}, {n_out}, rank={rank}) vs nn.Linear, {sizes.rows} rows, forward+backward")
-    print(f"  shape {tt.shape}, ranks {tt.ranks}, params {tt.num_parameters():,} vs {dense.weight.numel() + n_out:,} "
-          f"({tt.compression_ratio():.0f}x fewer)")
-    print(f"  time   dense {t['dense'] * 1e3:8.2f} ms   tt {t['tt'] * 1e3:8.2f} ms   "
-          f"speed-up {t['dense'] / t['tt']:.1f}x  (FLOP ratio allows {flops_dense / flops_tt:.0f}x)")
-    print(f"  memory dense +{fmt_bytes(grow['dense'])}   tt +{fmt_bytes(grow['tt'])}   "
-          f"ratio {grow['dense'] / max(1, grow['tt']):.1f}x  (peak RSS growth during the steps, own process)")
+    print(
+        f"  shape {tt.shape}, ranks {tt.ranks}, params {tt.num_parameters():,} vs {dense.weight.numel() + n_out:,} "
+        f"({tt.compression_ratio():.0f}x fewer)"
+    )
+    print(
+        f"  time   dense {t['dense'] * 1e3:8.2f} ms   tt {t['tt'] * 1e3:8.2f} ms   "
+        f"speed-up {t['dense'] / t['tt']:.1f}x  (FLOP ratio allows {flops_dense / flops_tt:.0f}x)"
+    )
+    print(
+        f"  memory dense +{fmt_bytes(grow['dense'])}   tt +{fmt_bytes(grow['tt'])}   "
+        f"ratio {grow['dense'] / max(1, grow['tt']):.1f}x  (peak RSS growth during the steps, own process)"
+    )
 
 
 # ----------------------------------------------------------------------------- lookup
@@ -164,7 +167,9 @@ def bench_lookup(sizes: Sizes) -> None:
     tbe = make_fbgemm_table(rows)
     offsets = torch.arange(bags + 1)
     print(f"\nTTMEmbeddingBag({rows}, 16, rank=32), {bags} bags of one id, forward+backward+optimizer step")
-    print(f"  shape {bag.shape}, params {bag.num_parameters():,} vs {rows * 16:,} ({bag.compression_ratio():.0f}x fewer)")
+    print(
+        f"  shape {bag.shape}, params {bag.num_parameters():,} vs {rows * 16:,} ({bag.compression_ratio():.0f}x fewer)"
+    )
     for name, ids in (("zipf(1.2)", zipf_ids(rows, bags, 1.2)), ("uniform", uniform_ids(rows, bags))):
         t = time_interleaved(
             {
@@ -175,17 +180,23 @@ def bench_lookup(sizes: Sizes) -> None:
             sizes.repeats,
         )
         uniq = ids.unique().numel()
-        print(f"  {name:10s} ({uniq} unique ids)  de-duplicated {t['dedup'] * 1e3:7.2f} ms   "
-              f"naive {t['naive'] * 1e3:7.2f} ms  -> {t['naive'] / t['dedup']:.1f}x faster   |   "
-              f"FBGEMM fused {t['fbgemm'] * 1e3:6.2f} ms  -> time ratio ttm/fbgemm {t['dedup'] / t['fbgemm']:.2f}")
+        print(
+            f"  {name:10s} ({uniq} unique ids)  de-duplicated {t['dedup'] * 1e3:7.2f} ms   "
+            f"naive {t['naive'] * 1e3:7.2f} ms  -> {t['naive'] / t['dedup']:.1f}x faster   |   "
+            f"FBGEMM fused {t['fbgemm'] * 1e3:6.2f} ms  -> time ratio ttm/fbgemm {t['dedup'] / t['fbgemm']:.2f}"
+        )
     mem = {k: peak_rss_of(functools.partial(lookup_memory, k, rows, bags)) for k in ("ttm", "naive", "fbgemm")}
     grow = {k: peak - base for k, (base, peak) in mem.items()}
-    print(f"  memory (peak RSS growth, own process): ttm +{fmt_bytes(grow['ttm'])}   "
-          f"naive +{fmt_bytes(grow['naive'])}   fbgemm +{fmt_bytes(grow['fbgemm'])}   "
-          f"fbgemm/ttm {grow['fbgemm'] / max(1, grow['ttm']):.0f}x")
+    print(
+        f"  memory (peak RSS growth, own process): ttm +{fmt_bytes(grow['ttm'])}   "
+        f"naive +{fmt_bytes(grow['naive'])}   fbgemm +{fmt_bytes(grow['fbgemm'])}   "
+        f"fbgemm/ttm {grow['fbgemm'] / max(1, grow['ttm']):.0f}x"
+    )
     dense_bytes = rows * 16 * 4 + rows * 4
-    print(f"  stored state: ttm {fmt_bytes(bag.num_parameters() * 4 * 3)} (params + Adam moments)   "
-          f"fbgemm {fmt_bytes(dense_bytes)} (table + row-wise Adagrad)   ratio {dense_bytes / (bag.num_parameters() * 12):.0f}x")
+    print(
+        f"  stored state: ttm {fmt_bytes(bag.num_parameters() * 4 * 3)} (params + Adam moments)   "
+        f"fbgemm {fmt_bytes(dense_bytes)} (table + row-wise Adagrad)   ratio {dense_bytes / (bag.num_parameters() * 12):.0f}x"
+    )
 
 
 def main() -> None:
@@ -193,8 +204,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     args = parser.parse_args()
     sizes = QUICK if args.quick else Sizes()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratios of medians over {sizes.repeats} "
-          f"interleaved rounds")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratios of medians over {sizes.repeats} "
+        f"interleaved rounds"
+    )
     bench_linear(1024, 1024, 16, sizes)
     bench_linear(768, 3072, 30, sizes)
     bench_lookup(sizes)

@@ -39,8 +39,15 @@ SEQ = 128
 
 
 def method_config(name: str, galore_rank: int, lte_heads: int, lte_rank: int) -> MethodConfig:
-    return MethodConfig(name=name, galore_rank=galore_rank, galore_update_proj_gap=200, galore_scale=0.25,
-                        lte_heads=lte_heads, lte_rank=lte_rank, lte_merge_every=10)
+    return MethodConfig(
+        name=name,
+        galore_rank=galore_rank,
+        galore_update_proj_gap=200,
+        galore_scale=0.25,
+        lte_heads=lte_heads,
+        lte_rank=lte_rank,
+        lte_merge_every=10,
+    )
 
 
 def make_step(name: str, batch: int, galore_rank: int, lte_heads: int, lte_rank: int) -> Callable[[], float]:
@@ -87,12 +94,18 @@ def bench_reference(batches: list[int], repeats: int, warmup: int, args: argpars
         method = method_config(name, **kw)
         with torch.device("meta"):
             model = baselines.prepare_model(SequenceClassifier(cfg.replace(compressed=method.compressed)), method)
-        params[name] = (sum(p.numel() for p in model.parameters()),
-                        sum(p.numel() for p in model.parameters() if p.requires_grad))
-    print(f"six-encoder, reference shapes: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads, "
-          f"d_ff {cfg.d_ff}, vocabulary {cfg.vocab_size}, sequence {SEQ}; torch threads {torch.get_num_threads()}")
-    print(f"GaLore rank {args.galore_rank} (update gap 200, scale 0.25); LTE {args.lte_heads} heads of rank "
-          f"{args.lte_rank}, merge every 10 steps")
+        params[name] = (
+            sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for p in model.parameters() if p.requires_grad),
+        )
+    print(
+        f"six-encoder, reference shapes: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads, "
+        f"d_ff {cfg.d_ff}, vocabulary {cfg.vocab_size}, sequence {SEQ}; torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"GaLore rank {args.galore_rank} (update gap 200, scale 0.25); LTE {args.lte_heads} heads of rank "
+        f"{args.lte_rank}, merge every 10 steps"
+    )
     for name in METHODS:
         print(f"  {name:10s} parameters {params[name][0] / 1e6:7.2f} M stored, {params[name][1] / 1e6:7.2f} M trained")
     for batch in batches:
@@ -104,21 +117,29 @@ def bench_reference(batches: list[int], repeats: int, warmup: int, args: argpars
         for name in METHODS:
             base, peak = peak_rss_of(functools.partial(memory_probe, name, batch, **kw))
             mem[name], train_mem[name] = peak, peak - base
-        print(f"\nbatch {batch} x {SEQ} tokens: median of {repeats} steps after {warmup} warm-up "
-              f"({time.perf_counter() - t0:.0f} s for this batch size)")
-        print(f"  {'method':10s} {'step':>10s} {'speed-up':>9s} {'vs GaLore':>9s} {'peak RSS':>10s} "
-              f"{'vs GaLore':>9s} {'training':>10s} {'vs dense':>9s} {'vs GaLore':>9s}")
+        print(
+            f"\nbatch {batch} x {SEQ} tokens: median of {repeats} steps after {warmup} warm-up "
+            f"({time.perf_counter() - t0:.0f} s for this batch size)"
+        )
+        print(
+            f"  {'method':10s} {'step':>10s} {'speed-up':>9s} {'vs GaLore':>9s} {'peak RSS':>10s} "
+            f"{'vs GaLore':>9s} {'training':>10s} {'vs dense':>9s} {'vs GaLore':>9s}"
+        )
         for name in METHODS:
-            print(f"  {name:10s} {times[name] * 1e3:8.1f}ms "
-                  f"{times['dense'] / times[name]:8.2f}x {times['galore'] / times[name]:8.2f}x "
-                  f"{fmt_bytes(mem[name]):>10s} {mem['galore'] / mem[name]:8.2f}x "
-                  f"{fmt_bytes(train_mem[name]):>10s} {train_mem['dense'] / train_mem[name]:8.2f}x "
-                  f"{train_mem['galore'] / train_mem[name]:8.2f}x")
-        print("  (ratios: dense or GaLore / method; >1 means the method is faster / smaller. Peak RSS: the "
-              "whole fresh process building the model and running one step, runtime and libraries "
-              f"included ({fmt_bytes(min(mem[n] - train_mem[n] for n in METHODS))} or more before the "
-              "model). Training: peak RSS minus that warmed process's RSS before the model, i.e. parameters, "
-              "gradients, optimiser state and activations, what a GPU's allocator would count.)")
+            print(
+                f"  {name:10s} {times[name] * 1e3:8.1f}ms "
+                f"{times['dense'] / times[name]:8.2f}x {times['galore'] / times[name]:8.2f}x "
+                f"{fmt_bytes(mem[name]):>10s} {mem['galore'] / mem[name]:8.2f}x "
+                f"{fmt_bytes(train_mem[name]):>10s} {train_mem['dense'] / train_mem[name]:8.2f}x "
+                f"{train_mem['galore'] / train_mem[name]:8.2f}x"
+            )
+        print(
+            "  (ratios: dense or GaLore / method; >1 means the method is faster / smaller. Peak RSS: the "
+            "whole fresh process building the model and running one step, runtime and libraries "
+            f"included ({fmt_bytes(min(mem[n] - train_mem[n] for n in METHODS))} or more before the "
+            "model). Training: peak RSS minus that warmed process's RSS before the model, i.e. parameters, "
+            "gradients, optimiser state and activations, what a GPU's allocator would count.)"
+        )
 
 
 def train_small(config: str, steps: int) -> None:
@@ -126,15 +147,25 @@ def train_small(config: str, steps: int) -> None:
 
     results = {}
     for name in ("compressed", "dense"):
-        cfg = load_config(ClassificationRun, config, [f"method.name={name}", f"trainer.max_steps={steps}",
-                                                      f"trainer.run_dir=runs/bench_transformer/{name}",
-                                                      "trainer.progress=false", "trainer.plots=false"])
+        cfg = load_config(
+            ClassificationRun,
+            config,
+            [
+                f"method.name={name}",
+                f"trainer.max_steps={steps}",
+                f"trainer.run_dir=runs/bench_transformer/{name}",
+                "trainer.progress=false",
+                "trainer.plots=false",
+            ],
+        )
         t0 = time.perf_counter()
         results[name] = (run_classification(cfg), time.perf_counter() - t0)
     print(f"\nsmall configuration on the synthetic task ({config}, {steps} steps):")
     for name, (s, wall) in results.items():
-        print(f"  {name:10s} val accuracy {s['val_accuracy'] * 100:6.2f}%  val loss {s['val_log_loss']:.4f}  "
-              f"compression {s['compression']:5.1f}x  parameters {s['parameters']:,}  ({wall:.0f} s)")
+        print(
+            f"  {name:10s} val accuracy {s['val_accuracy'] * 100:6.2f}%  val loss {s['val_log_loss']:.4f}  "
+            f"compression {s['compression']:5.1f}x  parameters {s['parameters']:,}  ({wall:.0f} s)"
+        )
     gap = (results["dense"][0]["val_accuracy"] - results["compressed"][0]["val_accuracy"]) * 100
     print(f"  dense - compressed accuracy: {gap:+.2f} points (goal: at most 1)")
 
@@ -160,9 +191,14 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_train:
         steps = args.train_steps
         if steps is None:
-            steps = 300 if args.quick else load_config(
-                __import__("comera_rec.transformer.runs", fromlist=["ClassificationRun"]).ClassificationRun,
-                args.train_config).trainer.max_steps
+            steps = (
+                300
+                if args.quick
+                else load_config(
+                    __import__("comera_rec.transformer.runs", fromlist=["ClassificationRun"]).ClassificationRun,
+                    args.train_config,
+                ).trainer.max_steps
+            )
         train_small(args.train_config, steps)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 

@@ -62,23 +62,39 @@ def growth(samples: list[tuple[int, float, float]]) -> dict[str, float]:
     rss = np.array([s[2] for s in samples])
     q = max(1, len(samples) // 4)
     tail_steps, tail_rss = steps[q:], rss[q:]
-    slope = float(np.polyfit(tail_steps, tail_rss, 1)[0] * 1000) if len(tail_steps) > 1 and np.ptp(tail_steps) > 0 else 0.0
-    return {"slope_mb_per_1000_steps": slope, "first_quarter_mb": float(rss[:q].mean()),
-            "last_quarter_mb": float(rss[-q:].mean()), "last_minus_first_quarter_mb": float(rss[-q:].mean() - rss[:q].mean()),
-            "peak_mb": float(rss.max())}
+    slope = (
+        float(np.polyfit(tail_steps, tail_rss, 1)[0] * 1000) if len(tail_steps) > 1 and np.ptp(tail_steps) > 0 else 0.0
+    )
+    return {
+        "slope_mb_per_1000_steps": slope,
+        "first_quarter_mb": float(rss[:q].mean()),
+        "last_quarter_mb": float(rss[-q:].mean()),
+        "last_minus_first_quarter_mb": float(rss[-q:].mean() - rss[:q].mean()),
+        "peak_mb": float(rss.max()),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup_logging()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(ROOT / "configs/dlrm_demo.yaml"), help="run config (the demo by default)")
+    parser.add_argument(
+        "--config", default=str(ROOT / "configs/dlrm_demo.yaml"), help="run config (the demo by default)"
+    )
     parser.add_argument("--steps", type=int, default=2000, help="training steps")
     parser.add_argument("--sample-every", type=int, default=50, help="sample RSS every this many steps")
     parser.add_argument("--run-dir", default="runs/soak_dlrm", help="trainer.run_dir")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
-    config = load_run_config(args.config, [f"trainer.max_steps={args.steps}", f"trainer.run_dir={args.run_dir}",
-                                           "trainer.progress=false", "trainer.plots=false", *args.overrides])
+    config = load_run_config(
+        args.config,
+        [
+            f"trainer.max_steps={args.steps}",
+            f"trainer.run_dir={args.run_dir}",
+            "trainer.progress=false",
+            "trainer.plots=false",
+            *args.overrides,
+        ],
+    )
     trainer = Trainer(DLRMTask(config), config.trainer, config.schedule, config.optim, run_config=config)
     sampler = RssSampler(trainer, args.sample_every)
     sampler.start()
@@ -87,14 +103,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         sampler.stop.set()
         sampler.join()
-    result = {"steps": args.steps, "samples": sampler.samples, **growth(sampler.samples),
-              "samples_per_s": summary.get("samples_per_s"), "wall_s": sampler.samples[-1][1]}
+    result = {
+        "steps": args.steps,
+        "samples": sampler.samples,
+        **growth(sampler.samples),
+        "samples_per_s": summary.get("samples_per_s"),
+        "wall_s": sampler.samples[-1][1],
+    }
     print(f"\n{'step':>7} | {'time s':>8} | {'RSS MB':>8}")
     print("-" * 30)
     for step, t, mb in sampler.samples:
         print(f"{step:>7} | {t:>8.1f} | {mb:>8.1f}")
     print("-" * 30)
-    for key in ("slope_mb_per_1000_steps", "first_quarter_mb", "last_quarter_mb", "last_minus_first_quarter_mb", "peak_mb"):
+    for key in (
+        "slope_mb_per_1000_steps",
+        "first_quarter_mb",
+        "last_quarter_mb",
+        "last_minus_first_quarter_mb",
+        "peak_mb",
+    ):
         print(f"{key:<28} {result[key]:>9.2f}")
     Path(args.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.run_dir) / "soak.json").write_text(json.dumps(result, indent=1))

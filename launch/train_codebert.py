@@ -20,7 +20,10 @@ from comera_rec.utils.logs import setup_logging
 def main(argv: list[str] | None = None) -> dict:
     setup_logging()
     config = run_config_from_args(
-        MaskedLMRun, argv, __doc__, config_help="YAML run config (configs/codebert_*.yaml)",
+        MaskedLMRun,
+        argv,
+        __doc__,
+        config_help="YAML run config (configs/codebert_*.yaml)",
         resume_help="continue each phase from its newest checkpoint",
         overrides_help="section.key=value, e.g. phase2.rank_fraction=0.3",
     )
@@ -30,9 +33,11 @@ def main(argv: list[str] | None = None) -> dict:
     for phase in ("phase1", "phase2"):
         s = out.get(phase)
         if s:
-            print(f"{phase}: val MLM loss {s['val_log_loss']:.4f}, perplexity {s['val_perplexity']:.2f}, "
-                  f"accuracy {s['val_accuracy']:.4f}, compression {s['compression']:.1f}x, "
-                  f"{s['parameters']:,} parameters" + ("" if math.isfinite(s["val_log_loss"]) else " (no validation)"))
+            print(
+                f"{phase}: val MLM loss {s['val_log_loss']:.4f}, perplexity {s['val_perplexity']:.2f}, "
+                f"accuracy {s['val_accuracy']:.4f}, compression {s['compression']:.1f}x, "
+                f"{s['parameters']:,} parameters" + ("" if math.isfinite(s["val_log_loss"]) else " (no validation)")
+            )
     return out
 
 

@@ -152,7 +152,11 @@ def test_the_walker_sees_absolute_relative_and_lazy_imports() -> None:
     modules = {"p", "p.a", "p.b", "p.b.c"}
     source = "import p.a\nfrom . import c, x\nfrom .. import a\ndef f():\n    from p.b.c import y\n"
     assert imports_in(source, "p.b", True, modules) == [
-        ("p.a", 1), ("p.b.c", 2), ("p.b", 2), ("p.a", 3), ("p.b.c", 5)  # ast.walk: nested ones last
+        ("p.a", 1),
+        ("p.b.c", 2),
+        ("p.b", 2),
+        ("p.a", 3),
+        ("p.b.c", 5),  # ast.walk: nested ones last
     ]
     assert imports_in("from .c import y\n", "p.b.d", False, modules) == [("p.b.c", 1)]
     assert find_cycles({"a": {"b"}, "b": {"c", "a"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "a"]]

@@ -33,8 +33,12 @@ ABI_PAIRS = {(2, 13): (1, 8), (2, 14): (1, 9)}
 NEVER_EXACT = set(SUPPORTED) | {"triton"}
 SCRIPTS = {
     "comera-train-dlrm": ("dlrm.cli:main", "launch.train_dlrm", "dlrm.cli", "train"),
-    "comera-train-transformer": ("comera_rec.transformer.cli:main", "launch.train_transformer",
-                                 "comera_rec.transformer.cli", "train"),
+    "comera-train-transformer": (
+        "comera_rec.transformer.cli:main",
+        "launch.train_transformer",
+        "comera_rec.transformer.cli",
+        "train",
+    ),
     "comera-bench": ("dlrm.bench:main", "launch.bench_dlrm", "dlrm.bench", "main"),
     "comera-bench-rank": ("dlrm.bench_rank:main", "launch.bench_rank", "dlrm.bench_rank", "main"),
     "comera-predict-dlrm": ("dlrm.predict:main", "launch.predict_dlrm", "dlrm.predict", "predict_cli"),
@@ -91,8 +95,9 @@ def test_the_verified_sets_are_exact_pins_inside_the_ranges(kind: str) -> None:
     assert {"fbgemm-gpu", "fbgemm-gpu-cpu"} & set(pins), f"requirements/{kind}.txt must pin fbgemm"
     for name, version in pins.items():
         if name in declared:
-            assert declared[name].contains(version, prereleases=True), \
+            assert declared[name].contains(version, prereleases=True), (
                 f"requirements/{kind}.txt pins {name}=={version}, outside pyproject's {name}{declared[name]}"
+            )
     # torch and fbgemm must match (ABI)
     fbgemm = pins.get("fbgemm-gpu", pins.get("fbgemm-gpu-cpu"))
     assert ABI_PAIRS[pins["torch"].release[:2]] == fbgemm.release[:2], (pins["torch"], fbgemm)
@@ -116,8 +121,9 @@ def test_console_scripts_are_declared() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(PYPROJECT["project"]["scripts"]))
-def test_console_script_target_runs_help(name: str, monkeypatch: pytest.MonkeyPatch,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_console_script_target_runs_help(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     module, func = PYPROJECT["project"]["scripts"][name].split(":")
     entry = getattr(importlib.import_module(module), func)
     assert callable(entry)
@@ -161,8 +167,9 @@ def test_a_bare_name_is_a_shipped_config(name: str, tmp_path: Path, monkeypatch:
     assert path.read_text() == (ROOT / "configs/dlrm_demo.yaml").read_text()
 
 
-def test_a_path_is_used_as_it_is_and_a_local_file_wins_over_a_name(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_path_is_used_as_it_is_and_a_local_file_wins_over_a_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from dlrm.task import DLRMRunConfig
 
     mine = tmp_path / "mine.yaml"
@@ -176,8 +183,9 @@ def test_a_path_is_used_as_it_is_and_a_local_file_wins_over_a_name(tmp_path: Pat
     assert load_config(DLRMRunConfig, "dlrm_demo").trainer.max_steps == 1500  # no such file: the shipped one
 
 
-def test_an_unknown_name_lists_the_shipped_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unknown_name_lists_the_shipped_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from dlrm.task import DLRMRunConfig
 
     monkeypatch.chdir(tmp_path)
@@ -198,6 +206,7 @@ def test_the_command_line_takes_a_name(tmp_path: Path, monkeypatch: pytest.Monke
 
     monkeypatch.chdir(tmp_path)
     by_name = run_config_from_args(DLRMRunConfig, ["--config", "dlrm_demo", "trainer.max_steps=20"], None)
-    by_path = run_config_from_args(DLRMRunConfig, ["--config", str(ROOT / "configs/dlrm_demo.yaml"),
-                                                   "trainer.max_steps=20"], None)
+    by_path = run_config_from_args(
+        DLRMRunConfig, ["--config", str(ROOT / "configs/dlrm_demo.yaml"), "trainer.max_steps=20"], None
+    )
     assert by_name == by_path and by_name.trainer.max_steps == 20

@@ -106,12 +106,15 @@ class DataConfig:
                 the message names the field as written in a run config (``data.batch_size``).
         """
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ConfigError(f"data.batch_size must be an integer >= 1 (training rows per batch and process), "
-                              f"got {self.batch_size!r}")
+            raise ConfigError(
+                f"data.batch_size must be an integer >= 1 (training rows per batch and process), "
+                f"got {self.batch_size!r}"
+            )
         vbs = self.val_batch_size
         if vbs is not None and (isinstance(vbs, bool) or not isinstance(vbs, int) or vbs < 1):
-            raise ConfigError(f"data.val_batch_size must be an integer >= 1, or null to use data.batch_size, "
-                              f"got {vbs!r}")
+            raise ConfigError(
+                f"data.val_batch_size must be an integer >= 1, or null to use data.batch_size, got {vbs!r}"
+            )
 
 
 def _identity(x: Any) -> Any:
@@ -175,8 +178,21 @@ def build_dataloaders(cfg: DataConfig) -> Tuple[Iterable[Batch], Optional[Iterab
             rank=cfg.rank,
             world_size=cfg.world_size,
         )
-        train = SyntheticCriteo(SyntheticCriteoConfig(**{**base.__dict__, "batch_size": cfg.batch_size, "num_rows": cfg.synthetic_train_rows, "drop_last": cfg.drop_last}))
-        val = SyntheticCriteo(SyntheticCriteoConfig(**{**base.__dict__, "batch_size": val_bs, "num_rows": cfg.synthetic_val_rows, "stream": "val"}))
+        train = SyntheticCriteo(
+            SyntheticCriteoConfig(
+                **{
+                    **base.__dict__,
+                    "batch_size": cfg.batch_size,
+                    "num_rows": cfg.synthetic_train_rows,
+                    "drop_last": cfg.drop_last,
+                }
+            )
+        )
+        val = SyntheticCriteo(
+            SyntheticCriteoConfig(
+                **{**base.__dict__, "batch_size": val_bs, "num_rows": cfg.synthetic_val_rows, "stream": "val"}
+            )
+        )
         return _wrap(train, cfg.num_workers), _wrap(val, cfg.num_workers)
 
     if not cfg.train_paths:
@@ -189,11 +205,26 @@ def build_dataloaders(cfg: DataConfig) -> Tuple[Iterable[Batch], Optional[Iterab
         vocab_dir=cfg.vocab_dir,
         bad_input=cfg.bad_input,
     )
-    train = reader_cls(CriteoReaderConfig(paths=list(cfg.train_paths), batch_size=cfg.batch_size, split="train" if cfg.holdout != "none" else "all", holdout=cfg.holdout, drop_last=cfg.drop_last, **common))
+    train = reader_cls(
+        CriteoReaderConfig(
+            paths=list(cfg.train_paths),
+            batch_size=cfg.batch_size,
+            split="train" if cfg.holdout != "none" else "all",
+            holdout=cfg.holdout,
+            drop_last=cfg.drop_last,
+            **common,
+        )
+    )
     if cfg.val_paths:
-        val = reader_cls(CriteoReaderConfig(paths=list(cfg.val_paths), batch_size=val_bs, split="all", holdout="none", **common))
+        val = reader_cls(
+            CriteoReaderConfig(paths=list(cfg.val_paths), batch_size=val_bs, split="all", holdout="none", **common)
+        )
     elif cfg.holdout != "none":
-        val = reader_cls(CriteoReaderConfig(paths=list(cfg.train_paths), batch_size=val_bs, split=cfg.val_split, holdout=cfg.holdout, **common))
+        val = reader_cls(
+            CriteoReaderConfig(
+                paths=list(cfg.train_paths), batch_size=val_bs, split=cfg.val_split, holdout=cfg.holdout, **common
+            )
+        )
     else:
         val = None
     return _wrap(train, cfg.num_workers), (_wrap(val, cfg.num_workers) if val is not None else None)

@@ -30,13 +30,60 @@ NO_LABEL = -1.0  # label given to rows of files without a label column
 
 # Distinct ids per feature in Kaggle train.txt (DLRM reference configuration).
 KAGGLE_NUM_EMBEDDINGS: List[int] = [
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
 ]
 # MLPerf DLRM-DCNv2 table sizes for Criteo Terabyte (ids hashed / capped at 40M).
 TERABYTE_NUM_EMBEDDINGS: List[int] = [
-    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282,
-    10, 2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108,
+    40000000,
+    39060,
+    17295,
+    7424,
+    20265,
+    3,
+    7122,
+    1543,
+    63,
+    40000000,
+    3067956,
+    405282,
+    10,
+    2209,
+    11938,
+    155,
+    4,
+    976,
+    14,
+    40000000,
+    40000000,
+    40000000,
+    590152,
+    12973,
+    108,
     36,
 ]
 KAGGLE_TRAIN_ROWS = 45_840_617  # rows of Kaggle train.txt
@@ -178,7 +225,9 @@ class BatchBuffer:
         self._parts: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.num_rows = 0
 
-    def add(self, dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def add(
+        self, dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray
+    ) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Append a chunk; return the full batches now available as (dense, sparse, labels)."""
         if len(labels):
             self._parts.append((dense, sparse, labels))
@@ -186,11 +235,11 @@ class BatchBuffer:
         out = []
         if self.num_rows < self.batch_size:
             return out
-        d, s, l = self._concat()
+        d, s, y = self._concat()
         n_full = self.num_rows // self.batch_size * self.batch_size
         for i in range(0, n_full, self.batch_size):
-            out.append((d[i : i + self.batch_size], s[i : i + self.batch_size], l[i : i + self.batch_size]))
-        self._parts = [(d[n_full:], s[n_full:], l[n_full:])] if n_full < self.num_rows else []
+            out.append((d[i : i + self.batch_size], s[i : i + self.batch_size], y[i : i + self.batch_size]))
+        self._parts = [(d[n_full:], s[n_full:], y[n_full:])] if n_full < self.num_rows else []
         self.num_rows -= n_full
         return out
 

@@ -91,13 +91,17 @@ def preprocess_tsv_to_parquet(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    reader = CriteoTsvReader(CriteoReaderConfig(paths=list(inputs), bad_input=bad_input, has_label=has_label, chunk_bytes=chunk_bytes))
+    reader = CriteoTsvReader(
+        CriteoReaderConfig(paths=list(inputs), bad_input=bad_input, has_label=has_label, chunk_bytes=chunk_bytes)
+    )
     labelled = reader.has_label()
     counter = IdCounter()
     rows_per_file: Dict[str, int] = {}
     total_bytes = sum(os.path.getsize(p) for p in inputs)
     any_gzip = any(_is_gzip(p) for p in inputs)
-    bar = tqdm(total=None if any_gzip else total_bytes, unit="B", unit_scale=True, disable=not progress, desc="preprocess")
+    bar = tqdm(
+        total=None if any_gzip else total_bytes, unit="B", unit_scale=True, disable=not progress, desc="preprocess"
+    )
     for i, path in enumerate(inputs):
         target = out / output_name(path)
         writer: Optional[pq.ParquetWriter] = None
@@ -119,9 +123,19 @@ def preprocess_tsv_to_parquet(
                 pending = [table.slice(row_group_rows)]
                 pending_rows -= row_group_rows
         if pending_rows or writer is None:
-            table = pa.concat_tables(pending) if pending else _raw_table(
-                (np.zeros(0, np.float32), np.zeros((0, 13), np.int64), np.zeros((0, 13), bool), np.zeros((0, 26), np.int64), np.zeros((0, 26), bool)),
-                labelled,
+            table = (
+                pa.concat_tables(pending)
+                if pending
+                else _raw_table(
+                    (
+                        np.zeros(0, np.float32),
+                        np.zeros((0, 13), np.int64),
+                        np.zeros((0, 13), bool),
+                        np.zeros((0, 26), np.int64),
+                        np.zeros((0, 26), bool),
+                    ),
+                    labelled,
+                )
             )
             if writer is None:
                 writer = pq.ParquetWriter(str(target), table.schema)
@@ -135,11 +149,16 @@ def preprocess_tsv_to_parquet(
         out,
         vocabs,
         frequency_threshold,
-        extra={"rows_per_file": rows_per_file, "bad_lines": reader.stats.bad_lines, "sources": [str(p) for p in inputs]},
+        extra={
+            "rows_per_file": rows_per_file,
+            "bad_lines": reader.stats.bad_lines,
+            "sources": [str(p) for p in inputs],
+        },
     )
     if reader.stats.bad_lines:
         logger.warning("skipped %d bad lines in total (%s)", reader.stats.bad_lines, reader.stats.bad_by_reason)
     if reader.stats.damaged_files:
-        logger.warning("%d input files had a damaged gzip stream and were read up to the damage only",
-                       reader.stats.damaged_files)
+        logger.warning(
+            "%d input files had a damaged gzip stream and were read up to the damage only", reader.stats.damaged_files
+        )
     return meta

@@ -165,7 +165,7 @@ def _read_block(f: io.BufferedIOBase, size: int) -> Tuple[bytes, Optional[Except
 
 
 def _compressed_pos(f: io.BufferedIOBase, path: Path) -> str:
-    """"near byte X of Y (compressed)" for a gzip file, for messages about its damage."""
+    """ "near byte X of Y (compressed)" for a gzip file, for messages about its damage."""
     try:
         return f" near compressed byte {f.fileobj.tell()} of {path.stat().st_size}"  # type: ignore[attr-defined]
     except (AttributeError, OSError, ValueError):
@@ -173,8 +173,10 @@ def _compressed_pos(f: io.BufferedIOBase, path: Path) -> str:
 
 
 def _damage_message(path: Path, lines: int, pos: str, err: Exception) -> str:
-    return (f"{path}: damaged gzip stream after line {lines}{pos}: {type(err).__name__}: {err} "
-            f"(truncated or corrupt file; the {lines} whole lines before the damage are readable)")
+    return (
+        f"{path}: damaged gzip stream after line {lines}{pos}: {type(err).__name__}: {err} "
+        f"(truncated or corrupt file; the {lines} whole lines before the damage are readable)"
+    )
 
 
 def _count_lines(path: Path, block_bytes: int) -> Tuple[int, Optional[str]]:
@@ -213,8 +215,10 @@ def _load_npy(path: Path) -> np.ndarray:
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
-        raise BadInputError(f"{path}: not a numeric .npy array ({e}); files holding pickled Python objects "
-                            "are never loaded (allow_pickle=False)") from e
+        raise BadInputError(
+            f"{path}: not a numeric .npy array ({e}); files holding pickled Python objects "
+            "are never loaded (allow_pickle=False)"
+        ) from e
     if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "biuf":
         raise BadInputError(f"{path}: dtype {getattr(arr, 'dtype', type(arr).__name__)}, expected a numeric array")
     return arr
@@ -304,15 +308,15 @@ class _CriteoReader(IterableDataset):
             for labels, dense, cat_raw, cat_missing in self._read_range(file_idx, lo, hi):
                 self.stats.rows += len(labels)
                 ids = self.cat_transform(cat_raw, cat_missing)
-                for d, s, l in buf.add(dense, ids, labels):
+                for d, s, y in buf.add(dense, ids, labels):
                     if max_batches is not None and emitted >= max_batches:
                         return
                     emitted += 1
-                    yield make_batch(d, s, l)
+                    yield make_batch(d, s, y)
         if self.config.drop_last:
             return
-        for d, s, l in buf.flush():
-            yield make_batch(d, s, l)
+        for d, s, y in buf.flush():
+            yield make_batch(d, s, y)
 
 
 class CriteoTsvReader(_CriteoReader):
@@ -344,7 +348,9 @@ class CriteoTsvReader(_CriteoReader):
     def _count_file_rows(self) -> List[int]:
         if self.config.rows_per_file is not None:
             if len(self.config.rows_per_file) != len(self.paths):
-                raise ValueError(f"rows_per_file has {len(self.config.rows_per_file)} entries for {len(self.paths)} paths")
+                raise ValueError(
+                    f"rows_per_file has {len(self.config.rows_per_file)} entries for {len(self.paths)} paths"
+                )
             return [int(n) for n in self.config.rows_per_file]
         rows = []
         for p in self.paths:
@@ -446,8 +452,17 @@ class CriteoTsvReader(_CriteoReader):
             if self._logged_bad == _MAX_LOGGED_BAD_LINES:
                 logger.warning("further bad lines are counted, not logged")
 
-    def _broken_lines(self, path: Path, block: bytes, buf: np.ndarray, nl: np.ndarray, starts: np.ndarray,
-                      tabs: np.ndarray, line_idx: np.ndarray, names: List[str]) -> np.ndarray:
+    def _broken_lines(
+        self,
+        path: Path,
+        block: bytes,
+        buf: np.ndarray,
+        nl: np.ndarray,
+        starts: np.ndarray,
+        tabs: np.ndarray,
+        line_idx: np.ndarray,
+        names: List[str],
+    ) -> np.ndarray:
         """Lines with an invalid UTF-8 byte or a carriage return inside them, reported; bool [L].
 
         pyarrow cannot convert the first (no file or line in its error) and splits a line at
@@ -470,7 +485,9 @@ class CriteoTsvReader(_CriteoReader):
                 except UnicodeDecodeError as le:
                     pos = int(starts[i]) + le.start
                     broken[i] = True
-                    self._bad(path, int(line_idx[i]), "utf8", f"invalid UTF-8 byte 0x{buf[pos]:02x} in {field_of(pos, i)}")
+                    self._bad(
+                        path, int(line_idx[i]), "utf8", f"invalid UTF-8 byte 0x{buf[pos]:02x} in {field_of(pos, i)}"
+                    )
         cr = np.flatnonzero(buf == 13)
         if len(cr):
             stray = cr[buf[np.minimum(cr + 1, len(buf) - 1)] != 10]  # "\r\n" is a line end, any other "\r" is not
@@ -479,8 +496,13 @@ class CriteoTsvReader(_CriteoReader):
             for pos, i in zip(stray.tolist(), lines.tolist()):
                 if not broken[i]:
                     broken[i] = True
-                    self._bad(path, int(line_idx[i]), "cr", f"a carriage return (\\r) inside the line, in {field_of(pos, i)}; "
-                              "lines must end in \\n or \\r\\n")
+                    self._bad(
+                        path,
+                        int(line_idx[i]),
+                        "cr",
+                        f"a carriage return (\\r) inside the line, in {field_of(pos, i)}; "
+                        "lines must end in \\n or \\r\\n",
+                    )
         return broken
 
     def parse_block(self, path: Path, first_line: int, block: bytes) -> Optional[RawChunk]:
@@ -493,7 +515,9 @@ class CriteoTsvReader(_CriteoReader):
         names = ([LABEL_NAME] if has_label else []) + INT_NAMES + CAT_NAMES
 
         read = pacsv.ReadOptions(column_names=names, block_size=1 << 22)
-        parse = pacsv.ParseOptions(delimiter="\t", quote_char=False, double_quote=False, escape_char=False, ignore_empty_lines=False)
+        parse = pacsv.ParseOptions(
+            delimiter="\t", quote_char=False, double_quote=False, escape_char=False, ignore_empty_lines=False
+        )
         typed = {n: pa.string() for n in names}
         typed.update({n: pa.int64() for n in ([LABEL_NAME] if has_label else []) + INT_NAMES})
         typed_opts = pacsv.ConvertOptions(column_types=typed, null_values=[""], strings_can_be_null=False)
@@ -503,8 +527,14 @@ class CriteoTsvReader(_CriteoReader):
         table: Optional[pa.Table] = None
         if not (block.startswith(b"\n") or b"\n\n" in block):
             invalid: List[int] = []
-            fast = pacsv.ParseOptions(delimiter="\t", quote_char=False, double_quote=False, escape_char=False,
-                                      ignore_empty_lines=False, invalid_row_handler=lambda row: invalid.append(1) or "skip")
+            fast = pacsv.ParseOptions(
+                delimiter="\t",
+                quote_char=False,
+                double_quote=False,
+                escape_char=False,
+                ignore_empty_lines=False,
+                invalid_row_handler=lambda row: invalid.append(1) or "skip",
+            )
             try:
                 table = pacsv.read_csv(io.BytesIO(block), read, fast, typed_opts)
             except pa.ArrowInvalid:
@@ -526,7 +556,9 @@ class CriteoTsvReader(_CriteoReader):
             broken = self._broken_lines(path, block, buf, nl, starts, tabs, line_idx, names)
             wrong = (fields != ncols) & ~broken
             for i in np.flatnonzero(wrong):
-                self._bad(path, int(line_idx[i]), "fields", f"wrong number of fields: {int(fields[i])}, expected {ncols}")
+                self._bad(
+                    path, int(line_idx[i]), "fields", f"wrong number of fields: {int(fields[i])}, expected {ncols}"
+                )
             wrong |= broken
             if wrong.any():
                 keep = np.flatnonzero(~wrong)
@@ -540,13 +572,22 @@ class CriteoTsvReader(_CriteoReader):
                 int_cols = {n: table.column(n) for n in INT_NAMES}
             except pa.ArrowInvalid:
                 # strings, then validate each dense column and the label
-                table = pacsv.read_csv(io.BytesIO(block), read, parse, pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, strings_can_be_null=False))
+                table = pacsv.read_csv(
+                    io.BytesIO(block),
+                    read,
+                    parse,
+                    pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, strings_can_be_null=False),
+                )
                 int_cols = {}
                 for n in INT_NAMES:
                     col = table.column(n)
-                    ok = pc.or_(pc.equal(col, ""), pc.match_substring_regex(col, _INT_PATTERN)).to_numpy(zero_copy_only=False)
+                    ok = pc.or_(pc.equal(col, ""), pc.match_substring_regex(col, _INT_PATTERN)).to_numpy(
+                        zero_copy_only=False
+                    )
                     for i in np.flatnonzero(~ok & ~bad):
-                        self._bad(path, int(line_idx[i]), "int", f"non-integer dense feature {n}={col[int(i)].as_py()!r}")
+                        self._bad(
+                            path, int(line_idx[i]), "int", f"non-integer dense feature {n}={col[int(i)].as_py()!r}"
+                        )
                     bad |= ~ok
                     clean = pc.if_else(pa.array(ok), col, "")
                     int_cols[n] = pc.cast(pc.if_else(pc.equal(clean, ""), None, clean), pa.int64())
@@ -555,7 +596,9 @@ class CriteoTsvReader(_CriteoReader):
                     ok = pc.match_substring_regex(lab, r"^[01]$").to_numpy(zero_copy_only=False)
                     table = table.set_column(0, LABEL_NAME, pc.cast(pc.if_else(pa.array(ok), lab, "0"), pa.int64()))
                     for i in np.flatnonzero(~ok & ~bad):
-                        self._bad(path, int(line_idx[i]), "label", f"bad label {lab[int(i)].as_py()!r}, expected 0 or 1")
+                        self._bad(
+                            path, int(line_idx[i]), "label", f"bad label {lab[int(i)].as_py()!r}, expected 0 or 1"
+                        )
                     bad |= ~ok
 
         if has_label:
@@ -638,16 +681,22 @@ class CriteoParquetReader(_CriteoReader):
         except (OSError, pa.ArrowException) as e:  # not Parquet, or a footer cut short
             raise BadInputError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from e
         schema = pf.schema_arrow
-        expected = ([(LABEL_NAME, "int8")] if LABEL_NAME in schema.names else []) + [(n, "int64") for n in INT_NAMES + CAT_NAMES]
+        expected = ([(LABEL_NAME, "int8")] if LABEL_NAME in schema.names else []) + [
+            (n, "int64") for n in INT_NAMES + CAT_NAMES
+        ]
         for name, want in expected:
             if name not in schema.names:
-                raise BadInputError(f"{path}: column {name!r} is missing (expected {want}); the columns are those "
-                                    "written by data/preprocess_criteo.py: label, int_0 .. int_12, cat_0 .. cat_25")
+                raise BadInputError(
+                    f"{path}: column {name!r} is missing (expected {want}); the columns are those "
+                    "written by data/preprocess_criteo.py: label, int_0 .. int_12, cat_0 .. cat_25"
+                )
             t = schema.field(name).type
             if not (pa.types.is_integer(t) or (name == LABEL_NAME and pa.types.is_floating(t))):
                 what = "raw 32-bit category ids" if name in CAT_NAMES else "raw integer values"
-                raise BadInputError(f"{path}: column {name!r} has type {t}, expected {want} ({what}, null = missing, "
-                                    "as data/preprocess_criteo.py writes); hex strings must be preprocessed first")
+                raise BadInputError(
+                    f"{path}: column {name!r} has type {t}, expected {want} ({what}, null = missing, "
+                    "as data/preprocess_criteo.py writes); hex strings must be preprocessed first"
+                )
         return pf
 
     def _count_file_rows(self) -> List[int]:
@@ -667,8 +716,9 @@ class CriteoParquetReader(_CriteoReader):
                 yield from self._read_row_group(pf, self.paths[file_idx], g, base, lo, hi, has_label)
             base += n
 
-    def _read_row_group(self, pf: pq.ParquetFile, path: Path, group: int, first: int, lo: int, hi: int,
-                        has_label: bool) -> Iterator[Chunk]:
+    def _read_row_group(
+        self, pf: pq.ParquetFile, path: Path, group: int, first: int, lo: int, hi: int, has_label: bool
+    ) -> Iterator[Chunk]:
         """Rows [lo, hi) of row group ``group`` (whose first row is ``first``). A group that
         cannot be decoded (corrupt pages) is a BadInputError naming the file and the group
         (strict), or is skipped with a warning and counted (skip); rows it gave before the
@@ -683,9 +733,11 @@ class CriteoParquetReader(_CriteoReader):
                 if pos >= hi:
                     return
         except (OSError, pa.ArrowException) as e:
-            msg = (f"{path}: row group {group} (rows {first}.."
-                   f"{first + pf.metadata.row_group(group).num_rows - 1}) cannot be decoded after row {pos}: "
-                   f"{type(e).__name__}: {e}")
+            msg = (
+                f"{path}: row group {group} (rows {first}.."
+                f"{first + pf.metadata.row_group(group).num_rows - 1}) cannot be decoded after row {pos}: "
+                f"{type(e).__name__}: {e}"
+            )
             if self.config.bad_input == "strict":
                 raise BadInputError(msg) from e
             self.stats.damaged_row_groups += 1
@@ -746,16 +798,22 @@ class CriteoNpyReader(_CriteoReader):
         """Memory-map and check one triplet: shapes [N, 13], [N, 26], [N] or [N, 1], one N."""
         dense_p, sparse_p, labels_p = self._triplet(path)
         dense, sparse, labels = (_load_npy(q) for q in (dense_p, sparse_p, labels_p))
-        for q, a, width, what in ((dense_p, dense, INT_FEATURE_COUNT, "dense features"),
-                                  (sparse_p, sparse, CAT_FEATURE_COUNT, "category ids")):
+        for q, a, width, what in (
+            (dense_p, dense, INT_FEATURE_COUNT, "dense features"),
+            (sparse_p, sparse, CAT_FEATURE_COUNT, "category ids"),
+        ):
             if a.ndim != 2 or a.shape[1] != width:
                 raise BadInputError(f"{q}: shape {list(a.shape)}, expected [N, {width}] ({what}, one row per sample)")
         if not (labels.ndim == 1 or (labels.ndim == 2 and labels.shape[1] == 1)):
-            raise BadInputError(f"{labels_p}: shape {list(labels.shape)}, expected [N] or [N, 1] (one label per row; "
-                                f"{dense_p.name} has N = {len(dense)})")
+            raise BadInputError(
+                f"{labels_p}: shape {list(labels.shape)}, expected [N] or [N, 1] (one label per row; "
+                f"{dense_p.name} has N = {len(dense)})"
+            )
         if not len(dense) == len(sparse) == len(labels):
-            raise BadInputError(f"row counts differ: {dense_p} has {len(dense)} rows, {sparse_p} {len(sparse)}, "
-                                f"{labels_p} {len(labels)}; the three files of a day must hold the same rows")
+            raise BadInputError(
+                f"row counts differ: {dense_p} has {len(dense)} rows, {sparse_p} {len(sparse)}, "
+                f"{labels_p} {len(labels)}; the three files of a day must hold the same rows"
+            )
         return dense, sparse, labels
 
     def _count_file_rows(self) -> List[int]:

@@ -269,7 +269,14 @@ class SyntheticCriteo(IterableDataset):
         ids[cat_missing] = 0
         prob = 1.0 / (1.0 + np.exp(-logit))
         labels = (rng.random(n) < prob).astype(np.int64)
-        return {"labels": labels, "prob": prob, "dense_raw": dense_raw, "dense_missing": dense_missing, "ids": ids, "dense": dense}
+        return {
+            "labels": labels,
+            "prob": prob,
+            "dense_raw": dense_raw,
+            "dense_missing": dense_missing,
+            "ids": ids,
+            "dense": dense,
+        }
 
     def _shard(self) -> Tuple[int, int]:
         info = get_worker_info()
@@ -307,14 +314,14 @@ class SyntheticCriteo(IterableDataset):
         emitted = 0
         for k, rows in self._blocks(shard, num_shards):
             blk = self.generate_block(k, rows)
-            for d, s, l in buf.add(blk["dense"], blk["ids"], blk["labels"].astype(np.float32)):
+            for d, s, y in buf.add(blk["dense"], blk["ids"], blk["labels"].astype(np.float32)):
                 if max_batches is not None and emitted >= max_batches:
                     return
                 emitted += 1
-                yield make_batch(d, s, l)
+                yield make_batch(d, s, y)
         if not cfg.drop_last:
-            for d, s, l in buf.flush():
-                yield make_batch(d, s, l)
+            for d, s, y in buf.flush():
+                yield make_batch(d, s, y)
 
     def bayes_auc(self, rows: int = 1 << 17) -> float:
         """Best achievable AUC: expected AUC of the true probabilities on ``rows`` val rows.

@@ -235,7 +235,9 @@ class IdCounter:
         return out
 
 
-def save_vocabularies(directory: str | Path, vocabs: List[np.ndarray], frequency_threshold: int, extra: Optional[Dict] = None) -> Dict:
+def save_vocabularies(
+    directory: str | Path, vocabs: List[np.ndarray], frequency_threshold: int, extra: Optional[Dict] = None
+) -> Dict:
     """Write ``vocab/cat_{f}.npy`` and ``table_sizes.json`` under ``directory``.
 
     ``table_sizes.json`` holds ``num_embeddings_per_feature`` (len(vocab) + 2 per feature,

@@ -76,8 +76,10 @@ class RankAdapter:
     def __init__(self, model: nn.Module, total_steps: int, config: Optional[RankScheduleConfig] = None) -> None:
         config = config if config is not None else RankScheduleConfig()
         if not config.enabled or config.mode != "budget":
-            raise ValueError(f"RankAdapter: needs RankScheduleConfig(mode='budget', enabled=True), got "
-                             f"mode={config.mode!r}, enabled={config.enabled!r}")
+            raise ValueError(
+                f"RankAdapter: needs RankScheduleConfig(mode='budget', enabled=True), got "
+                f"mode={config.mode!r}, enabled={config.enabled!r}"
+            )
         base = unwrap(model)
         if not any(True for _ in tensor_train_modules(base)):
             raise ValueError(f"RankAdapter: {type(base).__name__} holds no TT module (compress() it first)")
@@ -102,6 +104,7 @@ class RankAdapter:
         def hook(controller: nn.Parameter) -> None:
             if self.schedule.stage != "finetune" and controller.grad is not None:
                 self.schedule.importance.observe_controller(name, bond, controller)
+
         return hook
 
     # ------------------------------------------------------------------ the step

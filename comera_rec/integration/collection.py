@@ -153,11 +153,10 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         dense_configs = [t for t in tables if not self.plans[t.name].compressed]
         self.dense: EmbeddingBagCollection | None = (
             EmbeddingBagCollection(dense_configs, is_weighted=is_weighted, device=self._device)
-            if dense_configs else None
+            if dense_configs
+            else None
         )
-        self._dense_features: list[str] = list(
-            OrderedDict.fromkeys(f for t in dense_configs for f in t.feature_names)
-        )
+        self._dense_features: list[str] = list(OrderedDict.fromkeys(f for t in dense_configs for f in t.feature_names))
         self._dense_lengths: list[int] = [t.embedding_dim for t in dense_configs for _ in t.feature_names]
 
         # ---- compressed tables: stacked by TT shape
@@ -175,8 +174,12 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             assert plan.shape is not None and plan.ranks is not None
             self.groups.append(
                 StackedTTMTables(
-                    [t.num_embeddings for t in members], members[0].embedding_dim, list(plan.ranks),
-                    row_shape=plan.shape[0], col_shape=plan.shape[1], device=self._device,
+                    [t.num_embeddings for t in members],
+                    members[0].embedding_dim,
+                    list(plan.ranks),
+                    row_shape=plan.shape[0],
+                    col_shape=plan.shape[1],
+                    device=self._device,
                 )
             )
             self._group_tables.append([t.name for t in members])
@@ -307,8 +310,14 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             f"[0, {num}) of table {table!r}"
         )
 
-    def _check_batch(self, features: KeyedJaggedTensor, keys: Sequence[str], values: torch.Tensor,
-                     lengths: torch.Tensor, bounds: list[int]) -> None:
+    def _check_batch(
+        self,
+        features: KeyedJaggedTensor,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        bounds: list[int],
+    ) -> None:
         """Integer ids and lengths, lengths / offsets / values that agree, ids in range
         (errors name the feature). On CPU with the kernels built, one C++ pass
         (``kernels.check_jagged``) does what the tensor checks do in several."""
@@ -319,11 +328,15 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             raise TypeError(f"{name}: KeyedJaggedTensor lengths must be an integer tensor, got {lengths.dtype}")
         batch = features.stride()
         if values.dim() != 1 or lengths.dim() != 1:
-            raise ValueError(f"{name}: KeyedJaggedTensor values and lengths must be 1-D, got shapes "
-                             f"{tuple(values.shape)} and {tuple(lengths.shape)}")
+            raise ValueError(
+                f"{name}: KeyedJaggedTensor values and lengths must be 1-D, got shapes "
+                f"{tuple(values.shape)} and {tuple(lengths.shape)}"
+            )
         if lengths.numel() != len(keys) * batch:
-            raise ValueError(f"{name}: KeyedJaggedTensor has {lengths.numel()} lengths, expected "
-                             f"{len(keys)} keys x batch {batch} = {len(keys) * batch}")
+            raise ValueError(
+                f"{name}: KeyedJaggedTensor has {lengths.numel()} lengths, expected "
+                f"{len(keys)} keys x batch {batch} = {len(keys) * batch}"
+            )
 
         def where(pos: int) -> str:
             return f"feature {keys[pos // batch]!r}, sample {pos % batch}" if batch else f"position {pos}"
@@ -332,18 +345,26 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             return ValueError(f"{name}: negative bag length {int(lengths[pos])} at {where(pos)}")
 
         def wrong_total(total: int) -> ValueError:
-            return ValueError(f"{name}: KeyedJaggedTensor lengths sum to {total} but it holds {values.numel()} "
-                              f"values (ids); lengths and values disagree")
+            return ValueError(
+                f"{name}: KeyedJaggedTensor lengths sum to {total} but it holds {values.numel()} "
+                f"values (ids); lengths and values disagree"
+            )
 
         def offsets_differ(pos: int) -> ValueError:
-            return ValueError(f"{name}: KeyedJaggedTensor offsets and lengths disagree at {where(pos)}: "
-                              f"offsets give {int(offsets[pos + 1] - offsets[pos])}, lengths {int(lengths[pos])}")
+            return ValueError(
+                f"{name}: KeyedJaggedTensor offsets and lengths disagree at {where(pos)}: "
+                f"offsets give {int(offsets[pos + 1] - offsets[pos])}, lengths {int(lengths[pos])}"
+            )
 
         offsets = features.offsets_or_none() if features.lengths_or_none() is not None else None
-        if offsets is not None and (offsets.numel() != lengths.numel() + 1 or (offsets.numel() and int(offsets[0]) != 0)):
-            raise ValueError(f"{name}: KeyedJaggedTensor offsets (length {offsets.numel()}, first "
-                             f"{int(offsets[0]) if offsets.numel() else None}) do not match its "
-                             f"{lengths.numel()} lengths (need {lengths.numel() + 1} offsets starting at 0)")
+        if offsets is not None and (
+            offsets.numel() != lengths.numel() + 1 or (offsets.numel() and int(offsets[0]) != 0)
+        ):
+            raise ValueError(
+                f"{name}: KeyedJaggedTensor offsets (length {offsets.numel()}, first "
+                f"{int(offsets[0]) if offsets.numel() else None}) do not match its "
+                f"{lengths.numel()} lengths (need {lengths.numel() + 1} offsets starting at 0)"
+            )
         weights = features.weights_or_none()
         if weights is not None and weights.numel() != values.numel():
             raise ValueError(f"{name}: KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values")
@@ -405,8 +426,10 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         hit = self._stream_constants.get(key)
         if hit is None:
             streams = self._group_streams[group]
-            hit = (torch.tensor([t for _, t, _ in streams], device=device),
-                   torch.tensor([m for _, _, m in streams], device=device))
+            hit = (
+                torch.tensor([t for _, t, _ in streams], device=device),
+                torch.tensor([m for _, _, m in streams], device=device),
+            )
             self._stream_constants[key] = hit
         return hit
 
@@ -549,10 +572,7 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             blocks = [(first_group + a, b * dim) if kind == "tt" else (0, a * dim) for kind, a, b in self._slots]
             out_values = kernels.gather_column_blocks([v.float() for v in sources], blocks, dim)
         else:
-            pieces = [
-                pooled_tt[a][b] if kind == "tt" else dense_parts[a]
-                for kind, a, b in self._slots
-            ]
+            pieces = [pooled_tt[a][b] if kind == "tt" else dense_parts[a] for kind, a, b in self._slots]
             out_values = torch.cat(pieces, dim=1).float()
         return KeyedTensor(
             keys=self._embedding_names,
@@ -590,15 +610,21 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if missing:
             raise ValueError(f"from_embedding_bag_collection: no weights found for tables {missing}")
         out = cls(
-            tables, policy, is_weighted=ebc.is_weighted(), device="meta",
-            validate_inputs=validate_inputs, allow_extra_keys=allow_extra_keys,
+            tables,
+            policy,
+            is_weighted=ebc.is_weighted(),
+            device="meta",
+            validate_inputs=validate_inputs,
+            allow_extra_keys=allow_extra_keys,
         )
         device = next(iter(weights.values())).device
         for g, members in enumerate(out._group_tables):
             old = out.groups[g]
             out.groups[g] = StackedTTMTables.from_embeddings(
-                [weights[n] for n in members], list(old.ranks),
-                row_shape=old.row_shape, col_shape=old.col_shape,
+                [weights[n] for n in members],
+                list(old.ranks),
+                row_shape=old.row_shape,
+                col_shape=old.col_shape,
             ).to(device)
         if out.dense is not None:
             out.dense = EmbeddingBagCollection(

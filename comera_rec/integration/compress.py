@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torchrec.modules.crossnet import LowRankCrossNet
 from torchrec.distributed.types import ShardedModule
+from torchrec.modules.crossnet import LowRankCrossNet
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
@@ -123,8 +123,11 @@ def compress(model: nn.Module, policy: CompressionPolicy | None = None) -> Compr
     if not isinstance(model, nn.Module):
         raise TypeError(f"compress: model must be a torch.nn.Module, got {type(model).__name__}")
     if policy is not None and not isinstance(policy, CompressionPolicy):
-        hint = (f"; for a rank pass CompressionPolicy(rank={policy!r})"
-                if isinstance(policy, int) and not isinstance(policy, bool) else "")
+        hint = (
+            f"; for a rank pass CompressionPolicy(rank={policy!r})"
+            if isinstance(policy, int) and not isinstance(policy, bool)
+            else ""
+        )
         raise TypeError(
             f"compress: policy must be a CompressionPolicy or None, got {policy!r} ({type(policy).__name__}){hint}"
         )
@@ -141,8 +144,9 @@ def compress(model: nn.Module, policy: CompressionPolicy | None = None) -> Compr
         elif isinstance(module, LowRankCrossNet) and policy.compress_crossnet:
             replacement = TTLowRankCrossNet.from_crossnet(module, policy.mlp_rank, min_gain=policy.min_gain)
         elif type(module) is nn.Linear and policy.compress_mlps:
-            if linear_pays(module.in_features, module.out_features, policy.mlp_rank, policy.min_gain,
-                           module.bias is not None):
+            if linear_pays(
+                module.in_features, module.out_features, policy.mlp_rank, policy.min_gain, module.bias is not None
+            ):
                 replacement = TTLinear.from_linear(module, policy.mlp_rank)
         try:
             model.get_submodule(name)
@@ -158,7 +162,9 @@ def compress(model: nn.Module, policy: CompressionPolicy | None = None) -> Compr
         if isinstance(replacement, TTMEmbeddingBagCollection):
             sizes = {t.name: t.num_embeddings * t.embedding_dim for t in replacement.embedding_bag_configs()}
             for table in replacement.dense_tables():
-                report.kept.append(KeptModule(f"{name}.{table}", "table", sizes[table], replacement.plans[table].reason))
+                report.kept.append(
+                    KeptModule(f"{name}.{table}", "table", sizes[table], replacement.plans[table].reason)
+                )
     return report
 
 
@@ -182,8 +188,10 @@ def _left_dense_reason(module: nn.Module, policy: CompressionPolicy) -> str | No
             return f"a subclass ({kind}) of nn.Linear: only nn.Linear itself is converted"
         if not policy.compress_mlps:
             return "policy.compress_mlps is False"
-        return (f"{module.in_features}->{module.out_features}: TT at rank {policy.mlp_rank} would not be "
-                f"min_gain={policy.min_gain}x smaller with no more multiply-adds")
+        return (
+            f"{module.in_features}->{module.out_features}: TT at rank {policy.mlp_rank} would not be "
+            f"min_gain={policy.min_gain}x smaller with no more multiply-adds"
+        )
     return None
 
 

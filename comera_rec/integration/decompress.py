@@ -150,8 +150,14 @@ def _crossnet(module: TTLowRankCrossNet) -> LowRankCrossNet:
 
 def _embedding_bag(module: TTMEmbeddingBag) -> nn.EmbeddingBag:
     weight = module.dense_weight().detach()
-    bag = nn.EmbeddingBag(module.num_embeddings, module.embedding_dim, mode=module.mode,
-                          include_last_offset=True, device="meta", dtype=weight.dtype)
+    bag = nn.EmbeddingBag(
+        module.num_embeddings,
+        module.embedding_dim,
+        mode=module.mode,
+        include_last_offset=True,
+        device="meta",
+        dtype=weight.dtype,
+    )
     bag.weight = nn.Parameter(_copy(weight))
     return bag
 

@@ -87,8 +87,12 @@ def dense_table_constraints(
         >>> dense_table_constraints(model, torch.device("cpu"))["t_cat_0"].sharding_types  # doctest: +SKIP
         ['table_wise', 'column_wise', 'table_column_wise']
     """
-    names = [cfg.name for _, m in model.named_modules() if type(m) is EmbeddingBagCollection
-             for cfg in m.embedding_bag_configs()]
+    names = [
+        cfg.name
+        for _, m in model.named_modules()
+        if type(m) is EmbeddingBagCollection
+        for cfg in m.embedding_bag_configs()
+    ]
     out: dict[str, ParameterConstraints] = {}
     if sharding_type is not None:
         out = {name: ParameterConstraints(sharding_types=[sharding_type]) for name in names}
@@ -114,7 +118,8 @@ def default_dense_optimizer(groups: ParamGroups) -> torch.optim.Optimizer:
     rates = {"cores": 1e-4, "controllers": 1e-3, "other": 5e-5}
     return torch.optim.AdamW(
         [{"params": groups[k], "lr": rates[k], "name": k} for k in ("cores", "controllers", "other") if groups[k]],
-        weight_decay=0.0, fused=True,
+        weight_decay=0.0,
+        fused=True,
     )
 
 
@@ -305,8 +310,11 @@ def _fuse_dense_tables(model: nn.Module, spec: EmbeddingOptimizerSpec, device: t
         if type(module) is not EmbeddingBagCollection:
             continue
         replacement = FusedEmbeddingBagCollection(
-            module.embedding_bag_configs(), optimizer_type=spec.optimizer_class,
-            optimizer_kwargs=dict(spec.kwargs), is_weighted=module.is_weighted(), device=device,
+            module.embedding_bag_configs(),
+            optimizer_type=spec.optimizer_class,
+            optimizer_kwargs=dict(spec.kwargs),
+            is_weighted=module.is_weighted(),
+            device=device,
         )
         replacement.load_state_dict(module.state_dict())
         parent_name, _, child = name.rpartition(".")

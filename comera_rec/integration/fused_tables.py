@@ -26,9 +26,16 @@ from comera_rec.tensor.kernels.rowwise_bag_cpu import RowwiseTables
 # The TBE optimizer arguments the kernel implements (FusedEmbeddingBagCollection's
 # defaults for row-wise Adagrad); any other value leaves the lookup to FBGEMM.
 _PLAIN_OPTIMIZER_ARGS = {
-    "gradient_clipping": False, "max_norm": 0.0, "weight_decay": 0.0, "weight_decay_mode": 0,
-    "counter_halflife": -1, "learning_rate_mode": -1, "grad_sum_decay": -1, "regularization_mode": 0,
-    "weight_norm_coefficient": 0.0, "use_rowwise_bias_correction": False,
+    "gradient_clipping": False,
+    "max_norm": 0.0,
+    "weight_decay": 0.0,
+    "weight_decay_mode": 0,
+    "counter_halflife": -1,
+    "learning_rate_mode": -1,
+    "grad_sum_decay": -1,
+    "regularization_mode": 0,
+    "weight_norm_coefficient": 0.0,
+    "use_rowwise_bias_correction": False,
 }
 _layouts: "weakref.WeakKeyDictionary[nn.Module, RowwiseTables]" = weakref.WeakKeyDictionary()  # per TBE, made once
 
@@ -98,8 +105,15 @@ def fused_tables_lookup(
             tables = _layouts[tbe] = _tables_of(tbe)
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.long())
         out = kernels.rowwise_adagrad_bag(
-            tbe.weights_host, tbe.momentum1_host, tables, ids, offsets, weights, batch,
-            tbe.learning_rate_tensor, tbe.optimizer_args.eps,
+            tbe.weights_host,
+            tbe.momentum1_host,
+            tables,
+            ids,
+            offsets,
+            weights,
+            batch,
+            tbe.learning_rate_tensor,
+            tbe.optimizer_args.eps,
         )
         _count_step(tbe)
         return out

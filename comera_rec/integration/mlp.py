@@ -174,8 +174,9 @@ class TTLowRankCrossNet(InitOnMaterialize):
         """Convert a trained ``LowRankCrossNet`` (TT-SVD of the projections that pay)."""
         w0 = net.W_kernels[0]
         in_features, low_rank = w0.shape
-        out = cls(in_features, len(net.W_kernels), low_rank, tt_rank=tt_rank, min_gain=min_gain,
-                  device="meta", dtype=w0.dtype)
+        out = cls(
+            in_features, len(net.W_kernels), low_rank, tt_rank=tt_rank, min_gain=min_gain, device="meta", dtype=w0.dtype
+        )
 
         def convert(weight: torch.Tensor, current: nn.Module) -> nn.Module:
             # weight: (out, in) as nn.Linear stores it

@@ -97,8 +97,10 @@ class CompressionPolicy:
         for name in ("min_gain", "two_cores_within", "share_shapes_within"):
             factor(name)
         if not isinstance(self.per_table, Mapping):
-            raise ValueError(f"CompressionPolicy.per_table: expected a mapping of table name to rule, "
-                             f"got {type(self.per_table).__name__}")
+            raise ValueError(
+                f"CompressionPolicy.per_table: expected a mapping of table name to rule, "
+                f"got {type(self.per_table).__name__}"
+            )
         for table in self.per_table:
             rank = self.override(table).rank  # raises, naming the table, for a rule it cannot read
             if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
@@ -197,21 +199,27 @@ def plan_table(name: str, num_embeddings: int, embedding_dim: int, policy: Compr
     if rule.dense is False:
         return TablePlan(name, True, shape, ranks)
     if num_embeddings < policy.min_rows_to_compress:
-        return TablePlan(name, compressed=False,
-                         reason=f"{num_embeddings} rows < min_rows_to_compress={policy.min_rows_to_compress}")
+        return TablePlan(
+            name, compressed=False, reason=f"{num_embeddings} rows < min_rows_to_compress={policy.min_rows_to_compress}"
+        )
     if num_embeddings * embedding_dim < policy.min_params_to_compress:
-        return TablePlan(name, compressed=False, reason=f"{num_embeddings * embedding_dim} parameters < "
-                                                        f"min_params_to_compress={policy.min_params_to_compress}")
+        return TablePlan(
+            name,
+            compressed=False,
+            reason=f"{num_embeddings * embedding_dim} parameters < "
+            f"min_params_to_compress={policy.min_params_to_compress}",
+        )
     gain = num_embeddings * embedding_dim / ttm_num_parameters(shape, ranks)
     if gain < policy.min_gain:
-        return TablePlan(name, compressed=False,
-                         reason=f"TT at rank {rank} would be only {gain:.2f}x smaller < min_gain={policy.min_gain}")
+        return TablePlan(
+            name,
+            compressed=False,
+            reason=f"TT at rank {rank} would be only {gain:.2f}x smaller < min_gain={policy.min_gain}",
+        )
     return TablePlan(name, True, shape, ranks)
 
 
-def plan_tables(
-    tables: Sequence[tuple[str, int, int]], policy: CompressionPolicy
-) -> dict[str, TablePlan]:
+def plan_tables(tables: Sequence[tuple[str, int, int]], policy: CompressionPolicy) -> dict[str, TablePlan]:
     """Plan every table, then give tables of similar size one shared TT shape.
 
     Args:
@@ -235,8 +243,11 @@ def plan_tables(
     # largest first: each table joins the class of the first leader with as many cores
     # whose shape costs it at most share_shapes_within times its own parameters
     shareable = sorted(
-        ((rows, dim, name) for name, rows, dim in tables
-         if plans[name].compressed and policy.override(name).shape is None),
+        (
+            (rows, dim, name)
+            for name, rows, dim in tables
+            if plans[name].compressed and policy.override(name).shape is None
+        ),
         reverse=True,
     )
     leaders: list[tuple[int, str]] = []

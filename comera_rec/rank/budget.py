@@ -188,8 +188,14 @@ class SliceImportance:
         self.steps = 0
 
     @torch.no_grad()
-    def select(self, model: nn.Module, target_entries: float, floor_entries: float = 0.0,
-               entry_exponent: float = 1.0, module_floors: Optional[dict[str, float]] = None) -> list[Cut]:
+    def select(
+        self,
+        model: nn.Module,
+        target_entries: float,
+        floor_entries: float = 0.0,
+        entry_exponent: float = 1.0,
+        module_floors: Optional[dict[str, float]] = None,
+    ) -> list[Cut]:
         """The slices to cut so that the live size is at most ``target_entries``.
 
         Greedy: repeatedly the live slice of least cost per entry freed, on a bond that keeps

@@ -42,7 +42,6 @@ from comera_rec.rank.budget import (
 from comera_rec.rank.size import model_tt_size, size_element_bytes
 from comera_rec.rank.truncation import TruncationResult, truncate_model
 from comera_rec.tensor.train import tensor_train_modules
-from comera_rec.tensor.train import tensor_train_modules
 
 MODES = ("budget", "threshold")
 TARGET_TOLERANCE = 0.1  # budget mode: the size reached is within this fraction of the target
@@ -113,8 +112,18 @@ class RankScheduleConfig:
     """Late stage: weight of the size gap and of S^ when it is descended."""
 
     def __post_init__(self) -> None:
-        for name in ("gamma", "beta", "threshold", "rho_loss", "rho_size", "w1", "w2", "plateau_min_delta",
-                     "entry_exponent", "module_floor"):
+        for name in (
+            "gamma",
+            "beta",
+            "threshold",
+            "rho_loss",
+            "rho_size",
+            "w1",
+            "w2",
+            "plateau_min_delta",
+            "entry_exponent",
+            "module_floor",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
                 raise ValueError(f"RankScheduleConfig.{name} must be a finite number >= 0, got {value!r}")
@@ -125,8 +134,10 @@ class RankScheduleConfig:
         if self.mode not in MODES:
             raise ValueError(f"RankScheduleConfig.mode must be one of {MODES}, got {self.mode!r}")
         if not (0.0 <= self.prune_start < self.prune_end <= 1.0):
-            raise ValueError(f"RankScheduleConfig: need 0 <= prune_start < prune_end <= 1, got prune_start="
-                             f"{self.prune_start!r}, prune_end={self.prune_end!r}")
+            raise ValueError(
+                f"RankScheduleConfig: need 0 <= prune_start < prune_end <= 1, got prune_start="
+                f"{self.prune_start!r}, prune_end={self.prune_end!r}"
+            )
         if not isinstance(self.num_cuts, int) or self.num_cuts < 1:
             raise ValueError(f"RankScheduleConfig.num_cuts must be an integer >= 1, got {self.num_cuts!r}")
         if self.switch not in SWITCH_MODES:
@@ -134,9 +145,7 @@ class RankScheduleConfig:
         if self.surrogate not in SURROGATES:
             raise ValueError(f"RankScheduleConfig.surrogate must be one of {SURROGATES}, got {self.surrogate!r}")
         if not 0.0 < self.target_size_ratio <= 1.0:
-            raise ValueError(
-                f"RankScheduleConfig.target_size_ratio must be in (0, 1], got {self.target_size_ratio!r}"
-            )
+            raise ValueError(f"RankScheduleConfig.target_size_ratio must be in (0, 1], got {self.target_size_ratio!r}")
         if self.late_stage and self.switch == "size_target" and self.switch_size_bytes is None:
             raise ValueError('RankScheduleConfig: switch="size_target" needs switch_size_bytes')
         for name in ("switch_size_bytes", "target_size_bytes"):
@@ -226,8 +235,10 @@ class RankSchedule:
             ValueError: the run's length is unknown (see :meth:`set_total_steps`).
         """
         if self.total_steps is None:
-            raise ValueError("RankSchedule(mode='budget') needs the run's length to plan its cuts: call "
-                             "set_total_steps() (the Trainer does, from trainer.max_steps)")
+            raise ValueError(
+                "RankSchedule(mode='budget') needs the run's length to plan its cuts: call "
+                "set_total_steps() (the Trainer does, from trainer.max_steps)"
+            )
         c = self.config
         start = int(round(c.prune_start * self.total_steps))
         end = max(start + 1, int(round(c.prune_end * self.total_steps)))
@@ -251,8 +262,9 @@ class RankSchedule:
         if self.size_at_start == 0:
             self.size_at_start = self.size(model)
             self._element_bytes = size_element_bytes(model)
-            self.module_sizes_at_start = {name: int(m.tt_size(self.config.threshold))
-                                          for name, m in tensor_train_modules(model)}
+            self.module_sizes_at_start = {
+                name: int(m.tt_size(self.config.threshold)) for name, m in tensor_train_modules(model)
+            }
 
     def module_floors(self) -> dict[str, float]:
         """Budget mode: the size (entries) below which no cut takes each module."""
@@ -488,8 +500,9 @@ class RankSchedule:
             self._note_start(model)
             target = self.planned_size(self.window()[1] if step is None else step)
             floor = (1.0 - TARGET_TOLERANCE / 2) * self.target_size_elements()
-            self.last_cuts = self.importance.select(model, target, floor, self.config.entry_exponent,
-                                                    self.module_floors())
+            self.last_cuts = self.importance.select(
+                model, target, floor, self.config.entry_exponent, self.module_floors()
+            )
             apply_cuts(model, self.last_cuts)
             self.importance.reset()
         self.last_truncation = truncate_model(model, self.config.threshold)
@@ -508,8 +521,9 @@ class RankSchedule:
             "module_sizes_at_start": dict(self.module_sizes_at_start),
             # budget: the slice costs gathered since the last cut, so a resumed run cuts as an
             # uninterrupted one would ("module|bond" -> floats)
-            "slice_costs": {f"{name}|{k}": [float(v) for v in cost.tolist()]
-                            for (name, k), cost in self.importance.costs.items()},
+            "slice_costs": {
+                f"{name}|{k}": [float(v) for v in cost.tolist()] for (name, k), cost in self.importance.costs.items()
+            },
             "slice_cost_steps": self.importance.steps,
         }
 

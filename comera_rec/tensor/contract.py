@@ -52,8 +52,9 @@ class TTLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         t = x @ left  # (B, r)
         ctx.save_for_backward(x, t, left, right)
         return t @ right if bias is None else torch.addmm(bias, t, right)  # (B, N_out)
@@ -177,7 +178,6 @@ def ttm_rows(
     return out.reshape(U, prefix.shape[1] * m_a * m_b)
 
 
-
 def ttm_embedding_bag(
     cores: Sequence[torch.Tensor],
     row_shape: Sequence[int],
@@ -222,18 +222,30 @@ def ttm_embedding_bag(
     """
     if ids.is_cuda and kernels.triton_enabled():  # fused Triton lookup (docs/gpu.md)
         out = kernels.ttm_embedding_bag_triton(
-            cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains,
+            cores,
+            row_shape,
+            embedding_dim,
+            ids,
+            offsets,
+            mode,
+            per_sample_weights,
+            trains,
             static_shapes=static_shapes,
         )
     elif not static_shapes and kernels.cpu_kernel_applies(cores, ids):  # fused C++ lookup (kernels/ttm_cpu.cpp)
         return kernels.ttm_embedding_bag_cpu(
-            cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains,
+            cores,
+            row_shape,
+            embedding_dim,
+            ids,
+            offsets,
+            mode,
+            per_sample_weights,
+            trains,
             stream_batch=stream_batch,
         )
     elif static_shapes:
-        out = ttm_embedding_bag_static(
-            cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains
-        )
+        out = ttm_embedding_bag_static(cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains)
     else:
         out = _ttm_embedding_bag_dedup(cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains)
     return streams_side_by_side(out, stream_batch) if stream_batch > 0 else out

@@ -143,9 +143,7 @@ class TTMEmbeddingBag(TensorTrainModule):
         ranks = cap_ranks(check_rank("TTMEmbeddingBag", rank, len(modes) - 1), modes)
         full = [1] + ranks + [1]
         self._init_train(
-            core_shapes=[
-                (full[k], self.row_shape[k], self.col_shape[k], full[k + 1]) for k in range(len(modes))
-            ],
+            core_shapes=[(full[k], self.row_shape[k], self.col_shape[k], full[k + 1]) for k in range(len(modes))],
             num_batch_dims=0,
             controller_shapes=[(r,) for r in ranks],
             device=device,
@@ -186,13 +184,20 @@ class TTMEmbeddingBag(TensorTrainModule):
                 per_sample_weights = per_sample_weights.to("meta")
         elif not self.static_shapes:  # the checks read ids on the host: not under static shapes
             check_bags("TTMEmbeddingBag", input, offsets, self.num_embeddings, per_sample_weights)
-        cores = [c.unsqueeze(0).to(input.device) if meta else c.unsqueeze(0)
-                 for c in self.scaled_cores()]  # (1, r, n, m, r')
+        cores = [
+            c.unsqueeze(0).to(input.device) if meta else c.unsqueeze(0) for c in self.scaled_cores()
+        ]  # (1, r, n, m, r')
         # on meta the static path: the dynamic one de-duplicates ids with torch.unique,
         # which has no meta kernel; both give the same shapes
         return ttm_embedding_bag(
-            cores, self.row_shape, self.embedding_dim, input.long(), offsets.long(),
-            self.mode, per_sample_weights, static_shapes=self.static_shapes or meta,
+            cores,
+            self.row_shape,
+            self.embedding_dim,
+            input.long(),
+            offsets.long(),
+            self.mode,
+            per_sample_weights,
+            static_shapes=self.static_shapes or meta,
         )
 
     def dense_weight(self) -> torch.Tensor:
@@ -208,8 +213,7 @@ class TTMEmbeddingBag(TensorTrainModule):
 
     def extra_repr(self) -> str:
         return (
-            f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, "
-            f"shape={self.shape}, ranks={self.ranks}"
+            f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, shape={self.shape}, ranks={self.ranks}"
         )
 
     @classmethod
@@ -242,13 +246,17 @@ class TTMEmbeddingBag(TensorTrainModule):
         padded = F.pad(w, (0, math.prod(cols) - embedding_dim, 0, math.prod(rows) - num_embeddings))
         d = len(rows)
         # (n_1..n_d, m_1..m_d) -> (n_1, m_1, ..., n_d, m_d) -> one mode per core
-        interleaved = padded.reshape(rows + cols).permute(
-            *[i for k in range(d) for i in (k, d + k)]
-        ).reshape([n * m for n, m in zip(rows, cols)])
+        interleaved = (
+            padded.reshape(rows + cols)
+            .permute(*[i for k in range(d) for i in (k, d + k)])
+            .reshape([n * m for n, m in zip(rows, cols)])
+        )
         cores = tt_svd(interleaved, bag.ranks)
         bag.cores = nn.ParameterList(
-            [nn.Parameter(c.reshape(c.shape[0], rows[k], cols[k], c.shape[-1]).to(w.device))
-             for k, c in enumerate(cores)]
+            [
+                nn.Parameter(c.reshape(c.shape[0], rows[k], cols[k], c.shape[-1]).to(w.device))
+                for k, c in enumerate(cores)
+            ]
         )
         bag.controllers = nn.ParameterList(
             [nn.Parameter(torch.ones(c.shape[-1], device=w.device, dtype=w.dtype)) for c in cores[:-1]]

@@ -172,8 +172,8 @@ class TTLinear(TensorTrainModule):
             raise TypeError(
                 f"TTLinear: input dtype {x.dtype} differs from the layer's dtype {weight.dtype}; convert the "
                 f"input (x.to({weight.dtype})) or the layer (layer.to({x.dtype}))"
-                if x.dtype.is_floating_point else
-                f"TTLinear: input must be floating point (the layer's dtype {weight.dtype}), got {x.dtype}"
+                if x.dtype.is_floating_point
+                else f"TTLinear: input must be floating point (the layer's dtype {weight.dtype}), got {x.dtype}"
             )
         if x.device != weight.device:
             raise RuntimeError(
@@ -219,8 +219,13 @@ class TTLinear(TensorTrainModule):
         """
         w = linear.weight.detach()
         layer = cls(
-            linear.in_features, linear.out_features, rank, bias=linear.bias is not None,
-            shape=shape, device="meta", dtype=w.dtype,
+            linear.in_features,
+            linear.out_features,
+            rank,
+            bias=linear.bias is not None,
+            shape=shape,
+            device="meta",
+            dtype=w.dtype,
         )
         n_in, n_out = math.prod(layer.in_shape), math.prod(layer.out_shape)
         padded = F.pad(w.t(), (0, n_out - linear.out_features, 0, n_in - linear.in_features))

@@ -30,8 +30,13 @@ def _balanced_key(factors: tuple[int, ...], n: int) -> tuple[float, tuple[int, .
 
 
 def _best_multiset(
-    n: int, k: int, low: int, limit: float, cap: int,
-    prefix: tuple[int, ...] = (), prod: int = 1,
+    n: int,
+    k: int,
+    low: int,
+    limit: float,
+    cap: int,
+    prefix: tuple[int, ...] = (),
+    prod: int = 1,
 ) -> tuple[float, tuple[int, ...]] | None:
     """The best (see :func:`_balanced_key`) non-decreasing tuple of k factors in [low, cap]
     with ``n <= product <= limit`` (the last factor is the least that reaches n), or None.
@@ -119,8 +124,7 @@ def check_shape(name: str, dim: int, shape: Sequence[int]) -> tuple[int, ...]:
         raise ValueError(f"{name}: shape factors must be positive integers, got {list(shape)}")
     if math.prod(shape) < dim:
         raise ValueError(
-            f"{name}: shape {list(shape)} has product {math.prod(shape)}, "
-            f"which cannot hold dimension {dim}"
+            f"{name}: shape {list(shape)} has product {math.prod(shape)}, which cannot hold dimension {dim}"
         )
     return shape
 

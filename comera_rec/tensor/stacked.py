@@ -141,8 +141,16 @@ class StackedTTMTables(TensorTrainModule):
             embedding_dim)`` with ``stream_batch``).
         """
         return ttm_embedding_bag(
-            self.scaled_cores(), self.row_shape, self.embedding_dim, ids, offsets,
-            "sum", per_sample_weights, trains, static_shapes=self.static_shapes, stream_batch=stream_batch,
+            self.scaled_cores(),
+            self.row_shape,
+            self.embedding_dim,
+            ids,
+            offsets,
+            "sum",
+            per_sample_weights,
+            trains,
+            static_shapes=self.static_shapes,
+            stream_batch=stream_batch,
         )
 
     def dense_weight(self, table: int) -> torch.Tensor:
@@ -189,8 +197,13 @@ class StackedTTMTables(TensorTrainModule):
         bags = [TTMEmbeddingBag.from_embedding(w, rank, shape=shape) for w in weights]
         ref = weights[0]
         out = cls(
-            [w.shape[0] for w in weights], ref.shape[1], bags[0].ranks, row_shape=row_shape,
-            col_shape=col_shape, device="meta", dtype=ref.dtype,
+            [w.shape[0] for w in weights],
+            ref.shape[1],
+            bags[0].ranks,
+            row_shape=row_shape,
+            col_shape=col_shape,
+            device="meta",
+            dtype=ref.dtype,
         )
         for k in range(len(bags[0].cores)):
             core_shapes = {tuple(b.cores[k].shape) for b in bags}
@@ -200,7 +213,9 @@ class StackedTTMTables(TensorTrainModule):
             [nn.Parameter(torch.stack([b.cores[k].detach() for b in bags])) for k in range(len(bags[0].cores))]
         )
         out.controllers = nn.ParameterList(
-            [nn.Parameter(torch.stack([b.controllers[k].detach() for b in bags]))
-             for k in range(len(bags[0].controllers))]
+            [
+                nn.Parameter(torch.stack([b.controllers[k].detach() for b in bags]))
+                for k in range(len(bags[0].controllers))
+            ]
         )
         return out

@@ -171,9 +171,7 @@ class TensorTrainModule(InitOnMaterialize):
         ranks = [1] + self.live_ranks(threshold) + [1]
         if 0 in ranks:
             return 0
-        per_train = sum(
-            ranks[k] * self._core_mode_size(k) * ranks[k + 1] for k in range(self.num_cores)
-        )
+        per_train = sum(ranks[k] * self._core_mode_size(k) * ranks[k + 1] for k in range(self.num_cores))
         return per_train * self._num_trains()
 
     def slice_sizes(self, ranks: Sequence[int]) -> list[int]:
@@ -188,8 +186,7 @@ class TensorTrainModule(InitOnMaterialize):
         """
         padded = [1] + list(ranks) + [1]
         return [
-            self._num_trains()
-            * (self._core_mode_size(k) * padded[k] + self._core_mode_size(k + 1) * padded[k + 2])
+            self._num_trains() * (self._core_mode_size(k) * padded[k] + self._core_mode_size(k + 1) * padded[k + 2])
             for k in range(len(ranks))
         ]
 
@@ -334,7 +331,5 @@ def parameter_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
             cores[id(p)] = p
         for p in module.controllers:
             controllers[id(p)] = p
-    other = [
-        p for p in model.parameters() if p.requires_grad and id(p) not in cores and id(p) not in controllers
-    ]
+    other = [p for p in model.parameters() if p.requires_grad and id(p) not in cores and id(p) not in controllers]
     return {"cores": list(cores.values()), "controllers": list(controllers.values()), "other": other}

@@ -69,8 +69,7 @@ def nonfinite_entries(state: Any, prefix: str = "") -> list[str]:
         for i, v in enumerate(state):
             found += nonfinite_entries(v, f"{prefix}.{i}" if prefix else str(i))
     elif hasattr(state, "local_shards"):  # torch.distributed ShardedTensor
-        if any(not bool(torch.isfinite(s.tensor).all()) for s in state.local_shards()
-               if s.tensor.is_floating_point()):
+        if any(not bool(torch.isfinite(s.tensor).all()) for s in state.local_shards() if s.tensor.is_floating_point()):
             found.append(prefix)
     elif isinstance(state, torch.Tensor) and (state.is_floating_point() or state.is_complex()):
         values = state.coalesce().values() if state.is_sparse else state
@@ -237,21 +236,28 @@ def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
     root = Path(root)
     if not root.is_dir():
         return None
-    candidates = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=_step_of,
-                        reverse=True)
+    candidates = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=_step_of, reverse=True)
     skipped: list[str] = []
     for p in candidates:
         problem = checkpoint_problem(p)
         if problem is None:
             if skipped:
-                log.warning("falling back to checkpoint %s (step %d): %d newer checkpoint(s) skipped",
-                            p, _step_of(p), len(skipped))
+                log.warning(
+                    "falling back to checkpoint %s (step %d): %d newer checkpoint(s) skipped",
+                    p,
+                    _step_of(p),
+                    len(skipped),
+                )
             return p
         log.warning("skipping checkpoint %s: %s", p, problem)
         skipped.append(p.name)
     if skipped:
-        log.warning("no usable checkpoint under %s: all %d step_* folders were skipped (%s)", root,
-                    len(skipped), ", ".join(skipped))
+        log.warning(
+            "no usable checkpoint under %s: all %d step_* folders were skipped (%s)",
+            root,
+            len(skipped),
+            ", ".join(skipped),
+        )
     return None
 
 
@@ -305,11 +311,12 @@ def save_checkpoint(
         dist.all_reduce(flag)
         bad_anywhere = float(flag) > 0
     if bad_anywhere:
-        where = (f"rank {rank} has NaN/inf in {bad[:10]}" + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
-                 if bad else "another process has NaN/inf in its state")
-        raise NonFiniteStateError(
-            f"refusing to write checkpoint {final}: {where}; the previous checkpoints are kept"
+        where = (
+            f"rank {rank} has NaN/inf in {bad[:10]}" + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+            if bad
+            else "another process has NaN/inf in its state"
         )
+        raise NonFiniteStateError(f"refusing to write checkpoint {final}: {where}; the previous checkpoints are kept")
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{TMP_PREFIX}*"):
@@ -409,9 +416,7 @@ def load_checkpoint(path: Union[str, Path], rank: Optional[int] = None) -> tuple
     if rank is None:
         rank = dist.get_rank() if is_distributed() else 0
         if int(meta["world_size"]) != world:
-            raise ValueError(
-                f"{path} was written by {meta['world_size']} processes; this run has {world}"
-            )
+            raise ValueError(f"{path} was written by {meta['world_size']} processes; this run has {world}")
     file = path / f"rank{rank}.pt"
     if not file.is_file():
         raise FileNotFoundError(f"{file} is missing: {path} is not a complete checkpoint")
@@ -481,14 +486,18 @@ def restore_local(live: Any, saved: Any, where: str = "state") -> Any:
     sharded = _sharded_tensor_type()
     if isinstance(saved, dict) and LOCAL_SHARDS in saved:
         if sharded is None or not isinstance(live, sharded):
-            raise ValueError(f"{where}: the checkpoint holds shards of a sharded tensor, the model a plain one; "
-                             "resume with the same sharding (embedding_optim.sharding_type) and world size")
+            raise ValueError(
+                f"{where}: the checkpoint holds shards of a sharded tensor, the model a plain one; "
+                "resume with the same sharding (embedding_optim.sharding_type) and world size"
+            )
         shards = live.local_shards()
         stored = saved[LOCAL_SHARDS]
         if len(shards) != len(stored) or any(a.tensor.shape != b.shape for a, b in zip(shards, stored)):
-            raise ValueError(f"{where}: the checkpoint's local shards {[tuple(t.shape) for t in stored]} do not "
-                             f"match this process's {[tuple(s.tensor.shape) for s in shards]}; resume with the same "
-                             "sharding and world size")
+            raise ValueError(
+                f"{where}: the checkpoint's local shards {[tuple(t.shape) for t in stored]} do not "
+                f"match this process's {[tuple(s.tensor.shape) for s in shards]}; resume with the same "
+                "sharding and world size"
+            )
         for shard, tensor in zip(shards, stored):
             shard.tensor.copy_(tensor)
         return live

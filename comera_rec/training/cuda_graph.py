@@ -138,8 +138,9 @@ def _static(obj: Any, device: torch.device, path: str) -> Any:
     kjt = _kjt_type()
     if kjt is not None and isinstance(obj, kjt):
         if obj.variable_stride_per_key():
-            raise BatchLayoutError(f"{path}: KeyedJaggedTensor with variable batch sizes per feature "
-                                   f"cannot be captured")
+            raise BatchLayoutError(
+                f"{path}: KeyedJaggedTensor with variable batch sizes per feature cannot be captured"
+            )
         weights = obj.weights_or_none()
         return kjt(
             keys=list(obj.keys()),
@@ -161,8 +162,9 @@ def _static(obj: Any, device: torch.device, path: str) -> Any:
             return type(obj)(*items)
         return type(obj)(items)
     if _is_dataclass_instance(obj):
-        return dataclasses.replace(obj, **{n: _static(getattr(obj, n), device, f"{path}.{n}")
-                                           for n in _init_fields(obj)})
+        return dataclasses.replace(
+            obj, **{n: _static(getattr(obj, n), device, f"{path}.{n}") for n in _init_fields(obj)}
+        )
     if isinstance(obj, _PLAIN):
         return obj
     raise BatchLayoutError(
@@ -220,8 +222,9 @@ def copy_into(static: Any, batch: Any, path: str = "batch") -> None:
         if list(batch.keys()) != list(static.keys()):
             raise BatchLayoutError(f"{path}: keys {list(batch.keys())} differ from the captured {list(static.keys())}")
         if batch.variable_stride_per_key() or batch.stride() != static.stride():
-            raise BatchLayoutError(f"{path}: stride (batch size) {batch.stride()} differs from the captured "
-                                   f"{static.stride()}")
+            raise BatchLayoutError(
+                f"{path}: stride (batch size) {batch.stride()} differs from the captured {static.stride()}"
+            )
         lengths = list(batch.length_per_key())  # a sync only if the batch is on a GPU and lacks it
         if lengths != list(static.length_per_key()):
             raise BatchLayoutError(
@@ -247,20 +250,26 @@ def copy_into(static: Any, batch: Any, path: str = "batch") -> None:
         return
     if isinstance(static, (list, tuple)):
         if type(batch) is not type(static) or len(batch) != len(static):
-            raise BatchLayoutError(f"{path}: a {type(batch).__name__} of length {len(batch) if hasattr(batch, '__len__') else '?'} "
-                                   f"differs from the captured {type(static).__name__} of length {len(static)}")
+            raise BatchLayoutError(
+                f"{path}: a {type(batch).__name__} of length {len(batch) if hasattr(batch, '__len__') else '?'} "
+                f"differs from the captured {type(static).__name__} of length {len(static)}"
+            )
         for i, (s, b) in enumerate(zip(static, batch)):
             copy_into(s, b, f"{path}[{i}]")
         return
     if _is_dataclass_instance(static):
         if type(batch) is not type(static):
-            raise BatchLayoutError(f"{path}: a {type(batch).__name__} differs from the captured {type(static).__name__}")
+            raise BatchLayoutError(
+                f"{path}: a {type(batch).__name__} differs from the captured {type(static).__name__}"
+            )
         for n in _init_fields(static):
             copy_into(getattr(static, n), getattr(batch, n), f"{path}.{n}")
         return
     if type(batch) is not type(static) or batch != static:
-        raise BatchLayoutError(f"{path}: value {batch!r} differs from the captured {static!r} (plain values are "
-                               f"baked into the captured step)")
+        raise BatchLayoutError(
+            f"{path}: value {batch!r} differs from the captured {static!r} (plain values are "
+            f"baked into the captured step)"
+        )
 
 
 def _detach_tree(obj: Any) -> Any:
@@ -294,8 +303,7 @@ class Captured(Protocol):
 
     outputs: Any
 
-    def replay(self) -> None:
-        ...
+    def replay(self) -> None: ...
 
 
 class CaptureBackend(Protocol):
@@ -558,8 +566,10 @@ def capturable_objective(schedule: Any, model: nn.Module, task_loss: torch.Tenso
     if c.mode == "budget":  # the budget schedule steers the size by cuts: the objective is L
         return task_loss, task_loss.new_zeros(())
     if schedule.stage != "early":
-        raise ValueError(f"capturable_objective: the {schedule.stage!r} stage decides on the host each step; "
-                         f"only the early stage can be captured")
+        raise ValueError(
+            f"capturable_objective: the {schedule.stage!r} stage decides on the host each step; "
+            f"only the early stage can be captured"
+        )
     total: Optional[torch.Tensor] = None
     count: Optional[torch.Tensor] = None
     for _, module in tensor_train_modules(model):
@@ -670,8 +680,9 @@ class StepGraphs:
                 t = self._lr_tensors.get((i, j))
                 if t is None:  # made eagerly (never inside a capture); lives as long as the graph
                     p = group["params"][0]
-                    t = torch.tensor(float(lr), dtype=torch.float64 if p.dtype == torch.float64 else torch.float32,
-                                     device=p.device)
+                    t = torch.tensor(
+                        float(lr), dtype=torch.float64 if p.dtype == torch.float64 else torch.float32, device=p.device
+                    )
                     self._lr_tensors[(i, j)] = t
                 else:
                     t.fill_(float(lr))  # an async fill: no synchronisation

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from comera_rec.config import to_dict
+from comera_rec.rank.optim_state import retarget_optimizer
 from comera_rec.rank.schedule import ObjectiveTerms, RankSchedule, RankScheduleConfig
 from comera_rec.rank.size import (
     model_compression_ratio,
@@ -55,7 +56,6 @@ from comera_rec.rank.size import (
     model_tt_bytes,
     total_live_rank,
 )
-from comera_rec.rank.optim_state import retarget_optimizer
 from comera_rec.rank.truncation import resize_to_state_dict
 from comera_rec.tensor.embedding import set_static_shapes
 from comera_rec.tensor.kernels import build_cpu_kernels
@@ -63,10 +63,10 @@ from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training import faults
 from comera_rec.training.checkpoint import (
     NonFiniteStateError,
-    localize,
-    restore_local,
     latest_checkpoint,
     load_checkpoint,
+    localize,
+    restore_local,
     save_checkpoint,
 )
 from comera_rec.training.cuda_graph import CaptureBackend, CudaGraphCapture, StepGraphs, capturable_objective
@@ -174,8 +174,16 @@ class TrainerConfig:
     imported that is ~350k objects each full collection would otherwise traverse."""
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "epochs", "log_every", "eval_every", "checkpoint_every",
-                     "keep_checkpoints", "max_nonfinite", "eval_max_batches"):
+        for name in (
+            "max_steps",
+            "epochs",
+            "log_every",
+            "eval_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "max_nonfinite",
+            "eval_max_batches",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"TrainerConfig.{name} must be an integer >= 0, got {value!r}")
@@ -185,9 +193,11 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.backend must be auto, gloo or nccl, got {self.backend!r}")
         if not isinstance(self.run_dir, str) or not self.run_dir.strip():
             # Path("") is the working directory: the log, plots and checkpoints would land there
-            raise ValueError(f"TrainerConfig.run_dir (trainer.run_dir) is empty ({self.run_dir!r}); it would write "
-                             f"the log and checkpoints into the working directory: give a folder, "
-                             f"e.g. trainer.run_dir=runs/my_run")
+            raise ValueError(
+                f"TrainerConfig.run_dir (trainer.run_dir) is empty ({self.run_dir!r}); it would write "
+                f"the log and checkpoints into the working directory: give a folder, "
+                f"e.g. trainer.run_dir=runs/my_run"
+            )
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -218,8 +228,11 @@ def config_differences(saved: Any, current: Any, ignore: tuple[str, ...] = ("tra
     """
     a, b = _flatten(saved or {}), _flatten(current or {})
     keys = sorted(set(a) | set(b))
-    return [f"{k} (checkpoint {_short(a.get(k, '<absent>'))}, now {_short(b.get(k, '<absent>'))})"
-            for k in keys if not k.startswith(ignore) and a.get(k, "<absent>") != b.get(k, "<absent>")]
+    return [
+        f"{k} (checkpoint {_short(a.get(k, '<absent>'))}, now {_short(b.get(k, '<absent>'))})"
+        for k in keys
+        if not k.startswith(ignore) and a.get(k, "<absent>") != b.get(k, "<absent>")
+    ]
 
 
 def _rank_dims(model: nn.Module) -> dict[str, set[int]]:
@@ -276,8 +289,13 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": [py_state[0], torch.tensor(py_state[1], dtype=torch.int64), py_state[2]],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]),
-                  int(np_state[3]), float(np_state[4])],
+        "numpy": [
+            np_state[0],
+            torch.from_numpy(np_state[1].astype(np.int64)),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
     }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -367,10 +385,18 @@ class Trainer:
                 # (peer addresses) would make the new group connect to dead processes
                 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
                 agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                      is_master=not agent_store and rank == 0)
-                dist.init_process_group(backend, store=dist.PrefixStore(f"comera_rec/attempt_{restarts}", store),
-                                        rank=rank, world_size=world)
+                store = dist.TCPStore(
+                    os.environ["MASTER_ADDR"],
+                    int(os.environ["MASTER_PORT"]),
+                    world,
+                    is_master=not agent_store and rank == 0,
+                )
+                dist.init_process_group(
+                    backend,
+                    store=dist.PrefixStore(f"comera_rec/attempt_{restarts}", store),
+                    rank=rank,
+                    world_size=world,
+                )
             else:
                 dist.init_process_group(backend)
             self._owns_group = True
@@ -381,13 +407,17 @@ class Trainer:
             name = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(name)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"trainer.device={self.config.device!r} asks for a GPU, but CUDA is not available "
-                             f"here (no GPU, no driver, or a CPU-only torch build); set trainer.device=cpu, "
-                             f"or auto to use a GPU only where there is one")
+            raise ValueError(
+                f"trainer.device={self.config.device!r} asks for a GPU, but CUDA is not available "
+                f"here (no GPU, no driver, or a CPU-only torch build); set trainer.device=cpu, "
+                f"or auto to use a GPU only where there is one"
+            )
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"trainer.device={self.config.device!r}, but this machine has "
-                             f"{torch.cuda.device_count()} CUDA device(s): cuda:0 .. "
-                             f"cuda:{torch.cuda.device_count() - 1}")
+            raise ValueError(
+                f"trainer.device={self.config.device!r}, but this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s): cuda:0 .. "
+                f"cuda:{torch.cuda.device_count() - 1}"
+            )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         if device.type == "cuda":
@@ -415,10 +445,16 @@ class Trainer:
                 os.close(fd)
                 os.unlink(probe)
             except OSError as e:
-                what = ("checkpoints are on (trainer.checkpoint_at_end / checkpoint_every), and "
-                        if folder != self.run_dir else "")
-                raise OSError(e.errno, f"trainer.run_dir={cfg.run_dir!r}: {what}cannot write into {folder} "
-                                       f"({e.strerror or e}); choose a writable trainer.run_dir") from e
+                what = (
+                    "checkpoints are on (trainer.checkpoint_at_end / checkpoint_every), and "
+                    if folder != self.run_dir
+                    else ""
+                )
+                raise OSError(
+                    e.errno,
+                    f"trainer.run_dir={cfg.run_dir!r}: {what}cannot write into {folder} "
+                    f"({e.strerror or e}); choose a writable trainer.run_dir",
+                ) from e
 
     def _resume_checkpoint(self) -> Optional[Path]:
         """The checkpoint to resume from: the newest complete one in ``run_dir/checkpoints``
@@ -434,18 +470,23 @@ class Trainer:
         folder = self.run_dir / "checkpoints"
         resume_from = latest_checkpoint(folder) if cfg.resume or restarts > 0 else None
         if restarts > 0 and process_rank() == 0:
-            logger.warning("torchrun restart %d: %s", restarts,
-                           f"resuming from {resume_from}" if resume_from else "no checkpoint yet, starting afresh")
+            logger.warning(
+                "torchrun restart %d: %s",
+                restarts,
+                f"resuming from {resume_from}" if resume_from else "no checkpoint yet, starting afresh",
+            )
         if cfg.resume and resume_from is None and restarts == 0:
             if not cfg.resume_missing_ok:
                 where = "does not exist" if not folder.is_dir() else "holds no complete checkpoint"
                 raise FileNotFoundError(
                     f"trainer.resume (--resume): {folder} {where}, so there is nothing to resume from; check "
                     f"trainer.run_dir={cfg.run_dir!r}, or set trainer.resume_missing_ok=true to start afresh "
-                    f"when there is no checkpoint")
+                    f"when there is no checkpoint"
+                )
             if process_rank() == 0:
-                logger.warning("trainer.resume: no complete checkpoint in %s, starting afresh "
-                               "(trainer.resume_missing_ok)", folder)
+                logger.warning(
+                    "trainer.resume: no complete checkpoint in %s, starting afresh (trainer.resume_missing_ok)", folder
+                )
         return resume_from
 
     @property
@@ -493,13 +534,17 @@ class Trainer:
                 f"(trainer.device={self.config.device!r}); CUDA graphs do not exist on CPU: set cuda_graphs=false"
             )
         if is_distributed():
-            raise ValueError("TrainerConfig.cuda_graphs=True supports one process only (collectives inside a "
-                             f"captured backward are not handled); this run has {world_size()} processes")
+            raise ValueError(
+                "TrainerConfig.cuda_graphs=True supports one process only (collectives inside a "
+                f"captured backward are not handled); this run has {world_size()} processes"
+            )
         scheduled = getattr(oc, "warmup_steps", 0) or getattr(oc, "decay", "none") != "none"
         if self.device.type == "cuda" and scheduled and oc.name not in ("Adam", "AdamW"):
-            raise ValueError(f"TrainerConfig.cuda_graphs=True with a learning-rate schedule needs Adam or AdamW "
-                             f"(their rate can be a device tensor); {oc.name} would bake each step's rate into "
-                             f"the graph")
+            raise ValueError(
+                f"TrainerConfig.cuda_graphs=True with a learning-rate schedule needs Adam or AdamW "
+                f"(their rate can be a device tensor); {oc.name} would bake each step's rate into "
+                f"the graph"
+            )
         self._capturable = self.device.type == "cuda"
 
     def _start_graphs(self) -> None:
@@ -516,8 +561,7 @@ class Trainer:
         self._graphs.invalidate()
         self._graphs = None
         self._zero_grad()
-        logger.warning("cuda_graphs: the %s rank stage is not capturable; training on eagerly",
-                       self.schedule.stage)
+        logger.warning("cuda_graphs: the %s rank stage is not capturable; training on eagerly", self.schedule.stage)
         return False
 
     def _graph_forward_backward(self, batch: Any) -> tuple[torch.Tensor, ...]:
@@ -552,8 +596,9 @@ class Trainer:
         if steps > 0:
             return steps
         if self.schedule.budget and process_rank() == 0:
-            logger.warning("the budget rank schedule needs the run's length (trainer.max_steps); "
-                           "training at the starting ranks")
+            logger.warning(
+                "the budget rank schedule needs the run's length (trainer.max_steps); training at the starting ranks"
+            )
         return None
 
     def _step_flags(self, has_batch: bool) -> tuple[bool, int]:
@@ -596,8 +641,11 @@ class Trainer:
             empty = [r for r, n in enumerate(counts.tolist()) if not n]
             logger.warning(
                 "ranks ran out of batches unevenly at step %d: rank(s) %s had none left; %s; all ranks stop "
-                "here together", self.step, ", ".join(map(str, empty)),
-                ", ".join(f"rank {r} leaves {n} batch(es) unused" for r, n in left.items()))
+                "here together",
+                self.step,
+                ", ".join(map(str, empty)),
+                ", ".join(f"rank {r} leaves {n} batch(es) unused" for r, n in left.items()),
+            )
 
     def _stop_on_signal(self, signum: int) -> None:
         """Checkpoint (unless this step's is written) and raise :class:`TrainingStopped`
@@ -611,8 +659,7 @@ class Trainer:
                 path = self.save()
             except NonFiniteStateError as e:
                 note = f" (none written: {e})"
-        message = (f"stopped by {signal_name(signum)} at step {self.step}; checkpoint {path}{note}; "
-                   f"resume with --resume")
+        message = f"stopped by {signal_name(signum)} at step {self.step}; checkpoint {path}{note}; resume with --resume"
         if process_rank() == 0:
             logger.warning(message)
         raise TrainingStopped(signum, self.step, path, message)
@@ -660,8 +707,14 @@ class Trainer:
             meta["config"] = to_dict(self.run_config)
         # pruning only deletes this run's checkpoints
         run_id = self._run_dir.run_id if self._run_dir is not None else None
-        path = save_checkpoint(self.run_dir / "checkpoints", self.step, self._state(), meta,
-                               keep=self.config.keep_checkpoints, run_id=run_id)
+        path = save_checkpoint(
+            self.run_dir / "checkpoints",
+            self.step,
+            self._state(),
+            meta,
+            keep=self.config.keep_checkpoints,
+            run_id=run_id,
+        )
         self._saved = (self.step, path)
         return path
 
@@ -673,9 +726,11 @@ class Trainer:
         problems += [f"config {d}" for d in diffs if fixed and d.startswith(fixed)]
         if problems:
             shown = problems[:12] + ([f"... {len(problems) - 12} more"] if len(problems) > 12 else [])
-            hint = (f"; the run config differs from the checkpoint's in: {'; '.join(diffs[:10])}" if diffs else "")
+            hint = f"; the run config differs from the checkpoint's in: {'; '.join(diffs[:10])}" if diffs else ""
             raise IncompatibleCheckpointError(
-                f"checkpoint {path} does not fit this model: " + "; ".join(shown) + hint
+                f"checkpoint {path} does not fit this model: "
+                + "; ".join(shown)
+                + hint
                 + ". Resume with the configuration it was written with, or use another trainer.run_dir."
             )
         if diffs and process_rank() == 0:
@@ -737,8 +792,9 @@ class Trainer:
         finite = bool(torch.isfinite(value))
         if not is_distributed():
             return float(value), finite
-        buf = torch.stack([value if finite else torch.zeros_like(value),
-                           torch.tensor(0.0 if finite else 1.0, device=value.device)]).to(self.device)
+        buf = torch.stack(
+            [value if finite else torch.zeros_like(value), torch.tensor(0.0 if finite else 1.0, device=value.device)]
+        ).to(self.device)
         dist.all_reduce(buf)
         return float(buf[0]) / world_size(), float(buf[1]) == 0.0
 
@@ -854,13 +910,16 @@ class Trainer:
             self.wrapped = self.task.wrap(self.model)
             self._build_optimizers()
         start_step = self.step
-        log = JsonlLog(self.run_dir / "log.jsonl", resume_step=start_step if resume_from else None) if rank == 0 else None
+        log = (
+            JsonlLog(self.run_dir / "log.jsonl", resume_step=start_step if resume_from else None) if rank == 0 else None
+        )
         if self._rng_to_restore is not None:
             _set_rng_state(self._rng_to_restore, self.device)
         total = cfg.max_steps if cfg.max_steps > 0 else None
         self.schedule.set_total_steps(total if total is not None else self._epoch_steps())
-        bar = tqdm(total=total, initial=start_step, disable=not (cfg.progress and rank == 0),
-                   dynamic_ncols=True, desc="train")
+        bar = tqdm(
+            total=total, initial=start_step, disable=not (cfg.progress and rank == 0), dynamic_ncols=True, desc="train"
+        )
         batches = self._batches()
         window_loss, window_steps, window_samples, window_time = 0.0, 0, 0, 0.0
         throughputs: list[float] = []
@@ -931,17 +990,32 @@ class Trainer:
             bar.update(1)
             if truncated and log is not None:
                 tr = self.schedule.last_truncation
-                log.write({"kind": "truncate", "step": self.step, "ranks_before": tr.ranks_before,
-                           "ranks_after": tr.ranks_after, "cuts": len(self.schedule.last_cuts),
-                           "model_bytes": model_tt_bytes(self.model, self.schedule.config.threshold)})
+                log.write(
+                    {
+                        "kind": "truncate",
+                        "step": self.step,
+                        "ranks_before": tr.ranks_before,
+                        "ranks_after": tr.ranks_after,
+                        "cuts": len(self.schedule.last_cuts),
+                        "model_bytes": model_tt_bytes(self.model, self.schedule.config.threshold),
+                    }
+                )
             if cfg.log_every and self.step % cfg.log_every == 0:
                 tput = window_samples / max(window_time, 1e-9)
                 throughputs.append(tput)
-                record = {"kind": "train", "step": self.step, "loss": window_loss / window_steps,
-                          "objective": float(terms.loss.detach()), "surrogate": terms.surrogate,
-                          "stage": terms.stage, "choice": terms.choice, "samples_per_s": tput,
-                          "peak_mem_mb": peak_memory_mb(self.device), "nonfinite": self.nonfinite,
-                          **self._size_record()}
+                record = {
+                    "kind": "train",
+                    "step": self.step,
+                    "loss": window_loss / window_steps,
+                    "objective": float(terms.loss.detach()),
+                    "surrogate": terms.surrogate,
+                    "stage": terms.stage,
+                    "choice": terms.choice,
+                    "samples_per_s": tput,
+                    "peak_mem_mb": peak_memory_mb(self.device),
+                    "nonfinite": self.nonfinite,
+                    **self._size_record(),
+                }
                 if log is not None:
                     log.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", cr=f"{record['compression']:.1f}")
@@ -982,9 +1056,13 @@ class Trainer:
             table = summary_table(summary)
             print(table, flush=True)
             (self.run_dir / "summary.txt").write_text(table + "\n")
-            (self.run_dir / "summary.json").write_text(json.dumps(
-                {**summary, "live_ranks": model_live_ranks(self.model, self.schedule.config.threshold)},
-                indent=1, default=str))
+            (self.run_dir / "summary.json").write_text(
+                json.dumps(
+                    {**summary, "live_ranks": model_live_ranks(self.model, self.schedule.config.threshold)},
+                    indent=1,
+                    default=str,
+                )
+            )
             if log is not None:
                 log.write({"kind": "summary", **summary})
             if cfg.plots:

@@ -53,9 +53,7 @@ class BinaryMetrics:
         logits = logits.detach().reshape(-1).float().to(self.device)
         labels = labels.detach().reshape(-1).to(self.device)
         if logits.shape != labels.shape:
-            raise ValueError(
-                f"BinaryMetrics.update: {logits.numel()} logits for {labels.numel()} labels"
-            )
+            raise ValueError(f"BinaryMetrics.update: {logits.numel()} logits for {labels.numel()} labels")
         probs = torch.sigmoid(logits)
         self.auroc.update(probs, labels.long())
         self.accuracy.update(probs, labels.long())

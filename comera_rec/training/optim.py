@@ -100,8 +100,10 @@ class OptimConfig:
         # small TT cores (torch only picks it by default on GPUs)
         kw: dict[str, object] = {"weight_decay": self.weight_decay, "foreach": True}
         if capturable and self.name == "Adagrad":
-            raise ValueError("OptimConfig: Adagrad has no capturable mode (its step count is read on the "
-                             "host); use Adam, AdamW or SGD with CUDA graphs")
+            raise ValueError(
+                "OptimConfig: Adagrad has no capturable mode (its step count is read on the "
+                "host); use Adam, AdamW or SGD with CUDA graphs"
+            )
         if self.name in ("Adam", "AdamW"):
             kw.update(betas=self.betas, eps=self.eps)
             if capturable:

@@ -66,8 +66,15 @@ def _series(records: Iterable[dict[str, Any]], kind: str, key: str) -> tuple[lis
 Curve = tuple[str, str, str, str, Optional[str]]
 
 
-def _plot_two_axes(plt: Any, records: list[dict[str, Any]], left: list[Curve], right: list[Curve],
-                   ylabels: tuple[str, str], title: str, path: Path) -> Path:
+def _plot_two_axes(
+    plt: Any,
+    records: list[dict[str, Any]],
+    left: list[Curve],
+    right: list[Curve],
+    ylabels: tuple[str, str],
+    title: str,
+    path: Path,
+) -> Path:
     """One PNG: ``left`` curves on the left axis, ``right`` ones on a twin axis, one legend."""
     fig, ax = plt.subplots(figsize=(7, 4))
     ax2 = ax.twinx()
@@ -105,16 +112,21 @@ def plot_run(records: list[dict[str, Any]], run_dir: Union[str, Path]) -> list[P
     run_dir = Path(run_dir)
     return [
         _plot_two_axes(
-            plt, records,
+            plt,
+            records,
             [("train", "loss", "train loss", "-", None), ("eval", "log_loss", "validation log loss", "o-", None)],
             [("eval", "auc", "validation AUC", "s-", "tab:green")],
-            ("loss", "AUC"), "loss and AUC", run_dir / "loss_auc.png",
+            ("loss", "AUC"),
+            "loss and AUC",
+            run_dir / "loss_auc.png",
         ),
         _plot_two_axes(
-            plt, records,
+            plt,
+            records,
             [("train", "live_rank", "sum of live ranks", "-", None)],
             [("train", "compression", "compression ratio", "-", "tab:red")],
-            ("live ranks", "compression ratio (dense / live parameters)"), "ranks and compression",
+            ("live ranks", "compression ratio (dense / live parameters)"),
+            "ranks and compression",
             run_dir / "ranks_compression.png",
         ),
     ]

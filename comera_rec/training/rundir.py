@@ -119,7 +119,8 @@ def lock_run_dir(run_dir: Path) -> RunLock:
             raise
         raise RunDirLockedError(
             f"trainer.run_dir={str(run_dir)!r} is in use by another run: {_holder(path)} holds {path}. "
-            f"Wait for that run to end (or stop it), or choose another trainer.run_dir") from None
+            f"Wait for that run to end (or stop it), or choose another trainer.run_dir"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode())
     return RunLock(path, fd)
@@ -186,13 +187,17 @@ def check_fresh_start(run_dir: Path, overwrite: bool) -> Optional[Path]:
     if not found and not records:
         return None
     if not overwrite:
-        what = (f"{len(found)} checkpoint(s) of another run (newest {found[-1].name})" if found
-                else f"another run's {' and '.join(records)}")
+        what = (
+            f"{len(found)} checkpoint(s) of another run (newest {found[-1].name})"
+            if found
+            else f"another run's {' and '.join(records)}"
+        )
         raise ExistingRunError(
             f"trainer.run_dir={str(run_dir)!r} already holds {what}, and this is a fresh start. Pass --resume "
             f"(trainer.resume=true) to continue that run, choose a new trainer.run_dir, or set "
             f"trainer.overwrite=true to move the old run aside into {run_dir.name}.old-<timestamp> "
-            f"(nothing is deleted)")
+            f"(nothing is deleted)"
+        )
     target = move_aside(run_dir)
     log.warning("trainer.overwrite: moved the previous run in %s aside to %s", run_dir, target)
     return target
@@ -268,8 +273,11 @@ def open_run_dir(run_dir: Path, resume_from: Optional[Path], resume: bool, overw
                 moved = check_fresh_start(run_dir, overwrite)
             run_id = run_id_of(resume_from) if resume_from is not None else None
             if resume_from is not None and run_id is None:
-                log.warning("checkpoint %s records no run id (written before run ids): this run gets a new one, "
-                            "and checkpoints without one are never pruned", resume_from)
+                log.warning(
+                    "checkpoint %s records no run id (written before run ids): this run gets a new one, "
+                    "and checkpoints without one are never pruned",
+                    resume_from,
+                )
             outcome = [None, None, run_id or uuid.uuid4().hex, str(moved) if moved else None]
         except (RunDirLockedError, ExistingRunError) as e:
             if lock is not None:

@@ -103,5 +103,6 @@ class StopSignals:
         self.signum = signum
         for sig in self._previous:
             signal.signal(sig, signal.SIG_DFL)  # a second signal ends the process now
-        logger.warning("%s received: stopping after this step with a checkpoint (send it again to abort now)",
-                       signal_name(signum))
+        logger.warning(
+            "%s received: stopping after this step with a checkpoint (send it again to abort now)", signal_name(signum)
+        )

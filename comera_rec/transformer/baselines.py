@@ -77,10 +77,7 @@ class MethodConfig:
 
 def encoder_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The dense Q/K/V/output and FFN layers of every encoder block (what GaLore and LTE act on)."""
-    return [
-        (name, m) for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and ".layers." in f".{name}"
-    ]
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in f".{name}"]
 
 
 # ----------------------------------------------------------------------------- GaLore
@@ -131,8 +128,13 @@ class GaLoreOptimizer:
         for p in params:
             if p.dim() != 2:
                 raise ValueError(f"GaLoreOptimizer: GaLore projects 2-D weights, got shape {tuple(p.shape)}")
-        group = {"params": params, "rank": rank, "update_proj_gap": update_proj_gap, "scale": scale,
-                 "proj_type": proj_type}
+        group = {
+            "params": params,
+            "rank": rank,
+            "update_proj_gap": update_proj_gap,
+            "scale": scale,
+            "proj_type": proj_type,
+        }
         self.inner = GaLoreAdamW([group], lr=lr, weight_decay=weight_decay, no_deprecation_warning=True)
         self.param_groups = self.inner.param_groups
 
@@ -169,8 +171,12 @@ class GaLoreOptimizer:
         group = self.inner.param_groups[0]
         for key, ortho in saved.items():
             p = group["params"][int(key)]
-            proj = GaLoreProjector(group["rank"], update_proj_gap=group["update_proj_gap"],
-                                   scale=group["scale"], proj_type=group["proj_type"])
+            proj = GaLoreProjector(
+                group["rank"],
+                update_proj_gap=group["update_proj_gap"],
+                scale=group["scale"],
+                proj_type=group["proj_type"],
+            )
             proj.ortho_matrix = ortho
             self.inner.state[p]["projector"] = proj
 
@@ -253,8 +259,10 @@ class LTELinear(nn.Module):
         self.reset_adapters()
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, heads={self.heads}, "
-                f"rank={self.rank}, scale={self.scale:g}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, heads={self.heads}, "
+            f"rank={self.rank}, scale={self.scale:g}"
+        )
 
 
 def to_lte(model: nn.Module, *, heads: int, rank: int, alpha: float) -> nn.Module:
@@ -356,9 +364,16 @@ def extra_optimizers(model: nn.Module, method: MethodConfig) -> list[Any]:
     """The method's own optimisers, stepped by the engine after its torch optimiser."""
     if method.name == "galore":
         projected = [linear.weight for _, linear in encoder_linears(model)]
-        return [GaLoreOptimizer(projected, lr=method.galore_lr, rank=method.galore_rank,
-                                update_proj_gap=method.galore_update_proj_gap, scale=method.galore_scale,
-                                proj_type=method.galore_proj_type)]
+        return [
+            GaLoreOptimizer(
+                projected,
+                lr=method.galore_lr,
+                rank=method.galore_rank,
+                update_proj_gap=method.galore_update_proj_gap,
+                scale=method.galore_scale,
+                proj_type=method.galore_proj_type,
+            )
+        ]
     if method.name == "lte":
         return [LTEOptimizer(model, lr=method.lte_lr, merge_every=method.lte_merge_every)]
     return []

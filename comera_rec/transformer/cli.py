@@ -27,15 +27,19 @@ def train(argv: Optional[Sequence[str]] = None) -> dict:
     ``comera-train-transformer`` both run this."""
     setup_logging()
     config = run_config_from_args(
-        ClassificationRun, argv, __doc__,
+        ClassificationRun,
+        argv,
+        __doc__,
         config_help="YAML run config: a path, or a shipped config's name (transformer_synthetic, ...)",
         overrides_help="section.key=value, e.g. method.name=galore trainer.max_steps=50",
     )
     if config is None:  # --help-config
         return {}
     summary = run_classification(config)
-    print(f"{config.method.name}: val accuracy {summary['val_accuracy']:.4f}, val loss {summary['val_log_loss']:.4f}, "
-          f"compression {summary['compression']:.1f}x, {summary['parameters']:,} parameters")
+    print(
+        f"{config.method.name}: val accuracy {summary['val_accuracy']:.4f}, val loss {summary['val_log_loss']:.4f}, "
+        f"compression {summary['compression']:.1f}x, {summary['parameters']:,} parameters"
+    )
     return summary
 
 

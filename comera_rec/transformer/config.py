@@ -67,23 +67,29 @@ class EncoderConfig:
     """Masked-LM output layer: "tied" to the token embedding (RoBERTa) or a separate dense layer."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "max_len", "type_vocab_size", "num_layers", "d_model", "num_heads",
-                     "d_ff", "num_labels", "rank", "embedding_rank"):
+        for name in (
+            "vocab_size",
+            "max_len",
+            "type_vocab_size",
+            "num_layers",
+            "d_model",
+            "num_heads",
+            "d_ff",
+            "num_labels",
+            "rank",
+            "embedding_rank",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EncoderConfig.{name} must be a positive integer, got {value!r}")
         if self.d_model % self.num_heads:
-            raise ValueError(
-                f"EncoderConfig: num_heads={self.num_heads} must divide d_model={self.d_model}"
-            )
+            raise ValueError(f"EncoderConfig: num_heads={self.num_heads} must divide d_model={self.d_model}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"EncoderConfig.dropout must be in [0, 1), got {self.dropout!r}")
         for name in ("embedding_shape", "attention_shape", "ffn_in_shape", "ffn_out_shape"):
             value = getattr(self, name)
             if value is not None and (len(value) != 2 or not all(len(side) for side in value)):
-                raise ValueError(
-                    f"EncoderConfig.{name} must be two lists of factors [[...], [...]], got {value!r}"
-                )
+                raise ValueError(f"EncoderConfig.{name} must be two lists of factors [[...], [...]], got {value!r}")
 
     @property
     def head_dim(self) -> int:
@@ -114,22 +120,45 @@ def encoder_preset(name: str, **overrides: object) -> EncoderConfig:
     """
     presets: dict[str, dict[str, object]] = {
         "reference": dict(
-            vocab_size=30522, max_len=128, num_layers=6, d_model=768, num_heads=12, d_ff=3072,
-            embedding_shape=REFERENCE_EMBEDDING_SHAPE, attention_shape=REFERENCE_ATTENTION_SHAPE,
-            ffn_in_shape=REFERENCE_FFN_IN_SHAPE, ffn_out_shape=REFERENCE_FFN_OUT_SHAPE,
+            vocab_size=30522,
+            max_len=128,
+            num_layers=6,
+            d_model=768,
+            num_heads=12,
+            d_ff=3072,
+            embedding_shape=REFERENCE_EMBEDDING_SHAPE,
+            attention_shape=REFERENCE_ATTENTION_SHAPE,
+            ffn_in_shape=REFERENCE_FFN_IN_SHAPE,
+            ffn_out_shape=REFERENCE_FFN_OUT_SHAPE,
         ),
-        "tiny": dict(vocab_size=1000, max_len=64, num_layers=2, d_model=64, num_heads=4, d_ff=128,
-                     rank=8, embedding_rank=8),
-        "small": dict(vocab_size=4000, max_len=128, num_layers=4, d_model=128, num_heads=4, d_ff=512,
-                      rank=16, embedding_rank=16),
+        "tiny": dict(
+            vocab_size=1000, max_len=64, num_layers=2, d_model=64, num_heads=4, d_ff=128, rank=8, embedding_rank=8
+        ),
+        "small": dict(
+            vocab_size=4000, max_len=128, num_layers=4, d_model=128, num_heads=4, d_ff=512, rank=16, embedding_rank=16
+        ),
         "codebert-base": dict(
-            vocab_size=50265, max_len=514, type_vocab_size=1, num_layers=12, d_model=768, num_heads=12,
-            d_ff=3072, layer_norm_eps=1e-5, attention_shape=REFERENCE_ATTENTION_SHAPE,
-            ffn_in_shape=REFERENCE_FFN_IN_SHAPE, ffn_out_shape=REFERENCE_FFN_OUT_SHAPE,
+            vocab_size=50265,
+            max_len=514,
+            type_vocab_size=1,
+            num_layers=12,
+            d_model=768,
+            num_heads=12,
+            d_ff=3072,
+            layer_norm_eps=1e-5,
+            attention_shape=REFERENCE_ATTENTION_SHAPE,
+            ffn_in_shape=REFERENCE_FFN_IN_SHAPE,
+            ffn_out_shape=REFERENCE_FFN_OUT_SHAPE,
         ),
         "codebert-large": dict(
-            vocab_size=50265, max_len=514, type_vocab_size=1, num_layers=24, d_model=1024, num_heads=16,
-            d_ff=4096, layer_norm_eps=1e-5,
+            vocab_size=50265,
+            max_len=514,
+            type_vocab_size=1,
+            num_layers=24,
+            d_model=1024,
+            num_heads=16,
+            d_ff=4096,
+            layer_norm_eps=1e-5,
         ),
     }
     if name not in presets:

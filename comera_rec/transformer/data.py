@@ -162,8 +162,7 @@ def synthetic_nli(
         out.labels.append(label)
     order = list(range(num_examples))
     rng.shuffle(order)
-    return PairExamples([out.firsts[i] for i in order], [out.seconds[i] for i in order],
-                        [out.labels[i] for i in order])
+    return PairExamples([out.firsts[i] for i in order], [out.seconds[i] for i in order], [out.labels[i] for i in order])
 
 
 class PairDataset:

@@ -98,8 +98,9 @@ def make_linear(
 def make_token_embedding(config: EncoderConfig) -> nn.Module:
     """``TTMEmbedding`` at ``config.embedding_rank`` when compressed, else ``nn.Embedding``."""
     if config.compressed:
-        return TTMEmbedding(config.vocab_size, config.d_model, config.embedding_rank,
-                            shape=_shape(config.embedding_shape))
+        return TTMEmbedding(
+            config.vocab_size, config.d_model, config.embedding_rank, shape=_shape(config.embedding_shape)
+        )
     emb = nn.Embedding(config.vocab_size, config.d_model)
     nn.init.normal_(emb.weight, std=EMBEDDING_INIT_STD)
     return emb

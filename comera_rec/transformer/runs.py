@@ -120,7 +120,8 @@ def build_pair_datasets(data: PairDataConfig, run_dir: Optional[Path] = None):
     else:
         tok = train_wordpiece(
             (s for pair in zip(train.firsts, train.seconds) for s in pair),
-            data.tokenizer_vocab_size, lowercase=data.lowercase,
+            data.tokenizer_vocab_size,
+            lowercase=data.lowercase,
         )
     if run_dir is not None:
         save_tokenizer(tok, run_dir)
@@ -146,18 +147,26 @@ def run_classification(cfg: ClassificationRun) -> dict[str, Any]:
     run_dir = Path(cfg.trainer.run_dir)
     tok, train, val = build_pair_datasets(cfg.data, run_dir)
     model_cfg = cfg.model.replace(vocab_size=tok.get_vocab_size(), max_len=max(cfg.model.max_len, cfg.data.max_len))
-    task = ClassificationTask(model_cfg, cfg.method, train, val, cfg.data.batch_size,
-                              cfg.data.eval_batch_size, seed=cfg.trainer.seed)
+    task = ClassificationTask(
+        model_cfg, cfg.method, train, val, cfg.data.batch_size, cfg.data.eval_batch_size, seed=cfg.trainer.seed
+    )
     trainer = TransformerTrainer(task, cfg.trainer, _schedule_for(cfg.method, cfg.schedule), cfg.optim, cfg)
     summary = trainer.fit()
     return _finish(trainer, summary, cfg.method, run_dir)
 
 
-def _finish(trainer: TransformerTrainer, summary: dict[str, Any], method: MethodConfig, run_dir: Path) -> dict[str, Any]:
+def _finish(
+    trainer: TransformerTrainer, summary: dict[str, Any], method: MethodConfig, run_dir: Path
+) -> dict[str, Any]:
     ev = trainer.last_eval
-    summary = {**summary, "method": method.name, "val_accuracy": ev.get("accuracy", float("nan")),
-               "val_log_loss": ev.get("log_loss", float("nan")), "val_perplexity": ev.get("perplexity", float("nan")),
-               "parameters": sum(p.numel() for p in trainer.model.parameters())}
+    summary = {
+        **summary,
+        "method": method.name,
+        "val_accuracy": ev.get("accuracy", float("nan")),
+        "val_log_loss": ev.get("log_loss", float("nan")),
+        "val_perplexity": ev.get("perplexity", float("nan")),
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+    }
     summary.pop("val_auc", None)
     path = run_dir / "summary.json"
     if trainer.process_rank == 0 and path.exists():  # the engine's file: rank 0's alone
@@ -245,13 +254,21 @@ def build_code_blocks(data: CodeDataConfig, block_len: int, run_dir: Optional[Pa
     Returns:
         ``(tokenizer, train blocks (N, L), val blocks (N_val, L), corpus)``.
     """
-    corpus = read_code_corpus(data.source, format=data.format, extensions=data.extensions,
-                              max_files=data.max_files, max_file_bytes=data.max_file_bytes,
-                              jsonl_field=data.jsonl_field)
+    corpus = read_code_corpus(
+        data.source,
+        format=data.format,
+        extensions=data.extensions,
+        max_files=data.max_files,
+        max_file_bytes=data.max_file_bytes,
+        jsonl_field=data.jsonl_field,
+    )
     if not corpus.texts:
         raise ValueError(f"no code read from {data.source!r} ({corpus.skipped} files skipped)")
-    tok = load_tokenizer(data.tokenizer_file) if data.tokenizer_file else train_code_bpe(
-        corpus.texts, data.tokenizer_vocab_size)
+    tok = (
+        load_tokenizer(data.tokenizer_file)
+        if data.tokenizer_file
+        else train_code_bpe(corpus.texts, data.tokenizer_vocab_size)
+    )
     if run_dir is not None:
         save_tokenizer(tok, run_dir)
     streams = [e.ids for e in tok.encode_batch(corpus.texts)]
@@ -279,14 +296,28 @@ def run_masked_lm(cfg: MaskedLMRun) -> dict[str, Any]:
     tok, train, val, corpus = build_code_blocks(cfg.data, cfg.data.block_len, run_dir)
     model_cfg = cfg.model.replace(vocab_size=tok.get_vocab_size(), max_len=max(cfg.model.max_len, cfg.data.block_len))
     specials = [special_id(tok, t) for t in ("<s>", "</s>", "<pad>")]
-    common = dict(mask_id=special_id(tok, "<mask>"), special_ids=specials, mask_prob=cfg.data.mask_prob,
-                  eval_batch_size=cfg.data.eval_batch_size, seed=cfg.trainer.seed)
-    corpus_info = {"texts": len(corpus.texts), "files_read": corpus.files_read, "skipped": corpus.skipped,
-                   "train_blocks": len(train), "val_blocks": len(val), "vocab_size": tok.get_vocab_size()}
+    common = dict(
+        mask_id=special_id(tok, "<mask>"),
+        special_ids=specials,
+        mask_prob=cfg.data.mask_prob,
+        eval_batch_size=cfg.data.eval_batch_size,
+        seed=cfg.trainer.seed,
+    )
+    corpus_info = {
+        "texts": len(corpus.texts),
+        "files_read": corpus.files_read,
+        "skipped": corpus.skipped,
+        "train_blocks": len(train),
+        "val_blocks": len(val),
+        "vocab_size": tok.get_vocab_size(),
+    }
     print(f"corpus: {json.dumps(corpus_info)}", flush=True)
     phases = 2 if cfg.phase2.enabled else 1
-    t1 = dataclasses.replace(cfg.trainer, run_dir=str(run_dir / "phase1") if phases == 2 else str(run_dir),
-                             checkpoint_at_end=True if phases == 2 else cfg.trainer.checkpoint_at_end)
+    t1 = dataclasses.replace(
+        cfg.trainer,
+        run_dir=str(run_dir / "phase1") if phases == 2 else str(run_dir),
+        checkpoint_at_end=True if phases == 2 else cfg.trainer.checkpoint_at_end,
+    )
     task1 = MaskedLMTask(model_cfg, cfg.method, train, val, cfg.data.batch_size, **common)
     trainer1 = TransformerTrainer(task1, t1, _schedule_for(cfg.method, cfg.schedule), cfg.optim, cfg)
     out: dict[str, Any] = {"corpus": corpus_info, "phase2": None}
@@ -299,18 +330,34 @@ def run_masked_lm(cfg: MaskedLMRun) -> dict[str, Any]:
     state = load_checkpoint(last)[0]["model"]
     p2 = cfg.phase2
     compress = cfg.method.compressed
-    task2 = MaskedLMTask(model_cfg, cfg.method, train, val, cfg.data.batch_size, **common, init_state=state,
-                         rank_fraction=p2.rank_fraction if compress else 1.0,
-                         cut_threshold=p2.cut_threshold if compress else 0.0)
+    task2 = MaskedLMTask(
+        model_cfg,
+        cfg.method,
+        train,
+        val,
+        cfg.data.batch_size,
+        **common,
+        init_state=state,
+        rank_fraction=p2.rank_fraction if compress else 1.0,
+        cut_threshold=p2.cut_threshold if compress else 0.0,
+    )
     sched2 = _schedule_for(cfg.method, cfg.schedule)
     if p2.gamma is not None and compress:
         sched2 = dataclasses.replace(sched2, gamma=p2.gamma)
-    optim2 = dataclasses.replace(cfg.optim, lr_cores=cfg.optim.lr_cores * p2.lr_scale,
-                                 lr_controllers=cfg.optim.lr_controllers * p2.lr_scale,
-                                 lr_other=cfg.optim.lr_other * p2.lr_scale)
+    optim2 = dataclasses.replace(
+        cfg.optim,
+        lr_cores=cfg.optim.lr_cores * p2.lr_scale,
+        lr_controllers=cfg.optim.lr_controllers * p2.lr_scale,
+        lr_other=cfg.optim.lr_other * p2.lr_scale,
+    )
     # a resume after phase 1 finished may find phase 2 not yet started: that is a fresh phase 2
-    t2 = dataclasses.replace(cfg.trainer, run_dir=str(run_dir / "phase2"), max_steps=p2.steps,
-                             seed=cfg.trainer.seed + 1, resume_missing_ok=True)
+    t2 = dataclasses.replace(
+        cfg.trainer,
+        run_dir=str(run_dir / "phase2"),
+        max_steps=p2.steps,
+        seed=cfg.trainer.seed + 1,
+        resume_missing_ok=True,
+    )
     trainer2 = TransformerTrainer(task2, t2, sched2, optim2, cfg)
     out["phase2"] = _finish(trainer2, trainer2.fit(), cfg.method, Path(t2.run_dir))
     return out

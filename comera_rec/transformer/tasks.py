@@ -66,8 +66,9 @@ class TokenMetrics:
             raise ValueError(f"TokenMetrics.update: {logits.shape[0]} logit rows for {labels.numel()} labels")
         loss = F.cross_entropy(logits.float(), labels, reduction="sum")
         correct = (logits.argmax(dim=-1) == labels).sum()
-        self.sums += torch.stack([loss.double(), correct.double(),
-                                  torch.tensor(float(labels.numel()), dtype=torch.float64)]).to(self.device)
+        self.sums += torch.stack(
+            [loss.double(), correct.double(), torch.tensor(float(labels.numel()), dtype=torch.float64)]
+        ).to(self.device)
 
     def compute(self) -> dict[str, float]:
         """``{"accuracy", "log_loss", "perplexity", "count"}`` over every process (collective)."""
@@ -78,8 +79,12 @@ class TokenMetrics:
         if count == 0:
             return {"accuracy": math.nan, "log_loss": math.nan, "perplexity": math.nan, "count": 0}
         mean = loss / count
-        return {"accuracy": correct / count, "log_loss": mean, "perplexity": math.exp(min(mean, 700.0)),
-                "count": int(count)}
+        return {
+            "accuracy": correct / count,
+            "log_loss": mean,
+            "perplexity": math.exp(min(mean, 700.0)),
+            "count": int(count),
+        }
 
 
 class TransformerTrainer(Trainer):
@@ -160,8 +165,7 @@ class ClassificationTask(_EncoderTask):
         self.eval_batch_size = eval_batch_size
 
     def train_batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
-        return self.train.batches(self.batch_size, shuffle=True, seed=self.seed + epoch, shard=_shard(),
-                                  drop_last=True)
+        return self.train.batches(self.batch_size, shuffle=True, seed=self.seed + epoch, shard=_shard(), drop_last=True)
 
     def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
         return self.val.batches(self.eval_batch_size, shuffle=False, shard=_shard())
@@ -217,8 +221,9 @@ class MaskedLMTask(_EncoderTask):
             )
         self.train_blocks, self.val_blocks = train_blocks, val_blocks
         self.eval_batch_size = eval_batch_size
-        self.mask_kw = dict(mask_id=mask_id, vocab_size=model_config.vocab_size, special_ids=list(special_ids),
-                            prob=mask_prob)
+        self.mask_kw = dict(
+            mask_id=mask_id, vocab_size=model_config.vocab_size, special_ids=list(special_ids), prob=mask_prob
+        )
         self.init_state = init_state
         self.rank_fraction = rank_fraction
         self.cut_threshold = cut_threshold
@@ -247,8 +252,9 @@ class MaskedLMTask(_EncoderTask):
         return self._blocks(self.train_blocks, self.batch_size, order, self.seed + 7919 * (epoch + 1))
 
     def val_batches(self):
-        return self._blocks(self.val_blocks, min(self.eval_batch_size, len(self.val_blocks)),
-                            torch.arange(len(self.val_blocks)), 12345)
+        return self._blocks(
+            self.val_blocks, min(self.eval_batch_size, len(self.val_blocks)), torch.arange(len(self.val_blocks)), 12345
+        )
 
     def step_loss(self, wrapped: nn.Module, batch: dict[str, torch.Tensor]):
         inputs, labels = batch["inputs"].to(self.device), batch["labels"].to(self.device)

@@ -22,8 +22,9 @@ ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
 
 
 def _bert_pipeline(tok: Tokenizer, lowercase: bool) -> Tokenizer:
-    tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, clean_text=True,
-                                                handle_chinese_chars=True, strip_accents=None)
+    tok.normalizer = normalizers.BertNormalizer(
+        lowercase=lowercase, clean_text=True, handle_chinese_chars=True, strip_accents=None
+    )
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##")
     return tok
@@ -61,8 +62,9 @@ def train_wordpiece(
         ['[CLS]', 'hello', '[SEP]', 'world', '[SEP]']
     """
     tok = _bert_pipeline(Tokenizer(models.WordPiece(unk_token="[UNK]")), lowercase)
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                        special_tokens=list(BERT_SPECIALS), show_progress=False)
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(BERT_SPECIALS), show_progress=False
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     _bert_post_processor(tok)
     return tok
@@ -104,8 +106,11 @@ def train_code_bpe(texts: Iterable[str], vocab_size: int = 8000, *, min_frequenc
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(ROBERTA_SPECIALS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(ROBERTA_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok

@@ -14,9 +14,7 @@ import time
 from typing import Callable
 
 
-def time_interleaved(
-    variants: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3
-) -> dict[str, float]:
+def time_interleaved(variants: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3) -> dict[str, float]:
     """Median seconds per call of each variant, the variants run in turn.
 
     Args:

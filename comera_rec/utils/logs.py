@@ -62,8 +62,9 @@ def setup_logging(level: int = logging.INFO) -> None:
     """
     rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     where = f" [rank {rank}]" if rank is not None else ""
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s{where} %(levelname)s %(name)s: %(message)s",
-                        force=True)
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(asctime)s{where} %(levelname)s %(name)s: %(message)s", force=True
+    )
     for name in OWN_LOGGERS:
         logging.getLogger(name).setLevel(level)
     quiet_foreign_notices()

@@ -7,7 +7,8 @@ import logging
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from comera_rec.data.criteo import KAGGLE_NUM_EMBEDDINGS, split_row_range
 from comera_rec.data.preprocess import preprocess_tsv_to_parquet
@@ -40,7 +41,9 @@ def test_tsv_matches_reference(sample_path, sample_ref, collect_batches):
 
 
 def test_tsv_hashing_and_small_chunks(sample_path, sample_ref, collect_batches):
-    cfg = CriteoReaderConfig(paths=[str(sample_path)], batch_size=7, chunk_bytes=1000, num_embeddings_per_feature=KAGGLE_NUM_EMBEDDINGS)
+    cfg = CriteoReaderConfig(
+        paths=[str(sample_path)], batch_size=7, chunk_bytes=1000, num_embeddings_per_feature=KAGGLE_NUM_EMBEDDINGS
+    )
     _check(collect_batches(CriteoTsvReader(cfg)), sample_ref, KAGGLE_NUM_EMBEDDINGS)
 
 
@@ -70,12 +73,17 @@ def test_parquet_after_preprocessing(sample_path, sample_ref, collect_batches, t
     pq_path = tmp_path / "pq" / "criteo_sample_200.parquet"
     assert meta["rows_per_file"] == {pq_path.name: 200}
     # raw ids (identity) equal the file's hex values
-    _check(collect_batches(CriteoParquetReader(CriteoReaderConfig(paths=[str(pq_path)], batch_size=33, chunk_rows=40))), sample_ref)
+    _check(
+        collect_batches(CriteoParquetReader(CriteoReaderConfig(paths=[str(pq_path)], batch_size=33, chunk_rows=40))),
+        sample_ref,
+    )
     # contiguous ids through the vocabularies written beside the data
     rl, rd, rc = sample_ref
     distinct = [len(set(rc[rc[:, f] != 0, f])) for f in range(26)]
     assert meta["num_embeddings_per_feature"] == [d + 2 for d in distinct]
-    _, _, ids = collect_batches(CriteoParquetReader(CriteoReaderConfig(paths=[str(pq_path)], vocab_dir=str(tmp_path / "pq"))))
+    _, _, ids = collect_batches(
+        CriteoParquetReader(CriteoReaderConfig(paths=[str(pq_path)], vocab_dir=str(tmp_path / "pq")))
+    )
     sizes = np.array(meta["num_embeddings_per_feature"])
     assert (ids < sizes[None, :]).all()
     for f in range(26):
@@ -88,7 +96,11 @@ def test_parquet_after_preprocessing(sample_path, sample_ref, collect_batches, t
 
 def test_vocab_frequency_threshold(sample_path, sample_ref, collect_batches, tmp_path):
     meta = preprocess_tsv_to_parquet([str(sample_path)], str(tmp_path), frequency_threshold=5, progress=False)
-    _, _, ids = collect_batches(CriteoParquetReader(CriteoReaderConfig(paths=[str(tmp_path / "criteo_sample_200.parquet")], vocab_dir=str(tmp_path))))
+    _, _, ids = collect_batches(
+        CriteoParquetReader(
+            CriteoReaderConfig(paths=[str(tmp_path / "criteo_sample_200.parquet")], vocab_dir=str(tmp_path))
+        )
+    )
     rc = sample_ref[2]
     for f in range(26):
         vals, counts = np.unique(rc[rc[:, f] != 0, f], return_counts=True)
@@ -109,7 +121,9 @@ def test_npy_torchrec_layout(sample_path, sample_ref, collect_batches, tmp_path)
     np.save(tmp_path / "day_0_dense.npy", dense)
     np.save(tmp_path / "day_0_sparse.npy", sample_ref[2])
     np.save(tmp_path / "day_0_labels.npy", sample_ref[0].astype(np.int32).reshape(-1, 1))
-    cfg = CriteoReaderConfig(paths=[str(tmp_path / "day_0_dense.npy")], batch_size=30, chunk_rows=17, rank=0, world_size=1)
+    cfg = CriteoReaderConfig(
+        paths=[str(tmp_path / "day_0_dense.npy")], batch_size=30, chunk_rows=17, rank=0, world_size=1
+    )
     labels, d, ids = collect_batches(CriteoNpyReader(cfg))
     np.testing.assert_array_equal(labels, sample_ref[0])
     np.testing.assert_array_equal(d, dense)
@@ -126,12 +140,19 @@ def indexed_files(tmp_path_factory):
     sizes = [100, 0, 207]
     tsv, npy, start = [], [], 0
     for i, n in enumerate(sizes):
-        lines = [f"{r % 2}\t{r}" + "\t" * 12 + "\t" + "\t".join(f"{r:x}" for _ in range(26)) for r in range(start, start + n)]
+        lines = [
+            f"{r % 2}\t{r}" + "\t" * 12 + "\t" + "\t".join(f"{r:x}" for _ in range(26)) for r in range(start, start + n)
+        ]
         p = d / f"day_{i}"
-        p.write_text("".join(l + "\n" for l in lines))
+        p.write_text("".join(line + "\n" for line in lines))
         tsv.append(str(p))
-        np.save(d / f"day_{i}_dense.npy", np.array([[r] + [0] * 12 for r in range(start, start + n)], np.float32).reshape(n, 13))
-        np.save(d / f"day_{i}_sparse.npy", np.array([[r] * 26 for r in range(start, start + n)], np.int64).reshape(n, 26))
+        np.save(
+            d / f"day_{i}_dense.npy",
+            np.array([[r] + [0] * 12 for r in range(start, start + n)], np.float32).reshape(n, 13),
+        )
+        np.save(
+            d / f"day_{i}_sparse.npy", np.array([[r] * 26 for r in range(start, start + n)], np.int64).reshape(n, 26)
+        )
         np.save(d / f"day_{i}_labels.npy", np.array([r % 2 for r in range(start, start + n)], np.int32).reshape(n, 1))
         npy.append(str(d / f"day_{i}_dense.npy"))
         start += n
@@ -149,13 +170,23 @@ def indexed_files(tmp_path_factory):
     holdout=st.sampled_from(["kaggle", "last_file"]),
     chunk=st.integers(60, 3000),
 )
-def test_shards_cover_every_row_once(indexed_files, collect_batches, kind, world_size, batch_size, split, holdout, chunk):
+def test_shards_cover_every_row_once(
+    indexed_files, collect_batches, kind, world_size, batch_size, split, holdout, chunk
+):
     logging.getLogger("comera_rec").setLevel(logging.ERROR)  # the empty middle file warns
     cls = {"tsv": CriteoTsvReader, "parquet": CriteoParquetReader, "npy": CriteoNpyReader}[kind]
     seen = []
     for rank in range(world_size):
-        cfg = CriteoReaderConfig(paths=indexed_files[kind], batch_size=batch_size, rank=rank, world_size=world_size,
-                                 split=split, holdout=holdout, chunk_bytes=chunk, chunk_rows=max(chunk // 40, 1))
+        cfg = CriteoReaderConfig(
+            paths=indexed_files[kind],
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+            split=split,
+            holdout=holdout,
+            chunk_bytes=chunk,
+            chunk_rows=max(chunk // 40, 1),
+        )
         _, dense, ids = collect_batches(cls(cfg))
         idx = ids[:, 0]
         if kind != "npy":
@@ -169,7 +200,15 @@ def test_shards_cover_every_row_once(indexed_files, collect_batches, kind, world
 def test_drop_last_gives_equal_batch_counts(indexed_files, collect_batches):
     counts = []
     for rank in range(3):
-        cfg = CriteoReaderConfig(paths=indexed_files["tsv"], batch_size=10, rank=rank, world_size=3, split="train", holdout="kaggle", drop_last=True)
+        cfg = CriteoReaderConfig(
+            paths=indexed_files["tsv"],
+            batch_size=10,
+            rank=rank,
+            world_size=3,
+            split="train",
+            holdout="kaggle",
+            drop_last=True,
+        )
         counts.append(sum(1 for _ in CriteoTsvReader(cfg)))
     assert counts == [(307 - 307 // 7) // 3 // 10] * 3
 
@@ -177,7 +216,12 @@ def test_drop_last_gives_equal_batch_counts(indexed_files, collect_batches):
 def test_splits_do_not_overlap():
     for total in (7, 200, 45_840_617):
         ranges = [split_row_range(total, [total], s, "kaggle") for s in ("train", "val", "test")]
-        assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == ranges[2][0] and ranges[2][1] == total
+        assert (
+            ranges[0][0] == 0
+            and ranges[0][1] == ranges[1][0]
+            and ranges[1][1] == ranges[2][0]
+            and ranges[2][1] == total
+        )
         assert ranges[2][1] - ranges[1][0] == total // 7
     assert split_row_range(300, [100, 120, 80], "val", "last_file") == (220, 260)
     assert split_row_range(300, [100, 120, 80], "train", "last_file") == (0, 220)
@@ -225,12 +269,14 @@ def test_bad_lines_counted_across_chunks(tmp_path, collect_batches, caplog):
     p = tmp_path / "big.tsv"
     p.write_text("\n".join(lines) + "\n")
     with caplog.at_level(logging.WARNING, logger="comera_rec"):
-        reader = CriteoTsvReader(CriteoReaderConfig(paths=[str(p)], batch_size=64, chunk_bytes=2000, rank=0, world_size=1))
+        reader = CriteoTsvReader(
+            CriteoReaderConfig(paths=[str(p)], batch_size=64, chunk_bytes=2000, rank=0, world_size=1)
+        )
         labels, _, ids = collect_batches(reader)
     n_bad = len(range(5, 300, 37))
     assert reader.stats.bad_lines == n_bad and len(labels) == 300 - n_bad
     assert "skipped" in caplog.text
-    with pytest.raises(BadInputError, match=rf"big.tsv:6: "):
+    with pytest.raises(BadInputError, match=r"big.tsv:6: "):
         list(CriteoTsvReader(CriteoReaderConfig(paths=[str(p)], bad_input="strict", chunk_bytes=2000)))
 
 

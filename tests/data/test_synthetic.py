@@ -9,7 +9,34 @@ import torch
 from comera_rec.data.readers import CriteoParquetReader, CriteoReaderConfig, CriteoTsvReader
 from comera_rec.data.synthetic import SyntheticCriteo, SyntheticCriteoConfig, ZipfSampler, expected_auc, roc_auc
 
-SMALL = [3, 10, 100, 1000, 50, 7, 2000, 400, 2, 5000, 60, 300, 20, 4, 900, 100, 9, 250, 30, 1, 700, 12, 15, 800, 40, 150]
+SMALL = [
+    3,
+    10,
+    100,
+    1000,
+    50,
+    7,
+    2000,
+    400,
+    2,
+    5000,
+    60,
+    300,
+    20,
+    4,
+    900,
+    100,
+    9,
+    250,
+    30,
+    1,
+    700,
+    12,
+    15,
+    800,
+    40,
+    150,
+]
 
 
 def _cfg(**kw) -> SyntheticCriteoConfig:
@@ -51,7 +78,9 @@ def test_val_stream_fixed_and_distinct_from_train(collect_batches):
 
 
 def test_drop_last_equal_counts():
-    counts = [sum(1 for _ in SyntheticCriteo(_cfg(rank=r, world_size=3, drop_last=True, batch_size=100))) for r in range(3)]
+    counts = [
+        sum(1 for _ in SyntheticCriteo(_cfg(rank=r, world_size=3, drop_last=True, batch_size=100))) for r in range(3)
+    ]
     assert len(set(counts)) == 1 and counts[0] > 0
 
 
@@ -62,7 +91,7 @@ def test_zipf_sampler_matches_law(n, s):
     assert r.min() >= 0 and r.max() < n
     k = np.arange(1, n + 1, dtype=np.float64) if n <= 200_000 else None
     if k is not None:
-        p = k ** -s / (k ** -s).sum()
+        p = k**-s / (k**-s).sum()
         # head ranks exactly, and the mass of rank bands in the tail
         emp = np.bincount(r, minlength=n) / len(r)
         assert (np.abs(emp[:5] - p[:5]) <= 5 * np.sqrt(p[:5] / len(r))).all(), (emp[:5], p[:5])
@@ -79,11 +108,19 @@ def test_tsv_and_parquet_round_trip(tmp_path, collect_batches):
     stream = collect_batches(gen)
     for name in ("synth.tsv", "synth.tsv.gz"):
         gen.write_tsv(tmp_path / name, 1500)
-        got = collect_batches(CriteoTsvReader(CriteoReaderConfig(paths=[str(tmp_path / name)], batch_size=256, num_embeddings_per_feature=SMALL, bad_input="strict")))
+        got = collect_batches(
+            CriteoTsvReader(
+                CriteoReaderConfig(
+                    paths=[str(tmp_path / name)], batch_size=256, num_embeddings_per_feature=SMALL, bad_input="strict"
+                )
+            )
+        )
         for x, y in zip(got, stream):
             np.testing.assert_allclose(x, y, rtol=1e-6)
     gen.write_parquet(tmp_path / "synth.parquet", 1500)
-    got = collect_batches(CriteoParquetReader(CriteoReaderConfig(paths=[str(tmp_path / "synth.parquet")], batch_size=256)))
+    got = collect_batches(
+        CriteoParquetReader(CriteoReaderConfig(paths=[str(tmp_path / "synth.parquet")], batch_size=256))
+    )
     for x, y in zip(got, stream):
         np.testing.assert_allclose(x, y, rtol=1e-6)
 

@@ -6,7 +6,8 @@ import collections
 
 import numpy as np
 import pyarrow as pa
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from comera_rec.data.transforms import (
     CategoricalTransform,
@@ -19,8 +20,18 @@ from comera_rec.data.transforms import (
 
 
 @settings(max_examples=50, deadline=None, database=None)
-@given(st.lists(st.one_of(st.integers(0, 2**32 - 1).map(lambda v: f"{v:x}"), st.integers(0, 2**32 - 1).map(lambda v: f"{v:08X}"),
-                          st.just(""), st.text("0123456789abcdefxyz-", min_size=1, max_size=10)), min_size=1, max_size=50))
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(0, 2**32 - 1).map(lambda v: f"{v:x}"),
+            st.integers(0, 2**32 - 1).map(lambda v: f"{v:08X}"),
+            st.just(""),
+            st.text("0123456789abcdefxyz-", min_size=1, max_size=10),
+        ),
+        min_size=1,
+        max_size=50,
+    )
+)
 def test_parse_hex_matches_int(values):
     arr = pa.array(values).slice(0)  # also exercise a sliced array below
     raw, missing, bad = parse_hex(arr)

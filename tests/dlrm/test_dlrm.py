@@ -18,8 +18,18 @@ SIZES = [5000, 3000, 40]
 
 
 def _config(**kw) -> DLRMConfig:
-    base = dict(table_sizes=SIZES, embedding_dim=8, dense_in_features=4, bottom_mlp=[64, 8], top_mlp=[64, 32, 1],
-                rank=4, min_rows_to_compress=1000, min_params_to_compress=0, dcn_num_layers=2, dcn_low_rank=32)
+    base = dict(
+        table_sizes=SIZES,
+        embedding_dim=8,
+        dense_in_features=4,
+        bottom_mlp=[64, 8],
+        top_mlp=[64, 32, 1],
+        rank=4,
+        min_rows_to_compress=1000,
+        min_params_to_compress=0,
+        dcn_num_layers=2,
+        dcn_low_rank=32,
+    )
     return DLRMConfig(**{**base, **kw})
 
 
@@ -27,15 +37,21 @@ def _batch(batch: int = 6) -> Batch:
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(0, 3, (len(SIZES), batch), generator=g)
     values = torch.cat([torch.randint(0, n, (int(lengths[i].sum()),), generator=g) for i, n in enumerate(SIZES)])
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"cat_{i}" for i in range(len(SIZES))], values=values,
-                                              lengths=lengths.reshape(-1))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"cat_{i}" for i in range(len(SIZES))], values=values, lengths=lengths.reshape(-1)
+    )
     return Batch(torch.rand(batch, 4, generator=g), kjt, torch.randint(0, 2, (batch,), generator=g))
 
 
 def test_kaggle_defaults() -> None:
     cfg = DLRMConfig()
     assert cfg.table_sizes == list(KAGGLE_TABLE_SIZES) and sum(cfg.table_sizes) == 33_762_577
-    assert (cfg.embedding_dim, cfg.dense_in_features, cfg.bottom_mlp, cfg.top_mlp) == (16, 13, [512, 256, 64, 16], [512, 256, 1])
+    assert (cfg.embedding_dim, cfg.dense_in_features, cfg.bottom_mlp, cfg.top_mlp) == (
+        16,
+        13,
+        [512, 256, 64, 16],
+        [512, 256, 1],
+    )
     mlperf = DLRMConfig.mlperf_dcn()
     assert (mlperf.embedding_dim, mlperf.interaction, mlperf.dcn_low_rank) == (128, "dcn", 512)
 
@@ -88,7 +104,8 @@ def test_out_of_range_id_through_dlrm() -> None:
     batch = _batch()
     values = batch.sparse_features.values().clone()
     values[0] = 5000
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=batch.sparse_features.keys(), values=values,
-                                              lengths=batch.sparse_features.lengths())
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=batch.sparse_features.keys(), values=values, lengths=batch.sparse_features.lengths()
+    )
     with pytest.raises(ValueError, match="feature 'cat_0' has id 5000 out of range"):
         train(Batch(batch.dense_features, kjt, batch.labels))

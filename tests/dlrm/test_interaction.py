@@ -14,7 +14,6 @@ from torchrec.models.dlrm import InteractionArch, SparseArch
 from comera_rec.tensor import NarrowLinear, kernels
 from dlrm import DLRMConfig, build_dlrm, build_dlrm_train
 from dlrm.interaction import FlatSparseArch, PairwiseDotInteraction
-
 from tests.dlrm.test_dlrm import _batch, _config
 from tests.threads import assert_bit_identical, at_thread_counts
 
@@ -32,7 +31,9 @@ def test_equals_torchrec_interaction(features: int, dim: int, batch: int, lookup
     else:
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
     grad = torch.randn(ours.shape, generator=g, dtype=torch.float64)
-    for a, b in zip(torch.autograd.grad(ours, [dense, sparse], grad), torch.autograd.grad(theirs, [dense, sparse], grad)):
+    for a, b in zip(
+        torch.autograd.grad(ours, [dense, sparse], grad), torch.autograd.grad(theirs, [dense, sparse], grad)
+    ):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
@@ -76,10 +77,12 @@ def test_kernel_in_float32_and_across_thread_counts() -> None:
 
 
 def _two_table_ebc() -> EmbeddingBagCollection:
-    return EmbeddingBagCollection([
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"])
-        for i in range(2)
-    ])
+    return EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"])
+            for i in range(2)
+        ]
+    )
 
 
 @pytest.mark.parametrize("reordered", [False, True])
@@ -133,8 +136,17 @@ def test_builder_swaps_the_interaction_and_keeps_the_loss(compressed: bool, look
 
 def test_fused_interaction_needs_the_dot_interaction() -> None:
     with pytest.raises(ValueError, match="fused_interaction replaces the 'dot' interaction"):
-        build_dlrm(DLRMConfig(table_sizes=[100, 50], embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1],
-                              interaction="dcn", fused_interaction=True), device="meta")
+        build_dlrm(
+            DLRMConfig(
+                table_sizes=[100, 50],
+                embedding_dim=8,
+                bottom_mlp=[16, 8],
+                top_mlp=[16, 1],
+                interaction="dcn",
+                fused_interaction=True,
+            ),
+            device="meta",
+        )
 
 
 def test_builds_on_meta_and_holds_no_state() -> None:

@@ -30,13 +30,24 @@ def run() -> Iterator[tuple[Path, dict]]:
         pytest.skip(f"{SAMPLE} is not on this machine")
     with tempfile.TemporaryDirectory(prefix="predict-dlrm-") as tmp:
         run_dir = Path(tmp) / "run"
-        summary = train_main([
-            "--config", str(ROOT / "configs/dlrm_demo.yaml"), *TINY,
-            "data.source=tsv", f"data.train_paths=[{SAMPLE}]", f"data.val_paths=[{SAMPLE}]", "data.holdout=none",
-            "data.bad_input=strict", "data.batch_size=64",
-            f"data.num_embeddings_per_feature=[{','.join(map(str, TABLE_SIZES))}]",
-            "trainer.max_steps=3", "trainer.plots=false", "trainer.device=cpu", f"trainer.run_dir={run_dir}",
-        ])
+        summary = train_main(
+            [
+                "--config",
+                str(ROOT / "configs/dlrm_demo.yaml"),
+                *TINY,
+                "data.source=tsv",
+                f"data.train_paths=[{SAMPLE}]",
+                f"data.val_paths=[{SAMPLE}]",
+                "data.holdout=none",
+                "data.bad_input=strict",
+                "data.batch_size=64",
+                f"data.num_embeddings_per_feature=[{','.join(map(str, TABLE_SIZES))}]",
+                "trainer.max_steps=3",
+                "trainer.plots=false",
+                "trainer.device=cpu",
+                f"trainer.run_dir={run_dir}",
+            ]
+        )
         yield run_dir, summary
 
 
@@ -49,8 +60,9 @@ def _printed(out: str, name: str) -> float:
 def test_auc_and_log_loss_equal_the_trainers_evaluation(run: tuple[Path, dict], capsys: pytest.CaptureFixture) -> None:
     run_dir, summary = run
     out = run_dir.parent / "scores.parquet"
-    result = predict_main(["--checkpoint", str(run_dir), str(SAMPLE), "--out", str(out), "--batch-size", "48",
-                           "--no-progress"])
+    result = predict_main(
+        ["--checkpoint", str(run_dir), str(SAMPLE), "--out", str(out), "--batch-size", "48", "--no-progress"]
+    )
     printed = capsys.readouterr().out
     assert summary["truncations"] >= 1  # the checkpoint's ranks are below the built model's: resized on load
     assert _printed(printed, "AUC") == pytest.approx(summary["val_auc"], abs=1e-6)
@@ -77,8 +89,9 @@ def test_unlabelled_rows_to_csv(run: tuple[Path, dict], capsys: pytest.CaptureFi
     assert "AUC" not in capsys.readouterr().out.split("b.csv")[-1]
     table = pacsv.read_csv(csv_out)
     assert table.column_names == ["score"]
-    assert table.column("score").to_pylist() == pytest.approx(pq.read_table(labelled_out).column("score").to_pylist(),
-                                                             abs=1e-6)
+    assert table.column("score").to_pylist() == pytest.approx(
+        pq.read_table(labelled_out).column("score").to_pylist(), abs=1e-6
+    )
     for p in (unlabelled, labelled_out, csv_out):
         p.unlink()
 
@@ -87,7 +100,9 @@ def test_checkpoint_forms_resolve_to_the_same_folder(run: tuple[Path, dict]) -> 
     run_dir, _ = run
     step = find_checkpoint(run_dir)
     assert step.parent == run_dir / "checkpoints" and step.name.startswith("step_")
-    assert find_checkpoint(run_dir / "checkpoints") == find_checkpoint(step) == find_checkpoint(step / "rank0.pt") == step
+    assert (
+        find_checkpoint(run_dir / "checkpoints") == find_checkpoint(step) == find_checkpoint(step / "rank0.pt") == step
+    )
 
 
 def test_missing_checkpoint_is_a_named_error(tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ from tests.dlrm.tiny import TINY
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
 def read_log(run_dir: Path) -> list[dict]:
     with open(run_dir / "log.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -30,16 +29,29 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 def test_resume_continues_the_same_run_across_a_truncation(tmp_path: Path) -> None:
     # threshold 2 > every controller: step 4 cuts every bond to rank 1 (a real truncation)
-    common = TINY + ["schedule.mode=threshold", "schedule.threshold=2.0", "schedule.truncate_every=4", "trainer.plots=false",
-                     "trainer.checkpoint_every=6"]
+    common = TINY + [
+        "schedule.mode=threshold",
+        "schedule.threshold=2.0",
+        "schedule.truncate_every=4",
+        "trainer.plots=false",
+        "trainer.checkpoint_every=6",
+    ]
     whole, part = tmp_path / "whole", tmp_path / "part"
-    summary = main(["--config", str(ROOT / "configs/dlrm_demo.yaml"), *common,
-                    "trainer.max_steps=12", f"trainer.run_dir={whole}"])
+    summary = main(
+        ["--config", str(ROOT / "configs/dlrm_demo.yaml"), *common, "trainer.max_steps=12", f"trainer.run_dir={whole}"]
+    )
     assert summary["truncations"] >= 1
-    main(["--config", str(ROOT / "configs/dlrm_demo.yaml"), *common,
-          "trainer.max_steps=6", f"trainer.run_dir={part}"])
-    main(["--config", str(ROOT / "configs/dlrm_demo.yaml"), "--resume", *common,
-          "trainer.max_steps=12", f"trainer.run_dir={part}"])
+    main(["--config", str(ROOT / "configs/dlrm_demo.yaml"), *common, "trainer.max_steps=6", f"trainer.run_dir={part}"])
+    main(
+        [
+            "--config",
+            str(ROOT / "configs/dlrm_demo.yaml"),
+            "--resume",
+            *common,
+            "trainer.max_steps=12",
+            f"trainer.run_dir={part}",
+        ]
+    )
     a, b = train_losses(whole), train_losses(part)
     assert sorted(b) == list(range(1, 13))
     for step in range(7, 13):
@@ -63,11 +75,26 @@ def test_two_process_demo_learns(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "launch/train_dlrm.py"), "--config", str(ROOT / "configs/dlrm_demo.yaml"), *TINY,
-         "trainer.max_steps=60", "trainer.eval_every=30", "schedule.truncate_every=20",
-         f"trainer.run_dir={run_dir}"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "launch/train_dlrm.py"),
+            "--config",
+            str(ROOT / "configs/dlrm_demo.yaml"),
+            *TINY,
+            "trainer.max_steps=60",
+            "trainer.eval_every=30",
+            "schedule.truncate_every=20",
+            f"trainer.run_dir={run_dir}",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "terminate called" not in proc.stderr  # clean gloo shutdown
@@ -85,15 +112,37 @@ def test_two_process_resume_with_sharded_tables(tmp_path: Path) -> None:
     """Table-wise sharded dense tables: each process stores its local shards as plain
     tensors (weights-only loadable) and gets them back after re-sharding."""
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    common = [*TINY, "embedding_optim.sharding_type=table_wise", "trainer.checkpoint_every=3",
-              "schedule.mode=threshold", "schedule.threshold=2.0", "schedule.truncate_every=4", "trainer.plots=false"]
+    common = [
+        *TINY,
+        "embedding_optim.sharding_type=table_wise",
+        "trainer.checkpoint_every=3",
+        "schedule.mode=threshold",
+        "schedule.threshold=2.0",
+        "schedule.truncate_every=4",
+        "trainer.plots=false",
+    ]
 
     def run(run_dir: Path, steps: int, *extra: str) -> None:
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-             str(ROOT / "launch/train_dlrm.py"), "--config", str(ROOT / "configs/dlrm_demo.yaml"), *common,
-             f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}", *extra],
-            env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                str(ROOT / "launch/train_dlrm.py"),
+                "--config",
+                str(ROOT / "configs/dlrm_demo.yaml"),
+                *common,
+                f"trainer.max_steps={steps}",
+                f"trainer.run_dir={run_dir}",
+                *extra,
+            ],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
 

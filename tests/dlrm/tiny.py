@@ -1,7 +1,33 @@
 """The tiny DLRM run shared by trainer tests: small tables and MLPs, steps of milliseconds."""
 
-TABLE_SIZES = [20000, 15000, 300, 40, 12000, 7, 500, 60, 3, 900, 20, 11, 50, 4, 1000, 30000, 8, 100, 70, 4,
-               9000, 10, 12, 800, 90, 200]
+TABLE_SIZES = [
+    20000,
+    15000,
+    300,
+    40,
+    12000,
+    7,
+    500,
+    60,
+    3,
+    900,
+    20,
+    11,
+    50,
+    4,
+    1000,
+    30000,
+    8,
+    100,
+    70,
+    4,
+    9000,
+    10,
+    12,
+    800,
+    90,
+    200,
+]
 # Tables 0, 1, 4 and 15 reach min_rows_to_compress and are TT-compressed.
 TINY = [
     f"model.table_sizes=[{','.join(map(str, TABLE_SIZES))}]",

@@ -41,11 +41,20 @@ POLICY = CompressionPolicy(rank=6, min_rows_to_compress=100, min_params_to_compr
 
 def build_model() -> DLRMTrain:
     torch.manual_seed(0)
-    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
-               for i, n in enumerate(SIZES)]
+    configs = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
+        for i, n in enumerate(SIZES)
+    ]
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[32, DIM],
-                          over_arch_layer_sizes=[32, 1], dense_device=torch.device("cpu")))
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=4,
+            dense_arch_layer_sizes=[32, DIM],
+            over_arch_layer_sizes=[32, 1],
+            dense_device=torch.device("cpu"),
+        )
+    )
 
 
 def make_batch(step: int, start: int = 0, stop: int = GLOBAL_BATCH) -> Batch:
@@ -57,7 +66,8 @@ def make_batch(step: int, start: int = 0, stop: int = GLOBAL_BATCH) -> Batch:
     labels = ((dense[:, 0] > 0.5) ^ (ids[0] % 2 == 1)).long()
     values = torch.cat([i[start:stop] for i in ids])
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=[f"f{i}" for i in range(len(SIZES))], values=values,
+        keys=[f"f{i}" for i in range(len(SIZES))],
+        values=values,
         lengths=torch.ones(len(SIZES) * (stop - start), dtype=torch.long),
     )
     return Batch(dense_features=dense[start:stop], sparse_features=kjt, labels=labels[start:stop])
@@ -67,13 +77,22 @@ def run(rank: int, world: int, adapt: bool = True) -> dict:
     model = build_model()
     comera_rec.compress(model, POLICY)  # comera-rec
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": 0.05})
-    model = DistributedModelParallel(module=model, device=torch.device("cpu"),
-                                     sharders=[EmbeddingBagCollectionSharder()])
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
-                                  lambda params: torch.optim.Adam(params, lr=0.01))
+    model = DistributedModelParallel(
+        module=model, device=torch.device("cpu"), sharders=[EmbeddingBagCollectionSharder()]
+    )
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(model.named_parameters())), lambda params: torch.optim.Adam(params, lr=0.01)
+    )
     optimizer = CombinedOptimizer([model.fused_optimizer, dense])
-    adapter = comera_rec.RankAdapter(model, total_steps=STEPS,  # comera-rec
-                                     config=RankScheduleConfig(target_size_ratio=TARGET)) if adapt else None
+    adapter = (
+        comera_rec.RankAdapter(
+            model,
+            total_steps=STEPS,  # comera-rec
+            config=RankScheduleConfig(target_size_ratio=TARGET),
+        )
+        if adapt
+        else None
+    )
     start_bytes = adapter.size_bytes(model) if adapter else 0
     per = GLOBAL_BATCH // world
     losses, sizes = [], []
@@ -90,15 +109,25 @@ def run(rank: int, world: int, adapt: bool = True) -> dict:
     tt = {n: p.detach().clone() for n, p in inner.named_parameters() if ".groups." in n or "._linear." in n}
     in_optimizer = {id(p) for g in dense.param_groups for p in g["params"]}
     missing = [n for n, p in inner.named_parameters() if ".groups." in n and id(p) not in in_optimizer]
-    state_mismatch = [n for n, p in inner.named_parameters()
-                      if p in dense.state and "exp_avg" in dense.state[p] and dense.state[p]["exp_avg"].shape != p.shape]
+    state_mismatch = [
+        n
+        for n, p in inner.named_parameters()
+        if p in dense.state and "exp_avg" in dense.state[p] and dense.state[p]["exp_avg"].shape != p.shape
+    ]
     ddp = model._dmp_wrapped_module
-    ddp_params = {id(p) for p in ddp.parameters()} if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) else set()
+    ddp_params = (
+        {id(p) for p in ddp.parameters()} if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) else set()
+    )
     stale_ddp = [n for n, p in inner.named_parameters() if ".groups." in n and id(p) not in ddp_params]
     result = {
-        "losses": losses, "sizes": sizes, "start_bytes": start_bytes,
+        "losses": losses,
+        "sizes": sizes,
+        "start_bytes": start_bytes,
         "target_bytes": adapter.target_bytes() if adapter else None,
-        "tt": tt, "missing_from_optimizer": missing, "state_mismatch": state_mismatch, "stale_ddp": stale_ddp,
+        "tt": tt,
+        "missing_from_optimizer": missing,
+        "state_mismatch": state_mismatch,
+        "stale_ddp": stale_ddp,
         "ranks": {n: list(m.ranks) for n, m in comera_rec.tensor_train_modules(inner)},
         "finite": all(math.isfinite(v) for v in losses),
     }

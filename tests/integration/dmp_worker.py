@@ -35,8 +35,9 @@ TABLE_OPTIMIZER = os.environ.get("DMP_TABLE_OPTIMIZER", "SGD")  # of the dense t
 
 def table_optimizer(name: str = TABLE_OPTIMIZER):
     """The dense tables' optimizer (fused into backward): ``"SGD"`` or ``"RowWiseAdagrad"``."""
-    from comera_rec.integration.distributed import EmbeddingOptimizerSpec
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from comera_rec.integration.distributed import EmbeddingOptimizerSpec
 
     if name == "RowWiseAdagrad":
         return EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": LR, "eps": 1e-8})
@@ -48,7 +49,11 @@ def build_model() -> DLRMTrain:
     tables = criteo_tables(SIZES, DIM, FEATURES)
     shared = TableOverride(shape=((25, 24), (2, 2)))  # one TT shape: the two tables are stacked
     policy = CompressionPolicy(
-        rank=3, min_rows_to_compress=100, min_params_to_compress=0, min_gain=0.0, per_table={"t_cat_0": shared, "t_cat_1": shared}
+        rank=3,
+        min_rows_to_compress=100,
+        min_params_to_compress=0,
+        min_gain=0.0,
+        per_table={"t_cat_0": shared, "t_cat_1": shared},
     )
     model = make_dlrm(tables, dense_in_features=3, bottom_mlp=[16, DIM], top_mlp=[8, 1], policy=policy)
     return DLRMTrain(model)
@@ -65,9 +70,7 @@ def make_batch(step: int, start: int = 0, stop: int = GLOBAL_BATCH) -> Batch:
         for f, n in enumerate(SIZES)
     ]
     values = torch.cat([ids[f][b] for f in range(len(SIZES)) for b in range(start, stop)])
-    kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=FEATURES, values=values, lengths=lengths[:, start:stop].reshape(-1)
-    )
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=FEATURES, values=values, lengths=lengths[:, start:stop].reshape(-1))
     return Batch(dense_features=dense[start:stop], sparse_features=kjt, labels=labels[start:stop])
 
 
@@ -106,7 +109,6 @@ def main(out_dir: str) -> None:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     from comera_rec.integration.distributed import (
-        EmbeddingOptimizerSpec,
         destroy_distributed,
         wrap_model,
     )
@@ -115,8 +117,12 @@ def main(out_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
     wrapped, optim = wrap_model(
-        model, device=torch.device("cpu"), world_size=world, make_dense_optimizer=sgd,
-        embedding_optimizer=table_optimizer(), sharding_type=None if SHARDING == "planner" else SHARDING,
+        model,
+        device=torch.device("cpu"),
+        world_size=world,
+        make_dense_optimizer=sgd,
+        embedding_optimizer=table_optimizer(),
+        sharding_type=None if SHARDING == "planner" else SHARDING,
     )
     unwrapped = wrapped.module
     wrapped, optim = train(wrapped, optim, unwrapped, rank, world)
@@ -128,10 +134,15 @@ def main(out_dir: str) -> None:
                 shards.append((name, list(shard.metadata.shard_offsets), shard.tensor.detach().clone()))
         else:
             replicated[name] = value.detach().clone()
-    torch.save({"replicated": replicated, "shards": shards,
-                "ddp_params": sum(1 for _ in wrapped._dmp_wrapped_module.parameters()),
-                "sizes": (model_num_parameters(unwrapped), model_dense_num_parameters(unwrapped))},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "replicated": replicated,
+            "shards": shards,
+            "ddp_params": sum(1 for _ in wrapped._dmp_wrapped_module.parameters()),
+            "sizes": (model_num_parameters(unwrapped), model_dense_num_parameters(unwrapped)),
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
     del wrapped, optim, unwrapped, model
     destroy_distributed()
 

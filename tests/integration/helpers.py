@@ -17,8 +17,9 @@ def tables(pooling: PoolingType = PoolingType.SUM) -> list[EmbeddingBagConfig]:
     shape, and a small dense table that shares feature f0."""
     return [
         EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=100, feature_names=["f0", "f1"], pooling=pooling),
-        EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=90, feature_names=["f2"],
-                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            name="b", embedding_dim=8, num_embeddings=90, feature_names=["f2"], pooling=PoolingType.MEAN
+        ),
         EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=10, feature_names=["f0"], pooling=pooling),
         EmbeddingBagConfig(name="d", embedding_dim=8, num_embeddings=300, feature_names=["f3"], pooling=pooling),
     ]
@@ -26,7 +27,10 @@ def tables(pooling: PoolingType = PoolingType.SUM) -> list[EmbeddingBagConfig]:
 
 def policy(rank: int = 4) -> CompressionPolicy:
     return CompressionPolicy(
-        rank=rank, min_rows_to_compress=50, min_params_to_compress=0, min_gain=0.0,
+        rank=rank,
+        min_rows_to_compress=50,
+        min_params_to_compress=0,
+        min_gain=0.0,
         per_table={"a": TableOverride(shape=SHAPE), "b": TableOverride(shape=SHAPE)},
     )
 
@@ -36,14 +40,18 @@ def kjt(weighted: bool = False, batch: int = 3, seed: int = 0) -> KeyedJaggedTen
     bounds = {"f0": 10, "f1": 100, "f2": 90, "f3": 300}
     lengths = torch.randint(0, 4, (len(bounds), batch), generator=g)
     lengths[0, 0] = 0  # an empty bag
-    values = torch.cat([torch.randint(0, n, (int(lengths[i].sum()),), generator=g) for i, n in enumerate(bounds.values())])
+    values = torch.cat(
+        [torch.randint(0, n, (int(lengths[i].sum()),), generator=g) for i, n in enumerate(bounds.values())]
+    )
     weights = torch.rand(values.shape, generator=g) if weighted else None
     return KeyedJaggedTensor.from_lengths_sync(
         keys=list(bounds), values=values, lengths=lengths.reshape(-1), weights=weights
     )
 
 
-def reference_ebc(ttm: TTMEmbeddingBagCollection, configs: list[EmbeddingBagConfig], weighted: bool = False) -> EmbeddingBagCollection:
+def reference_ebc(
+    ttm: TTMEmbeddingBagCollection, configs: list[EmbeddingBagConfig], weighted: bool = False
+) -> EmbeddingBagCollection:
     """TorchRec's EBC loaded with the dense reconstruction of ``ttm``."""
     ref = EmbeddingBagCollection(configs, is_weighted=weighted)
     with torch.no_grad():

@@ -85,8 +85,9 @@ STYLES = ("dcn_stock", "dcn_compressed", "tower_stock", "tower_compressed", "pip
 
 def table_wise_plan(model: nn.Module, sharders: list, world: int):
     """TorchRec's planner, every table TorchRec will shard constrained to table-wise."""
-    names = [c.name for m in model.modules() if isinstance(m, EmbeddingBagCollection)
-             for c in m.embedding_bag_configs()]
+    names = [
+        c.name for m in model.modules() if isinstance(m, EmbeddingBagCollection) for c in m.embedding_bag_configs()
+    ]
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world, compute_device="cpu"),
         constraints={name: ParameterConstraints(sharding_types=["table_wise"]) for name in names},
@@ -118,7 +119,7 @@ def load_initial(model: DistributedModelParallel, initial: dict[str, torch.Tenso
                 for shard in value.local_shards():
                     rows, cols = shard.tensor.shape
                     r0, c0 = shard.metadata.shard_offsets
-                    shard.tensor.copy_(full[r0:r0 + rows, c0:c0 + cols])
+                    shard.tensor.copy_(full[r0 : r0 + rows, c0 : c0 + cols])
             else:
                 assert value.shape == full.shape, (name, value.shape, full.shape)
                 value.copy_(full)
@@ -139,8 +140,12 @@ def snapshot(model: DistributedModelParallel) -> tuple[dict[str, torch.Tensor], 
 
 def tt_names(model: nn.Module) -> list[str]:
     inner = model.module if isinstance(model, DistributedModelParallel) else model
-    return [f"{m_name}.{p_name}" for m_name, m in inner.named_modules() if isinstance(m, TensorTrainModule)
-            for p_name, _ in m.named_parameters()]
+    return [
+        f"{m_name}.{p_name}"
+        for m_name, m in inner.named_modules()
+        if isinstance(m, TensorTrainModule)
+        for p_name, _ in m.named_parameters()
+    ]
 
 
 def report(model: DistributedModelParallel, initial: dict[str, torch.Tensor], losses: list[float]) -> dict:
@@ -151,20 +156,25 @@ def report(model: DistributedModelParallel, initial: dict[str, torch.Tensor], lo
     unchanged_shards = []
     for name, (r0, c0), shard in shards:
         rows, cols = shard.shape
-        if torch.equal(shard, initial[name][r0:r0 + rows, c0:c0 + cols]):
+        if torch.equal(shard, initial[name][r0 : r0 + rows, c0 : c0 + cols]):
             unchanged_shards.append(name)
     return {
-        "losses": losses, "finite": all(math.isfinite(v) for v in losses),
-        "replicated": replicated, "shards": shards, "tt": tt_names(model),
-        "unchanged": unchanged, "unchanged_shards": unchanged_shards,
+        "losses": losses,
+        "finite": all(math.isfinite(v) for v in losses),
+        "replicated": replicated,
+        "shards": shards,
+        "tt": tt_names(model),
+        "unchanged": unchanged,
+        "unchanged_shards": unchanged_shards,
         "tables": sorted({name for name, _, _ in shards}),
     }
 
 
 def make_optimizer(model: DistributedModelParallel) -> CombinedOptimizer:
     """As TorchRec's examples: the sharded tables' fused optimiser and a dense one on the rest."""
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
-                                  lambda params: torch.optim.Adagrad(params, lr=LR))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(model.named_parameters())), lambda params: torch.optim.Adagrad(params, lr=LR)
+    )
     return CombinedOptimizer([model.fused_optimizer, dense])
 
 
@@ -173,12 +183,22 @@ def make_optimizer(model: DistributedModelParallel) -> CombinedOptimizer:
 
 def dcn_model(device: torch.device) -> DLRMTrain:
     torch.manual_seed(0)
-    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
-               for i, n in enumerate(DCN_SIZES)]
+    configs = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
+        for i, n in enumerate(DCN_SIZES)
+    ]
     ebc = EmbeddingBagCollection(tables=configs, device=device)
-    return DLRMTrain(DLRM_DCN(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
-                              dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[32, 1],
-                              dcn_num_layers=2, dcn_low_rank_dim=4, dense_device=CPU))
+    return DLRMTrain(
+        DLRM_DCN(
+            embedding_bag_collection=ebc,
+            dense_in_features=DENSE_IN,
+            dense_arch_layer_sizes=[16, DIM],
+            over_arch_layer_sizes=[32, 1],
+            dcn_num_layers=2,
+            dcn_low_rank_dim=4,
+            dense_device=CPU,
+        )
+    )
 
 
 def dcn_batch(step: int, start: int = 0, stop: int = GLOBAL_BATCH) -> Batch:
@@ -189,7 +209,8 @@ def dcn_batch(step: int, start: int = 0, stop: int = GLOBAL_BATCH) -> Batch:
     ids = [torch.randint(0, n, (GLOBAL_BATCH,), generator=g) for n in DCN_SIZES]
     labels = ((dense[:, 0] > 0.5) ^ (ids[0] % 2 == 1)).long()
     features = KeyedJaggedTensor.from_lengths_sync(
-        keys=[f"f{i}" for i in range(len(DCN_SIZES))], values=torch.cat([i[start:stop] for i in ids]),
+        keys=[f"f{i}" for i in range(len(DCN_SIZES))],
+        values=torch.cat([i[start:stop] for i in ids]),
         lengths=torch.ones(len(DCN_SIZES) * (stop - start), dtype=torch.long),
     )
     return Batch(dense_features=dense[start:stop], sparse_features=features, labels=labels[start:stop])
@@ -201,8 +222,9 @@ def build_dcn(world: int, compressed: bool) -> DistributedModelParallel:
         comera_rec.compress(model, POLICY)  # comera-rec
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": LR, "eps": 1e-8})
     sharders = [EmbeddingBagCollectionSharder()]
-    return DistributedModelParallel(module=model, device=CPU, plan=table_wise_plan(model, sharders, world),
-                                    sharders=sharders)
+    return DistributedModelParallel(
+        module=model, device=CPU, plan=table_wise_plan(model, sharders, world), sharders=sharders
+    )
 
 
 def run_dcn(rank: int, world: int, compressed: bool) -> dict:
@@ -225,8 +247,10 @@ def run_dcn(rank: int, world: int, compressed: bool) -> dict:
 
 
 def _configs(tables: dict[str, int]) -> list[EmbeddingBagConfig]:
-    return [EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[name])
-            for name, n in tables.items()]
+    return [
+        EmbeddingBagConfig(name=name, embedding_dim=DIM, num_embeddings=n, feature_names=[name])
+        for name, n in tables.items()
+    ]
 
 
 class Tower(nn.Module):
@@ -260,8 +284,9 @@ class TwoTowerTrain(nn.Module):
         self.two_tower = two_tower
         self.loss_fn = nn.BCEWithLogitsLoss()
 
-    def forward(self, query: KeyedJaggedTensor, candidate: KeyedJaggedTensor,
-                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, query: KeyedJaggedTensor, candidate: KeyedJaggedTensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.two_tower(query, candidate)
         return self.loss_fn(logits, labels.float()), logits.detach()
 
@@ -280,7 +305,8 @@ def tower_batch(step: int, start: int = 0, stop: int = GLOBAL_BATCH):
 
     def kjt(tables: dict[str, int]) -> KeyedJaggedTensor:
         return KeyedJaggedTensor.from_lengths_sync(
-            keys=list(tables), values=torch.cat([ids[name][start:stop] for name in tables]),
+            keys=list(tables),
+            values=torch.cat([ids[name][start:stop] for name in tables]),
             lengths=torch.ones(len(tables) * (stop - start), dtype=torch.long),
         )
 
@@ -292,8 +318,9 @@ def run_tower(rank: int, world: int, compressed: bool) -> dict:
     if compressed:
         comera_rec.compress(model, POLICY)  # comera-rec
     sharders = [EmbeddingBagCollectionSharder(fused_params={"learning_rate": TOWER_LR})]
-    model = DistributedModelParallel(module=model, device=CPU, plan=table_wise_plan(model, sharders, world),
-                                     sharders=sharders)
+    model = DistributedModelParallel(
+        module=model, device=CPU, plan=table_wise_plan(model, sharders, world), sharders=sharders
+    )
     initial = initial_state(tower_model, compressed)
     load_initial(model, initial)
     optimizer = make_optimizer(model)
@@ -320,8 +347,11 @@ def run_pipeline_adapter(rank: int, world: int) -> dict:
     initial = initial_state(dcn_model, compressed=True)
     load_initial(model, initial)
     optimizer = make_optimizer(model)
-    adapter = comera_rec.RankAdapter(model, total_steps=ADAPTER_STEPS,  # comera-rec
-                                     config=RankScheduleConfig(target_size_ratio=TARGET))
+    adapter = comera_rec.RankAdapter(
+        model,
+        total_steps=ADAPTER_STEPS,  # comera-rec
+        config=RankScheduleConfig(target_size_ratio=TARGET),
+    )
     pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
     ddp = weakref.ref(model._dmp_wrapped_module)
     per = GLOBAL_BATCH // world
@@ -346,17 +376,28 @@ def run_pipeline_adapter(rank: int, world: int) -> dict:
     ddp = model._dmp_wrapped_module
     live_ddp = {id(p) for p in ddp.parameters()} if isinstance(ddp, nn.parallel.DistributedDataParallel) else set()
     in_optimizer = {id(p) for _, keyed in optimizer.optimizers for g in keyed.param_groups for p in g["params"]}
-    tt_params = [(f"{m_name}.{p_name}", p) for m_name, m in inner.named_modules()
-                 if isinstance(m, TensorTrainModule) for p_name, p in m.named_parameters()]
+    tt_params = [
+        (f"{m_name}.{p_name}", p)
+        for m_name, m in inner.named_modules()
+        if isinstance(m, TensorTrainModule)
+        for p_name, p in m.named_parameters()
+    ]
     result = report(model, initial, losses)
-    result.update({
-        "sizes": sizes, "numels": numels, "start_bytes": start_bytes, "start_numel": start_numel,
-        "target_bytes": adapter.target_bytes(), "rebuilt": rebuilt,
-        "ranks": {n: list(m.ranks) for n, m in comera_rec.tensor_train_modules(inner)},
-        "stale_ddp": [n for n, p in tt_params if id(p) not in live_ddp],
-        "missing_from_optimizer": [n for n, p in tt_params if id(p) not in in_optimizer],
-        "pipelined": isinstance(collection.dense.forward, PipelinedForward), "exhausted": exhausted,
-    })
+    result.update(
+        {
+            "sizes": sizes,
+            "numels": numels,
+            "start_bytes": start_bytes,
+            "start_numel": start_numel,
+            "target_bytes": adapter.target_bytes(),
+            "rebuilt": rebuilt,
+            "ranks": {n: list(m.ranks) for n, m in comera_rec.tensor_train_modules(inner)},
+            "stale_ddp": [n for n, p in tt_params if id(p) not in live_ddp],
+            "missing_from_optimizer": [n for n, p in tt_params if id(p) not in in_optimizer],
+            "pipelined": isinstance(collection.dense.forward, PipelinedForward),
+            "exhausted": exhausted,
+        }
+    )
     adapter.close()
     del pipeline
     return result

@@ -76,8 +76,11 @@ def _cut_first_bond(layer: nn.Module):
 
 def test_retarget_a_torch_optimizer_slices_its_state() -> None:
     layer, opt = _trained_layer(lambda m: torch.optim.Adam(m.parameters(), lr=0.01))
-    before = {"core0": dict(opt.state[layer.cores[0]]), "core1": dict(opt.state[layer.cores[1]]),
-              "ctrl0": dict(opt.state[layer.controllers[0]])}
+    before = {
+        "core0": dict(opt.state[layer.cores[0]]),
+        "core1": dict(opt.state[layer.cores[1]]),
+        "ctrl0": dict(opt.state[layer.controllers[0]]),
+    }
     truncation = _cut_first_bond(layer)
     assert retarget_optimizer(opt, truncation) == 3
     assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in layer.parameters()}
@@ -94,8 +97,11 @@ def test_retarget_keyed_optimizers_inside_a_combined_one() -> None:
 
     layer, combined = _trained_layer(factory)
     keyed = combined.optimizers[0][1]
-    before = {"core0": dict(keyed.state[layer.cores[0]]), "core1": dict(keyed.state[layer.cores[1]]),
-              "ctrl0": dict(keyed.state[layer.controllers[0]])}
+    before = {
+        "core0": dict(keyed.state[layer.cores[0]]),
+        "core1": dict(keyed.state[layer.cores[1]]),
+        "ctrl0": dict(keyed.state[layer.controllers[0]]),
+    }
     retarget_optimizer(combined, _cut_first_bond(layer))
     assert keyed.params["cores.0"] is layer.cores[0] and keyed.params["controllers.0"] is layer.controllers[0]
     _check_sliced(layer, keyed.state, before, torch.tensor([0, 2]))
@@ -128,9 +134,20 @@ def test_adapter_two_processes_cut_alike(tmp_path: Path) -> None:
     out.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-         str(ROOT / "tests" / "integration" / "adapter_worker.py"), str(out)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--standalone",
+            str(ROOT / "tests" / "integration" / "adapter_worker.py"),
+            str(out),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]

@@ -56,15 +56,11 @@ def test_gradients_match_torchrec_ebc(lookup_path: str) -> None:
     # cores: d(sum)/d(cores) through the reconstruction with the reference's table gradient
     for g, group in enumerate(ttm.groups):
         names = ttm._group_tables[g]
-        recon = sum(
-            (group.dense_weight(i) * ref.embedding_bags[n].weight.grad).sum() for i, n in enumerate(names)
-        )
+        recon = sum((group.dense_weight(i) * ref.embedding_bags[n].weight.grad).sum() for i, n in enumerate(names))
         expected = torch.autograd.grad(recon, list(group.cores) + list(group.controllers))
         for got, want in zip(list(group.cores) + list(group.controllers), expected):
             torch.testing.assert_close(got.grad, want, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(
-        ttm.dense.embedding_bags["c"].weight.grad, ref.embedding_bags["c"].weight.grad
-    )
+    torch.testing.assert_close(ttm.dense.embedding_bags["c"].weight.grad, ref.embedding_bags["c"].weight.grad)
 
 
 def test_stacked_tables_are_looked_up_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,8 +143,9 @@ def test_policy_keeps_small_tables_dense() -> None:
 
 def test_missing_feature_in_kjt() -> None:
     ttm = TTMEmbeddingBagCollection(tables(), policy())
-    features = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1"], values=torch.tensor([1, 2]),
-                                                   lengths=torch.tensor([1, 1]))
+    features = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1])
+    )
     with pytest.raises(ValueError, match=r"lacks feature\(s\) \['f2', 'f3'\]"):
         ttm(features)
 
@@ -157,7 +154,8 @@ def test_kjt_key_missing_from_configs() -> None:
     ttm = TTMEmbeddingBagCollection(tables(), policy())
     f = kjt()
     extra = KeyedJaggedTensor.from_lengths_sync(
-        keys=f.keys() + ["zz"], values=torch.cat([f.values(), torch.tensor([1])]),
+        keys=f.keys() + ["zz"],
+        values=torch.cat([f.values(), torch.tensor([1])]),
         lengths=torch.cat([f.lengths(), torch.tensor([1, 0, 0])]),
     )
     with pytest.raises(ValueError, match=r"\['zz'\] are in no table config"):
@@ -188,8 +186,11 @@ def test_bad_configs() -> None:
         TTMEmbeddingBagCollection(tables() + tables()[:1], policy())
     with pytest.raises(ValueError, match="only SUM and MEAN"):
         TTMEmbeddingBagCollection(
-            [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"],
-                                pooling=PoolingType.NONE)]
+            [
+                EmbeddingBagConfig(
+                    name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"], pooling=PoolingType.NONE
+                )
+            ]
         )
     with pytest.raises(ValueError, match="per_table"):
         TTMEmbeddingBagCollection(tables(), CompressionPolicy(per_table={"a": "zip"}))
@@ -213,7 +214,13 @@ def test_dense_tables_called_directly_equal_the_fused_collection(weighted: bool,
         EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=10, feature_names=["f0"]),
         EmbeddingBagConfig(name="d", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
     ]
-    pol = CompressionPolicy(rank=4, min_rows_to_compress=95, min_params_to_compress=0, min_gain=0.0, per_table={"a": TableOverride(shape=SHAPE)})
+    pol = CompressionPolicy(
+        rank=4,
+        min_rows_to_compress=95,
+        min_params_to_compress=0,
+        min_gain=0.0,
+        per_table={"a": TableOverride(shape=SHAPE)},
+    )
     spec = EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": 0.1, "eps": 1e-8})
     made = []
     for _ in range(2):

@@ -79,7 +79,9 @@ def test_compress_torchrec_dlrm_full_rank_keeps_outputs() -> None:
 def test_compress_at_low_rank_reports_savings() -> None:
     model = _dlrm()
     before = sum(p.numel() for p in model.parameters())
-    report = compress(model, CompressionPolicy(rank=2, min_rows_to_compress=100, min_params_to_compress=0, min_gain=1.5))
+    report = compress(
+        model, CompressionPolicy(rank=2, min_rows_to_compress=100, min_params_to_compress=0, min_gain=1.5)
+    )
     after = sum(p.numel() for p in model.parameters())
     assert report.params_before - report.params_after == before - after > 0
     assert all(m.ratio >= 1.5 for m in report.modules)
@@ -111,7 +113,9 @@ class _Mixed(nn.Module):
         )
         self.fused = FusedEmbeddingBagCollection(
             [EmbeddingBagConfig(name="u", embedding_dim=8, num_embeddings=500, feature_names=["u"])],
-            optimizer_type=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, device=torch.device("cpu"),
+            optimizer_type=torch.optim.SGD,
+            optimizer_kwargs={"lr": 0.1},
+            device=torch.device("cpu"),
         )
 
 
@@ -136,7 +140,9 @@ def test_compress_reports_every_module_it_leaves_dense_and_why() -> None:
 def test_policy_reasons_for_dense_tables() -> None:
     from comera_rec.integration.policy import plan_table
 
-    assert "per_table entry says dense" in plan_table("t", 10**6, 16, CompressionPolicy(per_table={"t": "dense"})).reason
+    assert (
+        "per_table entry says dense" in plan_table("t", 10**6, 16, CompressionPolicy(per_table={"t": "dense"})).reason
+    )
     assert "parameters < min_params_to_compress" in plan_table("t", 20_000, 16, CompressionPolicy()).reason
     plan = plan_table("t", 20_000, 16, CompressionPolicy(min_params_to_compress=0, min_gain=1e6))
     assert not plan.compressed and "min_gain=1000000.0" in plan.reason

@@ -117,8 +117,9 @@ def test_round_trip_keeps_outputs_and_loads_into_stock_torchrec(dcn: bool) -> No
 
     report = decompress(model)
 
-    assert not any(isinstance(m, (TensorTrainModule, TTMEmbeddingBagCollection, TTLowRankCrossNet))
-                   for m in model.modules())
+    assert not any(
+        isinstance(m, (TensorTrainModule, TTMEmbeddingBagCollection, TTLowRankCrossNet)) for m in model.modules()
+    )
     assert type(model.sparse_arch.embedding_bag_collection) is EmbeddingBagCollection
     if dcn:
         assert type(model.inter_arch.crossnet) is LowRankCrossNet
@@ -184,8 +185,9 @@ def test_trainer_model_with_fused_relu_and_narrow_layers() -> None:
     assert not any(isinstance(m, (TTLinear, NarrowLinear)) for m in model.modules())
     assert all(p._activation_fn is torch.relu for p in model.dense_arch.model._mlp)
     assert {m.kind for m in report.modules} == {"EmbeddingBagCollection", "Linear"}
-    stock = make_dlrm(criteo_tables([400, 300, 20], 8, ["f0", "f1", "f2"]), dense_in_features=6,
-                      bottom_mlp=[64, 8], top_mlp=[64, 1])
+    stock = make_dlrm(
+        criteo_tables([400, 300, 20], 8, ["f0", "f1", "f2"]), dense_in_features=6, bottom_mlp=[64, 8], top_mlp=[64, 1]
+    )
     stock.load_state_dict(model.state_dict(), strict=True)
     with torch.no_grad():
         torch.testing.assert_close(stock(dense, sparse), expected, rtol=1e-5, atol=1e-5)

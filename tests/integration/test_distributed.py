@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
-
 from torchrec.distributed.planner import ParameterConstraints
+from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
 from comera_rec.integration.distributed import (
     CPU_SHARDING_TYPES,
@@ -32,7 +31,9 @@ def _reference(table_optimizer: str = "SGD") -> tuple[dict[str, torch.Tensor], t
     state and the model's (live, dense-equivalent) parameter counts."""
     model = worker.build_model()
     wrapped, optim = wrap_model(
-        model, device="cpu", make_dense_optimizer=worker.sgd,
+        model,
+        device="cpu",
+        make_dense_optimizer=worker.sgd,
         embedding_optimizer=worker.table_optimizer(table_optimizer),
     )
     wrapped, optim = worker.train(wrapped, optim, model, rank=0, world=1)
@@ -68,18 +69,41 @@ def test_single_process_wrap_and_rewrap_keeps_state() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding, table_optimizer", [
-    ("table_wise", "SGD"), ("column_wise", "SGD"), ("planner", "SGD"), ("table_wise", "RowWiseAdagrad"),
-])
+@pytest.mark.parametrize(
+    "sharding, table_optimizer",
+    [
+        ("table_wise", "SGD"),
+        ("column_wise", "SGD"),
+        ("planner", "SGD"),
+        ("table_wise", "RowWiseAdagrad"),
+    ],
+)
 def test_two_process_dmp_matches_one_process(tmp_path: Path, sharding: str, table_optimizer: str) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DMP_SHARDING=sharding,
-               DMP_TABLE_OPTIMIZER=table_optimizer)
+    env = dict(
+        os.environ,
+        TMPDIR=str(tmp_path),
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        DMP_SHARDING=sharding,
+        DMP_TABLE_OPTIMIZER=table_optimizer,
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-         str(ROOT / "tests" / "integration" / "dmp_worker.py"), str(out)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--standalone",
+            str(ROOT / "tests" / "integration" / "dmp_worker.py"),
+            str(out),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
@@ -101,8 +125,11 @@ def test_two_process_dmp_matches_one_process(tmp_path: Path, sharding: str, tabl
             full = expected[name]
             rows, cols = shard.shape
             torch.testing.assert_close(
-                shard, full[offsets[0] : offsets[0] + rows, offsets[1] : offsets[1] + cols],
-                rtol=1e-5, atol=1e-6, msg=name,
+                shard,
+                full[offsets[0] : offsets[0] + rows, offsets[1] : offsets[1] + cols],
+                rtol=1e-5,
+                atol=1e-6,
+                msg=name,
             )
             covered[name] = covered.get(name, 0) + shard.numel()
     assert {n.rsplit(".", 2)[-2] for n in covered} == {"t_cat_2", "t_cat_3"}
@@ -138,8 +165,11 @@ def test_table_constraint_overrides_and_keeps_its_other_fields() -> None:
 
 @pytest.mark.parametrize("how", ["sharding_type", "constraints"])
 def test_data_parallel_on_cpu_is_refused(how: str) -> None:
-    kwargs = ({"sharding_type": "data_parallel"} if how == "sharding_type"
-              else {"constraints": {"t_cat_3": ParameterConstraints(sharding_types=["data_parallel"])}})
+    kwargs = (
+        {"sharding_type": "data_parallel"}
+        if how == "sharding_type"
+        else {"constraints": {"t_cat_3": ParameterConstraints(sharding_types=["data_parallel"])}}
+    )
     with pytest.raises(ValueError, match="'t_cat_.': sharding type 'data_parallel' does not train on CPU"):
         dense_table_constraints(worker.build_model(), CPU, **kwargs)
 

@@ -34,17 +34,23 @@ def configs(dim_of_f2: int = 8) -> list[EmbeddingBagConfig]:
 def fused(optimizer_kwargs=None, dim_of_f2: int = 8, weighted: bool = False) -> FusedEmbeddingBagCollection:
     torch.manual_seed(0)
     return FusedEmbeddingBagCollection(
-        tables=configs(dim_of_f2), optimizer_type=RowWiseAdagrad, is_weighted=weighted,
-        optimizer_kwargs=optimizer_kwargs or {"lr": 0.05, "eps": 1e-8}, device=torch.device("cpu"),
+        tables=configs(dim_of_f2),
+        optimizer_type=RowWiseAdagrad,
+        is_weighted=weighted,
+        optimizer_kwargs=optimizer_kwargs or {"lr": 0.05, "eps": 1e-8},
+        device=torch.device("cpu"),
     )
 
 
 def batch(features: list[str], seed: int, weighted: bool = False, max_len: int = 3) -> KeyedJaggedTensor:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, max_len + 1, (len(features) * B,), generator=g)
-    ids = torch.cat([
-        torch.randint(0, ROWS[f], (int(lengths[i * B : (i + 1) * B].sum()),), generator=g) for i, f in enumerate(features)
-    ])
+    ids = torch.cat(
+        [
+            torch.randint(0, ROWS[f], (int(lengths[i * B : (i + 1) * B].sum()),), generator=g)
+            for i, f in enumerate(features)
+        ]
+    )
     weights = torch.rand(ids.numel(), generator=g) if weighted else None
     return KeyedJaggedTensor.from_lengths_sync(keys=features, values=ids, lengths=lengths, weights=weights)
 
@@ -54,8 +60,12 @@ FEATURES = ["f0", "g", "f1", "f2", "f3"]
 
 def state(collection: FusedEmbeddingBagCollection) -> dict[str, torch.Tensor]:
     tbe = single_lookup(collection, FEATURES)._emb_module
-    return {"weights": tbe.weights_host.detach().clone(), "momentum": tbe.momentum1_host.clone(),
-            "iter": tbe.iter.clone(), "step": torch.tensor(tbe.step)}
+    return {
+        "weights": tbe.weights_host.detach().clone(),
+        "momentum": tbe.momentum1_host.clone(),
+        "iter": tbe.iter.clone(),
+        "step": torch.tensor(tbe.step),
+    }
 
 
 @pytest.mark.parametrize("weighted", [False, True])
@@ -79,8 +89,12 @@ def test_lookup_and_update_match_fbgemm_over_steps(weighted: bool) -> None:
         torch.testing.assert_close(got["momentum"], ref["momentum"], rtol=1e-5, atol=1e-7)
         assert torch.equal(got["iter"], ref["iter"]) and torch.equal(got["step"], ref["step"])
     # the fused optimizer's state (what a checkpoint holds) reads the same buffers
-    torch.testing.assert_close(kernel.fused_optimizer().state_dict()["state"], reference.fused_optimizer().state_dict()["state"],
-                               rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        kernel.fused_optimizer().state_dict()["state"],
+        reference.fused_optimizer().state_dict()["state"],
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 def test_other_optimizer_settings_stay_with_fbgemm() -> None:
@@ -112,14 +126,20 @@ def test_flat_sparse_arch_matches_torchrec_sparse_arch_and_its_update() -> None:
         g = torch.randn(got.shape)
         got.backward(g)
         want.backward(g)
-    torch.testing.assert_close(state(flat.embedding_bag_collection)["weights"],
-                               state(plain.embedding_bag_collection)["weights"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        state(flat.embedding_bag_collection)["weights"],
+        state(plain.embedding_bag_collection)["weights"],
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 def test_id_outside_its_table_is_named_through_the_arch() -> None:
     arch = FlatSparseArch(fused(dim_of_f2=16))
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=FEATURES, values=torch.tensor([1, 2, 3, 300, 4]), lengths=torch.tensor([1] * 5),
+        keys=FEATURES,
+        values=torch.tensor([1, 2, 3, 300, 4]),
+        lengths=torch.tensor([1] * 5),
     )
     with pytest.raises(RuntimeError, match=r"id 300 of feature 3 out of range \[0, 300\)"):
         arch(kjt)

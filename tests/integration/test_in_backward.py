@@ -64,11 +64,20 @@ def gloo(tmp_path):
 
 def _model() -> DLRMTrain:
     torch.manual_seed(0)
-    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
-               for i, n in enumerate(SIZES)]
+    configs = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
+        for i, n in enumerate(SIZES)
+    ]
     ebc = EmbeddingBagCollection(tables=configs, device=CPU)
-    return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
-                          over_arch_layer_sizes=[16, 1], dense_device=CPU))
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=4,
+            dense_arch_layer_sizes=[16, DIM],
+            over_arch_layer_sizes=[16, 1],
+            dense_device=CPU,
+        )
+    )
 
 
 def _table_wise_dmp(model: torch.nn.Module) -> DistributedModelParallel:
@@ -84,8 +93,10 @@ def _table_wise_dmp(model: torch.nn.Module) -> DistributedModelParallel:
 
 
 def _train(wrapped: torch.nn.Module, steps: int = 6) -> list[float]:
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(wrapped.named_parameters())),
-                                  lambda params: torch.optim.Adagrad(params, lr=0.1))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(wrapped.named_parameters())),
+        lambda params: torch.optim.Adagrad(params, lr=0.1),
+    )
     optimizer = CombinedOptimizer([wrapped.fused_optimizer, dense])
     batch = _dlrm_batch(0)
     losses = []
@@ -124,7 +135,9 @@ def test_release_removes_marks_and_hooks_and_names_the_parameters() -> None:
     p = torch.nn.Parameter(torch.ones(3))
     q = torch.nn.Parameter(torch.ones(3))
     apply_optimizer_in_backward(torch.optim.SGD, [p], {"lr": 0.5})
-    with pytest.warns(UserWarning, match=r"Owner: apply_optimizer_in_backward\(SGD\) does not apply to TT parameters \(p\)"):
+    with pytest.warns(
+        UserWarning, match=r"Owner: apply_optimizer_in_backward\(SGD\) does not apply to TT parameters \(p\)"
+    ):
         released = release_in_backward_optimizers([("p", p), ("q", q)], "Owner")
     assert released == ["p"]
     assert not hasattr(p, "_in_backward_optimizers") and list(in_backward_optimizer_filter([("p", p)])) == [("p", p)]

@@ -116,18 +116,30 @@ def _dlrm_batch(seed: int, batch: int = 16) -> Batch:
     features = KeyedJaggedTensor.from_lengths_sync(
         keys=[f"f{i}" for i in range(len(SIZES))], values=values, lengths=lengths.reshape(-1)
     )
-    return Batch(dense_features=torch.rand(batch, 4, generator=g), sparse_features=features,
-                 labels=torch.randint(0, 2, (batch,), generator=g))
+    return Batch(
+        dense_features=torch.rand(batch, 4, generator=g),
+        sparse_features=features,
+        labels=torch.randint(0, 2, (batch,), generator=g),
+    )
 
 
 @pytest.mark.parametrize("dense_device", ["cpu", "meta"])
 def test_dlrm_compressed_on_meta_trains_under_stock_dmp(gloo, dense_device: str) -> None:
     torch.manual_seed(0)
-    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
-               for i, n in enumerate(SIZES)]
+    configs = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
+        for i, n in enumerate(SIZES)
+    ]
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))  # as TorchRec's examples
-    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, DIM],
-                           over_arch_layer_sizes=[16, 1], dense_device=torch.device(dense_device)))
+    model = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=4,
+            dense_arch_layer_sizes=[16, DIM],
+            over_arch_layer_sizes=[16, 1],
+            dense_device=torch.device(dense_device),
+        )
+    )
     report = comera_rec.compress(
         model, CompressionPolicy(rank=4, min_rows_to_compress=50, min_params_to_compress=0, min_gain=0.0)
     )

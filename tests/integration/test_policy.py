@@ -145,7 +145,14 @@ def test_bad_fields_are_named(field: str, value, expected: str) -> None:
 
 
 def test_edge_values_are_accepted() -> None:
-    policy = CompressionPolicy(rank=1, linear_rank=None, min_rows_to_compress=0, min_params_to_compress=0,
-                               min_gain=0.0, two_cores_within=0, share_shapes_within=0.0,
-                               per_table={"a": "dense", "b": "compress", "c": 4, "d": TableOverride(rank=2)})
+    policy = CompressionPolicy(
+        rank=1,
+        linear_rank=None,
+        min_rows_to_compress=0,
+        min_params_to_compress=0,
+        min_gain=0.0,
+        two_cores_within=0,
+        share_shapes_within=0.0,
+        per_table={"a": "dense", "b": "compress", "c": 4, "d": TableOverride(rank=2)},
+    )
     assert policy.table_rank("c") == 4 and policy.table_rank("d") == 2 and policy.mlp_rank == 1

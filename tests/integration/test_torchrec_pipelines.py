@@ -88,9 +88,20 @@ def two_processes(tmp_path_factory) -> Callable[[str], list[dict]]:
     out.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-         str(ROOT / "tests" / "integration" / "pipelines_worker.py"), str(out)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--standalone",
+            str(ROOT / "tests" / "integration" / "pipelines_worker.py"),
+            str(out),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return lambda style: [torch.load(out / f"{style}.rank{r}.pt") for r in range(2)]
@@ -139,7 +150,7 @@ def test_two_processes_match_one_process(one_process, two_processes, style: str)
     for r in ranks:
         for name, (r0, c0), shard in r["shards"]:
             rows, cols = shard.shape
-            torch.testing.assert_close(shard, full[name][r0:r0 + rows, c0:c0 + cols], **TOL, msg=name)
+            torch.testing.assert_close(shard, full[name][r0 : r0 + rows, c0 : c0 + cols], **TOL, msg=name)
             covered[name] = covered.get(name, 0) + shard.numel()
     assert {table_name(n) for n in covered} == DENSE_TABLES[style]
     assert all(covered[n] == full[n].numel() for n in covered)
@@ -147,7 +158,9 @@ def test_two_processes_match_one_process(one_process, two_processes, style: str)
     # the losses are of each half; their mean is the one-process loss of the global batch
     torch.testing.assert_close(
         (torch.tensor(ranks[0]["losses"]) + torch.tensor(ranks[1]["losses"])) / 2,
-        torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-5,
+        torch.tensor(expected["losses"]),
+        rtol=1e-5,
+        atol=1e-5,
     )
 
 

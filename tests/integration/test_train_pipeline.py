@@ -76,11 +76,20 @@ def build(sizes: list[int], sharding: str, world_size: int = 1) -> DistributedMo
     (``"planner"``: the dense table data-parallel on one rank) or the dense tables
     ``"table_wise"`` (FBGEMM, their optimizer fused into backward). Same seed, same model."""
     torch.manual_seed(0)
-    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
-               for i, n in enumerate(sizes)]
+    configs = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
+        for i, n in enumerate(sizes)
+    ]
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
-                           dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1], dense_device=CPU))
+    model = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=DENSE_IN,
+            dense_arch_layer_sizes=[16, DIM],
+            over_arch_layer_sizes=[16, 1],
+            dense_device=CPU,
+        )
+    )
     comera_rec.compress(model, POLICY)
     sharders = [EmbeddingBagCollectionSharder(fused_params={"learning_rate": LR})]
     if sharding == "planner":
@@ -95,8 +104,9 @@ def build(sizes: list[int], sharding: str, world_size: int = 1) -> DistributedMo
 
 def make_optimizer(model: DistributedModelParallel) -> CombinedOptimizer:
     """As TorchRec's examples: the sharded tables' fused optimizer and SGD on the rest."""
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
-                                  lambda params: torch.optim.SGD(params, lr=LR))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(model.named_parameters())), lambda params: torch.optim.SGD(params, lr=LR)
+    )
     return CombinedOptimizer([model.fused_optimizer, dense])
 
 
@@ -117,8 +127,12 @@ def collection_of(model: DistributedModelParallel) -> TTMEmbeddingBagCollection:
 
 
 def tt_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {f"{name}.{p_name}": p for name, m in model.named_modules() if isinstance(m, TensorTrainModule)
-            for p_name, p in m.named_parameters()}
+    return {
+        f"{name}.{p_name}": p
+        for name, m in model.named_modules()
+        if isinstance(m, TensorTrainModule)
+        for p_name, p in m.named_parameters()
+    }
 
 
 def trained_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -145,11 +159,14 @@ def plain_loop(model: DistributedModelParallel, batches: list[Batch]) -> list[fl
     return losses
 
 
-@pytest.mark.parametrize("sizes, sharding, eager_steps", [
-    pytest.param(SOME, "planner", 0, id="some-compressed"),
-    pytest.param(SOME, "table_wise", 1, id="some-compressed-table-wise-after-eager-step"),
-    pytest.param(ALL, "planner", 0, id="all-compressed"),
-])
+@pytest.mark.parametrize(
+    "sizes, sharding, eager_steps",
+    [
+        pytest.param(SOME, "planner", 0, id="some-compressed"),
+        pytest.param(SOME, "table_wise", 1, id="some-compressed-table-wise-after-eager-step"),
+        pytest.param(ALL, "planner", 0, id="all-compressed"),
+    ],
+)
 def test_sparse_dist_pipeline_trains_as_plain_loop(gloo, sizes: list[int], sharding: str, eager_steps: int) -> None:
     batches = [make_batch(sizes, seed % DISTINCT) for seed in range(DISTINCT * ROUNDS)]
 
@@ -222,9 +239,12 @@ def test_two_process_sparse_dist_pipeline_trains_as_plain_loop(tmp_path: Path) -
     plain loop, the dense child pipelined."""
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-         __file__, str(tmp_path)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", __file__, str(tmp_path)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
@@ -256,11 +276,17 @@ def _two_process_worker(out_dir: str) -> None:
     pipeline = TrainPipelineSparseDist(model, make_optimizer(model), CPU)
     stream = iter(batches)
     losses = [pipeline.progress(stream)[0].item() for _ in batches]
-    torch.save({
-        "losses": losses, "expected_losses": expected_losses, "state": trained_state(model), "expected": expected,
-        "pipelined": isinstance(collection_of(model).dense.forward, PipelinedForward),
-        "tt": {n: p.detach().clone() for n, p in tt_parameters(model).items()},
-    }, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "losses": losses,
+            "expected_losses": expected_losses,
+            "state": trained_state(model),
+            "expected": expected,
+            "pipelined": isinstance(collection_of(model).dense.forward, PipelinedForward),
+            "tt": {n: p.detach().clone() for n, p in tt_parameters(model).items()},
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
     del pipeline, model
     destroy_distributed()
 

@@ -14,7 +14,7 @@ from tests.dlrm.tiny import TINY
 def test_interpolation_is_linear_in_log_bytes_and_refuses_to_extrapolate() -> None:
     fixed = [(1000.0, 0.70), (10000.0, 0.80), (100.0, 0.60)]
     assert bench_rank.interpolate_fixed(fixed, 1000.0) == pytest.approx(0.70)
-    assert bench_rank.interpolate_fixed(fixed, 10 ** 3.5) == pytest.approx(0.75)
+    assert bench_rank.interpolate_fixed(fixed, 10**3.5) == pytest.approx(0.75)
     assert bench_rank.interpolate_fixed(fixed, 50.0) is None
     assert bench_rank.interpolate_fixed(fixed, 20000.0) is None
 
@@ -22,10 +22,16 @@ def test_interpolation_is_linear_in_log_bytes_and_refuses_to_extrapolate() -> No
 @pytest.mark.slow
 def test_tiny_front_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     overrides = [o for o in TINY if not o.startswith(("model.rank", "model.mlp_rank"))]
-    overrides += ["trainer.max_steps=40", "trainer.eval_every=0", "trainer.eval_max_batches=2",
-                  "trainer.checkpoint_at_end=false", "trainer.log_every=10"]
-    code = bench_rank.main(["--seeds", "0", "--fixed", "2", "4", "--starts", "4", "--targets", "0.5",
-                            "--out", str(tmp_path), *overrides])
+    overrides += [
+        "trainer.max_steps=40",
+        "trainer.eval_every=0",
+        "trainer.eval_max_batches=2",
+        "trainer.checkpoint_at_end=false",
+        "trainer.log_every=10",
+    ]
+    code = bench_rank.main(
+        ["--seeds", "0", "--fixed", "2", "4", "--starts", "4", "--targets", "0.5", "--out", str(tmp_path), *overrides]
+    )
     assert code == 0
     front = json.loads((tmp_path / "demo" / "front.json").read_text())
     assert {r["setting"] for r in front["runs"]} == {"fixed r2", "fixed r4", "r4 -> 0.5"}

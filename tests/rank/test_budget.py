@@ -49,8 +49,7 @@ def test_cut_plan_steps_end_at_the_window_end():
 
 
 @settings(deadline=None, max_examples=25)
-@given(st.sampled_from(["linear", "ttm", "stacked"]), st.lists(st.integers(1, 5), min_size=1, max_size=3),
-       st.data())
+@given(st.sampled_from(["linear", "ttm", "stacked"]), st.lists(st.integers(1, 5), min_size=1, max_size=3), st.data())
 def test_bond_slice_entries_is_the_size_a_cut_frees(kind, ranks, data):
     torch.manual_seed(0)
     if kind == "linear":
@@ -89,10 +88,12 @@ def test_fisher_cost_is_invariant_to_the_controller_core_scale_exchange():
 
 def toy_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.ModuleDict({
-        "table": TTMEmbeddingBag(4000, 8, rank=6, shape=((20, 20, 10), (2, 2, 2))),
-        "mlp": TTLinear(16, 16, rank=6),
-    })
+    return nn.ModuleDict(
+        {
+            "table": TTMEmbeddingBag(4000, 8, rank=6, shape=((20, 20, 10), (2, 2, 2))),
+            "mlp": TTLinear(16, 16, rank=6),
+        }
+    )
 
 
 def test_select_reaches_the_target_cheapest_slices_first():
@@ -234,10 +235,24 @@ def test_demo_config_as_shipped_ends_within_ten_percent_of_its_target(tmp_path: 
     run_dir = tmp_path / "run"
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch/train_dlrm.py"), "--config", str(ROOT / "configs/dlrm_demo.yaml"),
-         "trainer.max_steps=150", "trainer.eval_every=0", "trainer.eval_max_batches=2", "trainer.progress=false",
-         "trainer.plots=false", "trainer.checkpoint_at_end=false", f"trainer.run_dir={run_dir}"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "launch/train_dlrm.py"),
+            "--config",
+            str(ROOT / "configs/dlrm_demo.yaml"),
+            "trainer.max_steps=150",
+            "trainer.eval_every=0",
+            "trainer.eval_max_batches=2",
+            "trainer.progress=false",
+            "trainer.plots=false",
+            "trainer.checkpoint_at_end=false",
+            f"trainer.run_dir={run_dir}",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]

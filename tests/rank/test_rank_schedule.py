@@ -88,8 +88,11 @@ def test_no_switch_when_late_stage_is_off():
 
 def test_switch_on_validation_plateau():
     model = toy()
-    sched = RankSchedule(RankScheduleConfig(mode="threshold", late_stage=True, switch="plateau", plateau_patience=2,
-                                            plateau_min_delta=0.01))
+    sched = RankSchedule(
+        RankScheduleConfig(
+            mode="threshold", late_stage=True, switch="plateau", plateau_patience=2, plateau_min_delta=0.01
+        )
+    )
     assert not sched.observe_validation(10, 0.70, model)
     assert not sched.observe_validation(20, 0.60, model)
     assert not sched.observe_validation(30, 0.595, model)  # below min_delta: 1 without improvement
@@ -104,7 +107,9 @@ def test_switch_on_validation_plateau():
 def test_switch_when_size_target_reached():
     model = toy()
     full = model_tt_bytes(model, 1e-2)
-    sched = RankSchedule(RankScheduleConfig(mode="threshold", late_stage=True, switch="size_target", switch_size_bytes=full - 1))
+    sched = RankSchedule(
+        RankScheduleConfig(mode="threshold", late_stage=True, switch="size_target", switch_size_bytes=full - 1)
+    )
     assert not sched.maybe_switch(0, model)
     with torch.no_grad():
         all_controllers(model)[0][1:] = 0.0  # lin's first bond falls from rank 4 to 1
@@ -157,7 +162,9 @@ def test_late_choice_flips_when_size_reaches_target():
 def test_should_truncate():
     sched = RankSchedule(RankScheduleConfig(mode="threshold", truncate_every=3))
     assert [s for s in range(10) if sched.should_truncate(s)] == [3, 6, 9]
-    assert not any(RankSchedule(RankScheduleConfig(mode="threshold", truncate_every=0)).should_truncate(s) for s in range(10))
+    assert not any(
+        RankSchedule(RankScheduleConfig(mode="threshold", truncate_every=0)).should_truncate(s) for s in range(10)
+    )
 
 
 def test_truncate_cuts_dead_slices_and_keeps_outputs():
@@ -182,14 +189,13 @@ def test_truncate_cuts_dead_slices_and_keeps_outputs():
     assert result.ranks_after == {"lin": [4, 2, 4], "emb": [3]}
     for change in result.changes:
         torch.testing.assert_close(change.slice(change.old.detach()), change.new.detach())
-    assert any(torch.equal(c.slice(old_core1), lin.cores[1].detach()) for c in result.changes
-               if c.new is lin.cores[1])
+    assert any(torch.equal(c.slice(old_core1), lin.cores[1].detach()) for c in result.changes if c.new is lin.cores[1])
     assert not sched.truncate(model)  # nothing left to cut
 
 
 def test_size_and_compression_ratio():
     model = toy()
-    lin, emb, head = model["lin"], model["emb"], model["head"]
+    lin, emb = model["lin"], model["emb"]
     assert model_tt_size(model) == lin.tt_size() + emb.tt_size()
     assert model_tt_bytes(model) == 4 * model_tt_size(model)
     dense = 16 * 8 + 8 + 64 * 8 + 17
@@ -215,6 +221,7 @@ def test_state_dict_roundtrip():
     sched = late_schedule(model)
     sched.observe_validation(3, 0.5, model)
     state = sched.state_dict()
+
     def plain(v):  # what a weights-only checkpoint load accepts
         if isinstance(v, dict):
             return all(isinstance(k, str) and plain(x) for k, x in v.items())

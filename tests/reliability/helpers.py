@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from tests.dlrm.tiny import TABLE_SIZES, TINY as BASE_TINY  # noqa: F401 (TABLE_SIZES re-exported)
+from tests.dlrm.tiny import TABLE_SIZES  # noqa: F401 (TABLE_SIZES re-exported)
+from tests.dlrm.tiny import TINY as BASE_TINY
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "configs/dlrm_demo.yaml")
@@ -27,16 +28,25 @@ def child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_torchrun(script: Path, args: list[str], tmp_path: Path, nproc: int = 2,
-                 timeout: int = 240) -> subprocess.CompletedProcess:
+def run_torchrun(
+    script: Path, args: list[str], tmp_path: Path, nproc: int = 2, timeout: int = 240
+) -> subprocess.CompletedProcess:
     """Run a test worker script under ``torchrun --standalone`` with :func:`child_env`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, env=child_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def run_train(tmp_path: Path, args: list[str], nproc: int = 1, max_restarts: Optional[int] = None,
-              timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
+def run_train(
+    tmp_path: Path, args: list[str], nproc: int = 1, max_restarts: Optional[int] = None, timeout: int = 240, **env: str
+) -> subprocess.CompletedProcess:
     """Run launch/train_dlrm.py in a subprocess (under torchrun when nproc > 1 or restarts are asked)."""
     if nproc > 1 or max_restarts is not None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -45,8 +55,14 @@ def run_train(tmp_path: Path, args: list[str], nproc: int = 1, max_restarts: Opt
         cmd.append(TRAIN)
     else:
         cmd = [sys.executable, TRAIN]
-    return subprocess.run(cmd + ["--config", DEMO, *args], env=child_env(tmp_path, **env), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        cmd + ["--config", DEMO, *args],
+        env=child_env(tmp_path, **env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:

@@ -38,11 +38,22 @@ def test_ids_out_of_range_from_files_name_feature_value_and_table(tmp_path: Path
     sparse = np.zeros((512, 26), dtype=np.int64)
     sparse[300, feature] = value
     path = write_npy(tmp_path, sparse)
-    args = ["--config", DEMO, *RUN, "data.source=npy", f"data.train_paths=[{path}]", f"data.val_paths=[{path}]",
-            "table_sizes_from_data=false", f"trainer.run_dir={tmp_path / 'run'}"]
+    args = [
+        "--config",
+        DEMO,
+        *RUN,
+        "data.source=npy",
+        f"data.train_paths=[{path}]",
+        f"data.val_paths=[{path}]",
+        "table_sizes_from_data=false",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    ]
     size = TABLE_SIZES[feature]
-    with pytest.raises(ValueError, match=rf"feature 'cat_{feature}' has id {value} out of range \[0, {size}\) "
-                                         rf"of table 't_cat_{feature}'"):
+    with pytest.raises(
+        ValueError,
+        match=rf"feature 'cat_{feature}' has id {value} out of range \[0, {size}\) "
+        rf"of table 't_cat_{feature}'",
+    ):
         main(args)
     if value < 0:  # hashing configured: the same file trains (ids are reduced modulo the table sizes)
         sizes = ",".join(map(str, TABLE_SIZES))
@@ -60,9 +71,18 @@ def test_malformed_data_lines_strict_and_skip(tmp_path: Path) -> None:
     lines[9] = "\t".join(fields)
     path.write_text("\n".join(lines) + "\n")
     sizes = ",".join(map(str, TABLE_SIZES))
-    args = ["--config", DEMO, *RUN, "data.source=tsv", f"data.train_paths=[{path}]", "data.holdout=none",
-            f"data.val_paths=[{path}]", f"data.num_embeddings_per_feature=[{sizes}]", "table_sizes_from_data=false",
-            f"trainer.run_dir={tmp_path / 'run'}"]
+    args = [
+        "--config",
+        DEMO,
+        *RUN,
+        "data.source=tsv",
+        f"data.train_paths=[{path}]",
+        "data.holdout=none",
+        f"data.val_paths=[{path}]",
+        f"data.num_embeddings_per_feature=[{sizes}]",
+        "table_sizes_from_data=false",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    ]
     with pytest.raises(BadInputError, match=rf"{path.name}:6: wrong number of fields: 3, expected 40"):
         main(args + ["data.bad_input=strict"])
     assert main(args)["steps"] == 2  # skip (the default): the bad line is dropped and counted
@@ -78,10 +98,20 @@ def test_unknown_and_malformed_config(tmp_path: Path) -> None:
 
 
 def test_tt_shape_that_cannot_hold_the_table(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"table 't_cat_0' rows: shape \[10, 10\] has product 100, which cannot "
-                                         r"hold dimension 20000"):
-        main(["--config", DEMO, *RUN, "model.per_table={t_cat_0: {shape: [[10, 10], [2, 4]]}}",
-              f"trainer.run_dir={tmp_path}"])
+    with pytest.raises(
+        ValueError,
+        match=r"table 't_cat_0' rows: shape \[10, 10\] has product 100, which cannot "
+        r"hold dimension 20000",
+    ):
+        main(
+            [
+                "--config",
+                DEMO,
+                *RUN,
+                "model.per_table={t_cat_0: {shape: [[10, 10], [2, 4]]}}",
+                f"trainer.run_dir={tmp_path}",
+            ]
+        )
 
 
 def test_checkpoint_of_another_model_is_refused_naming_keys(tmp_path: Path) -> None:
@@ -90,16 +120,38 @@ def test_checkpoint_of_another_model_is_refused_naming_keys(tmp_path: Path) -> N
     sizes = list(TABLE_SIZES)
     sizes[0], sizes[2] = 25000, 301  # a TT table whose cores still fit, a dense table one row longer
     with pytest.raises(IncompatibleCheckpointError) as err:
-        main(["--config", DEMO, "--resume", *TINY, "trainer.max_steps=2", f"trainer.run_dir={run}",
-              f"model.table_sizes=[{','.join(map(str, sizes))}]"])
+        main(
+            [
+                "--config",
+                DEMO,
+                "--resume",
+                *TINY,
+                "trainer.max_steps=2",
+                f"trainer.run_dir={run}",
+                f"model.table_sizes=[{','.join(map(str, sizes))}]",
+            ]
+        )
     text = str(err.value)
     assert "does not fit this model" in text
     assert "t_cat_2.weight: shape [300, 8] in the checkpoint, [301, 8] in the model" in text
     assert "config model.table_sizes (checkpoint [20000, 15000, 300" in text  # caught even where shapes fit
-    with pytest.raises(IncompatibleCheckpointError, match=r"embedding_bags.t_cat_\d+.weight: shape \[\d+, 8\] in the "
-                                                          r"checkpoint, \[\d+, 16\] in the model"):
-        main(["--config", DEMO, "--resume", *TINY, "trainer.max_steps=2", f"trainer.run_dir={run}",
-              "model.embedding_dim=16", "model.bottom_mlp=[64,32,16]"])
+    with pytest.raises(
+        IncompatibleCheckpointError,
+        match=r"embedding_bags.t_cat_\d+.weight: shape \[\d+, 8\] in the "
+        r"checkpoint, \[\d+, 16\] in the model",
+    ):
+        main(
+            [
+                "--config",
+                DEMO,
+                "--resume",
+                *TINY,
+                "trainer.max_steps=2",
+                f"trainer.run_dir={run}",
+                "model.embedding_dim=16",
+                "model.bottom_mlp=[64,32,16]",
+            ]
+        )
 
 
 # ----------------------------------------------------------------- batches into DLRMTask
@@ -114,8 +166,9 @@ def task_and_model():
 
 def good_batch(task: DLRMTask, b: int = 4) -> Batch:
     values = torch.zeros(26 * b, dtype=torch.int64)
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"cat_{i}" for i in range(26)], values=values,
-                                              lengths=torch.ones(26 * b, dtype=torch.int32))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"cat_{i}" for i in range(26)], values=values, lengths=torch.ones(26 * b, dtype=torch.int32)
+    )
     return Batch(dense_features=torch.rand(b, 13), sparse_features=kjt, labels=torch.ones(b))
 
 
@@ -147,8 +200,9 @@ def test_bad_batches_through_the_task(task_and_model, lookup_path: str) -> None:
     lengths = torch.ones(n, dtype=torch.int32)
     lengths[9], lengths[10] = 2, 0  # same sum, but not what the offsets say
     with pytest.raises(ValueError, match=r"offsets and lengths disagree at feature 'cat_2', sample 1"):
-        task.step_loss(wrapped, with_sparse(b, values=torch.zeros(n, dtype=torch.int64), lengths=lengths,
-                                            offsets=offsets))
+        task.step_loss(
+            wrapped, with_sparse(b, values=torch.zeros(n, dtype=torch.int64), lengths=lengths, offsets=offsets)
+        )
     lengths = torch.ones(n, dtype=torch.int32)
     lengths[6], lengths[7] = -1, 3
     with pytest.raises(ValueError, match=r"negative bag length -1 at feature 'cat_1', sample 2"):
@@ -162,9 +216,9 @@ def test_empty_bags_pool_to_zero(task_and_model) -> None:
     lengths = torch.ones(26 * b, dtype=torch.int32)
     lengths[0 * b + 1] = 0  # cat_0 (TT table), sample 1
     lengths[2 * b + 3] = 0  # cat_2 (dense table), sample 3
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"cat_{i}" for i in range(26)],
-                                              values=torch.ones(int(lengths.sum()), dtype=torch.int64),
-                                              lengths=lengths)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"cat_{i}" for i in range(26)], values=torch.ones(int(lengths.sum()), dtype=torch.int64), lengths=lengths
+    )
     out = ebc(kjt).to_dict()
     assert torch.equal(out["cat_0"][1], torch.zeros(8)) and out["cat_0"][0].abs().sum() > 0
     assert torch.equal(out["cat_2"][3], torch.zeros(8)) and out["cat_2"][0].abs().sum() > 0

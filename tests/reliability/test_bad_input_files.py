@@ -80,12 +80,16 @@ def test_truncated_gzip_keeps_the_rows_before_the_damage_under_skip(truncated_gz
 
 def test_truncated_gzip_under_strict_yields_the_rows_then_names_file_and_line(truncated_gz) -> None:
     path, whole = truncated_gz
-    reader = CriteoTsvReader(CriteoReaderConfig(paths=[str(path)], batch_size=16, has_label=True,
-                                                bad_input="strict", chunk_bytes=4096))
+    reader = CriteoTsvReader(
+        CriteoReaderConfig(paths=[str(path)], batch_size=16, has_label=True, bad_input="strict", chunk_bytes=4096)
+    )
     it = iter(reader)
     rows = 0
-    with pytest.raises(BadInputError, match=rf"{path.name}: damaged gzip stream after line {whole} near compressed "
-                                            r"byte \d+ of \d+: EOFError"):
+    with pytest.raises(
+        BadInputError,
+        match=rf"{path.name}: damaged gzip stream after line {whole} near compressed "
+        r"byte \d+ of \d+: EOFError",
+    ):
         for b in it:
             rows += len(b.labels)
     assert rows == whole // 16 * 16  # the full batches before the damage were yielded
@@ -172,7 +176,7 @@ def test_parquet_damaged_row_group_names_file_and_group(tmp_path: Path) -> None:
     for j in range(meta.num_columns):  # garbage over every column chunk of row group 0
         chunk = meta.row_group(0).column(j)
         start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
-        data[start:start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
+        data[start : start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
     path.write_bytes(bytes(data))
     with pytest.raises(BadInputError, match=r"train.parquet: row group 0 \(rows 0..31\) cannot be decoded"):
         list(CriteoParquetReader(CriteoReaderConfig(paths=[str(path)], bad_input="strict")))
@@ -209,7 +213,9 @@ def test_pickled_dense_npy_is_never_unpickled(tmp_path: Path) -> None:
     objs[0, 0] = _Plant(str(marker))
     np.save(dense, objs, allow_pickle=True)
     for world_size in (1, 2):
-        with pytest.raises(BadInputError, match=r"day_dense.npy: not a numeric .npy array .*never loaded \(allow_pickle=False\)"):
+        with pytest.raises(
+            BadInputError, match=r"day_dense.npy: not a numeric .npy array .*never loaded \(allow_pickle=False\)"
+        ):
             list(CriteoNpyReader(CriteoReaderConfig(paths=[str(dense)], world_size=world_size)))
     assert not marker.exists()
 
@@ -218,8 +224,11 @@ def test_npy_labels_of_shape_n_by_2_name_the_file_and_shapes(tmp_path: Path) -> 
     dense = write_npy(tmp_path, labels=np.ones((6, 2), np.int32))
     for world_size in (1, 2):
         reader = CriteoNpyReader(CriteoReaderConfig(paths=[str(dense)], world_size=world_size))
-        with pytest.raises(BadInputError, match=r"day_labels.npy: shape \[6, 2\], expected \[N\] or \[N, 1\] .*"
-                                                r"day_dense.npy has N = 6"):
+        with pytest.raises(
+            BadInputError,
+            match=r"day_labels.npy: shape \[6, 2\], expected \[N\] or \[N, 1\] .*"
+            r"day_dense.npy has N = 6",
+        ):
             list(reader)
         assert reader.stats.rows == 0
     reader = CriteoNpyReader(CriteoReaderConfig(paths=[str(write_npy(tmp_path, labels=np.ones(6, np.float32)))]))
@@ -229,6 +238,9 @@ def test_npy_labels_of_shape_n_by_2_name_the_file_and_shapes(tmp_path: Path) -> 
 def test_npy_row_counts_that_differ_name_the_files(tmp_path: Path) -> None:
     dense = write_npy(tmp_path)
     np.save(tmp_path / "day_sparse.npy", np.zeros((5, 26), np.int64))
-    with pytest.raises(BadInputError, match=r"row counts differ: .*day_dense.npy has 6 rows, .*day_sparse.npy 5, "
-                                            r".*day_labels.npy 6"):
+    with pytest.raises(
+        BadInputError,
+        match=r"row counts differ: .*day_dense.npy has 6 rows, .*day_sparse.npy 5, "
+        r".*day_labels.npy 6",
+    ):
         list(CriteoNpyReader(CriteoReaderConfig(paths=[str(dense)])))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from comera_rec.rank import RankScheduleConfig
 from comera_rec.training import (
     CheckpointError,
     OptimConfig,
@@ -22,7 +23,6 @@ from comera_rec.training import (
     save_checkpoint,
 )
 from comera_rec.training import checkpoint as ckpt_mod
-from comera_rec.rank import RankScheduleConfig
 
 LOGGER = "comera_rec.training.checkpoint"
 
@@ -35,7 +35,7 @@ def _flip_bytes(file: Path) -> None:
     """Change bytes in the middle of ``file``, keeping its size (the size check passes)."""
     data = bytearray(file.read_bytes())
     mid = len(data) // 2
-    data[mid: mid + 16] = bytes(b ^ 0xFF for b in data[mid: mid + 16])
+    data[mid : mid + 16] = bytes(b ^ 0xFF for b in data[mid : mid + 16])
     file.write_bytes(bytes(data))
 
 
@@ -67,8 +67,9 @@ def test_flipped_bytes_in_newest_fall_back_to_previous(tmp_path: Path, caplog: p
         load_checkpoint(third)
 
 
-def test_unreadable_and_incomplete_newest_are_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unreadable_and_incomplete_newest_are_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "ckpt"
     first, second, third = _three(root)
     real = ckpt_mod._sha256
@@ -130,20 +131,31 @@ def test_saves_after_a_fallback_keep_the_new_checkpoints(tmp_path: Path) -> None
 
 # ---------------------------------------------------------------------------- through the engine
 
+
 def _toy_run(run_dir: Path, steps: int, resume: bool = False) -> Trainer:
     from tests.training.toy_task import ToyTask
 
-    config = TrainerConfig(run_dir=str(run_dir), max_steps=steps, log_every=1, eval_every=0, checkpoint_every=2,
-                           keep_checkpoints=0, progress=False, plots=False, resume=resume, seed=1)
+    config = TrainerConfig(
+        run_dir=str(run_dir),
+        max_steps=steps,
+        log_every=1,
+        eval_every=0,
+        checkpoint_every=2,
+        keep_checkpoints=0,
+        progress=False,
+        plots=False,
+        resume=resume,
+        seed=1,
+    )
     schedule = RankScheduleConfig(mode="threshold", threshold=0.999, truncate_every=3, late_stage=False)
-    trainer = Trainer(ToyTask(batches_per_epoch=5), config, schedule,
-                      OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2))
+    trainer = Trainer(
+        ToyTask(batches_per_epoch=5), config, schedule, OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2)
+    )
     trainer.fit()
     return trainer
 
 
-def test_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path: Path,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     full = _toy_run(tmp_path / "full", 6)
     run = tmp_path / "split"
     _toy_run(run, 4)

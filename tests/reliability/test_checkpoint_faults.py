@@ -84,7 +84,7 @@ def test_damaged_checkpoints_are_never_picked(tmp_path: Path) -> None:
     assert state["trainer"]["step"] == 2
     # corrupt bytes of the right size inside a complete checkpoint: a clear error, not a crash
     data = bytearray((good / "rank0.pt").read_bytes())
-    data[len(data) // 3: len(data) // 3 + 64] = b"\xff" * 64
+    data[len(data) // 3 : len(data) // 3 + 64] = b"\xff" * 64
     (good / "rank0.pt").write_bytes(bytes(data))
     with pytest.raises((CheckpointError, pickle.UnpicklingError), match="rank0.pt|Weights only load failed"):
         load_checkpoint(good)

@@ -13,8 +13,13 @@ from comera_rec.training import latest_checkpoint, load_checkpoint
 from tests.reliability.helpers import TINY, run_train, train_losses
 
 # threshold 2 > every controller: step 4 truncates (the restart replays a truncation)
-COMMON = TINY + ["trainer.max_steps=8", "trainer.checkpoint_every=3", "schedule.mode=threshold", "schedule.truncate_every=4",
-                 "schedule.threshold=2.0"]
+COMMON = TINY + [
+    "trainer.max_steps=8",
+    "trainer.checkpoint_every=3",
+    "schedule.mode=threshold",
+    "schedule.truncate_every=4",
+    "schedule.threshold=2.0",
+]
 
 
 @pytest.mark.slow
@@ -23,8 +28,14 @@ def test_killed_worker_restarts_and_matches_uninterrupted_run(tmp_path: Path) ->
     proc = run_train(tmp_path, COMMON + [f"trainer.run_dir={ref}"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # rank 1 kills itself (SIGKILL) after step 5; the checkpoint of step 3 is the newest
-    proc = run_train(tmp_path, COMMON + [f"trainer.run_dir={elastic}"], nproc=2, max_restarts=1,
-                     COMERA_FAULT_KILL_AT_STEP="5", COMERA_FAULT_KILL_RANK="1")
+    proc = run_train(
+        tmp_path,
+        COMMON + [f"trainer.run_dir={elastic}"],
+        nproc=2,
+        max_restarts=1,
+        COMERA_FAULT_KILL_AT_STEP="5",
+        COMERA_FAULT_KILL_RANK="1",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # the kill really happened...
     assert "torchrun restart 1: resuming from" in proc.stderr and "step_000000003" in proc.stderr  # ...and the resume
@@ -35,8 +46,18 @@ def test_killed_worker_restarts_and_matches_uninterrupted_run(tmp_path: Path) ->
     assert a == b  # bit for bit, including the steps replayed after the restart
     sa = json.loads((ref / "summary.json").read_text())
     sb = json.loads((elastic / "summary.json").read_text())
-    for key in ("steps", "samples", "final_train_loss", "val_auc", "val_accuracy", "val_log_loss",
-                "live_rank", "model_bytes", "truncations", "nonfinite_skipped"):
+    for key in (
+        "steps",
+        "samples",
+        "final_train_loss",
+        "val_auc",
+        "val_accuracy",
+        "val_log_loss",
+        "live_rank",
+        "model_bytes",
+        "truncations",
+        "nonfinite_skipped",
+    ):
         assert sa[key] == sb[key], key
     ca, cb = latest_checkpoint(ref / "checkpoints"), latest_checkpoint(elastic / "checkpoints")
     assert ca.name == cb.name == "step_000000008"

@@ -89,8 +89,11 @@ def test_too_many_nonfinite_stops_with_last_good_state_saved(tmp_path: Path) -> 
     good = trainer(tmp_path / "good", TinyTask(), max_steps=2, checkpoint_at_end=False)
     good.fit()
     t = trainer(tmp_path / "run", TinyTask(nan_grad=(2, 3, 4)), max_nonfinite=2)
-    with pytest.raises(FloatingPointError, match=r"3 non-finite batches exceed max_nonfinite=2 .*gradients at "
-                                                 r"step 5.*last good state is saved in .*step_000000005"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"3 non-finite batches exceed max_nonfinite=2 .*gradients at "
+        r"step 5.*last good state is saved in .*step_000000005",
+    ):
         t.fit()
     state, meta = load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"))
     assert meta["step"] == 5 and state["trainer"]["nonfinite"] == 3
@@ -116,6 +119,10 @@ def test_nan_weights_never_reach_a_checkpoint(tmp_path: Path) -> None:
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     # optimiser state is checked too, at the lowest level
     with pytest.raises(NonFiniteStateError, match=r"optimizer\.state\.0\.exp_avg"):
-        save_checkpoint(tmp_path / "c2", 1, {"model": {"w": torch.ones(2)},
-                                             "optimizer": {"state": {0: {"exp_avg": torch.tensor([math.inf])}}}}, {})
+        save_checkpoint(
+            tmp_path / "c2",
+            1,
+            {"model": {"w": torch.ones(2)}, "optimizer": {"state": {0: {"exp_avg": torch.tensor([math.inf])}}}},
+            {},
+        )
     assert not (tmp_path / "c2").exists()

@@ -41,10 +41,18 @@ def test_second_launch_fails_while_the_first_holds_the_lock(tmp_path: Path) -> N
 def test_lock_held_by_another_process_names_its_pid(tmp_path: Path) -> None:
     run = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time; from pathlib import Path; from comera_rec.training.rundir import lock_run_dir; "
-         "lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)", str(run)],
-        env=child_env(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from comera_rec.training.rundir import lock_run_dir; "
+            "lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)",
+            str(run),
+        ],
+        env=child_env(tmp_path),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunDirLockedError, match=rf"pid {holder.pid} on host"):
@@ -100,8 +108,7 @@ def test_pruning_never_deletes_another_runs_checkpoints(tmp_path: Path) -> None:
         save_checkpoint(root, step, state, {}, keep=2, run_id="new")
     names = {p.name: run_id(p) for p in list_checkpoints(root)}
     # the new run keeps its newest two; the old run's higher steps neither count nor go
-    assert names == {"step_000000002": "new", "step_000000003": "new",
-                     "step_000000005": "old", "step_000000006": "old"}
+    assert names == {"step_000000002": "new", "step_000000003": "new", "step_000000005": "old", "step_000000006": "old"}
     save_checkpoint(root, 5, state, {}, keep=2, run_id="new")  # the same step: the old one is renamed aside
     assert run_id(root / "step_000000005") == "new"
     assert run_id(root / "step_000000005.run-old") == "old"

@@ -38,8 +38,12 @@ def toy_fit(run_dir: Path, **trainer_kw: object) -> tuple[CountingToyTask, Train
     kw: dict = dict(run_dir=str(run_dir), max_steps=2, log_every=1, progress=False, plots=False, seed=1)
     kw.update(trainer_kw)
     task = CountingToyTask()
-    trainer = Trainer(task, TrainerConfig(**kw), RankScheduleConfig(truncate_every=0),
-                      OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2))
+    trainer = Trainer(
+        task,
+        TrainerConfig(**kw),
+        RankScheduleConfig(truncate_every=0),
+        OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2),
+    )
     trainer.fit()
     return task, trainer
 
@@ -76,9 +80,14 @@ def test_empty_run_dir_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         TrainerConfig(run_dir="")
 
 
-@pytest.mark.parametrize("override,field", [("data.batch_size=0", "data.batch_size"),
-                                            ("data.batch_size=-8", "data.batch_size"),
-                                            ("data.val_batch_size=0", "data.val_batch_size")])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("data.batch_size=0", "data.batch_size"),
+        ("data.batch_size=-8", "data.batch_size"),
+        ("data.val_batch_size=0", "data.val_batch_size"),
+    ],
+)
 def test_batch_size_below_one_is_refused_at_config_load(override: str, field: str) -> None:
     with pytest.raises(ConfigError, match=rf"{field} must be an integer >= 1"):
         load_run_config(DEMO, [*RUN, override])
@@ -89,8 +98,11 @@ def test_batch_size_below_one_is_refused_at_config_load(override: str, field: st
 
 def test_resume_without_a_checkpoint_is_an_error_naming_the_folder(tmp_path: Path) -> None:
     typo = tmp_path / "rnu"
-    with pytest.raises(FileNotFoundError, match=rf"{typo / 'checkpoints'} does not exist.*trainer\.run_dir"
-                                                r".*trainer\.resume_missing_ok=true"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"{typo / 'checkpoints'} does not exist.*trainer\.run_dir"
+        r".*trainer\.resume_missing_ok=true",
+    ):
         main(["--config", DEMO, "--resume", *RUN, f"trainer.run_dir={typo}"])
     assert not typo.exists()  # not even created
 
@@ -113,8 +125,7 @@ def test_resume_missing_ok_starts_afresh(tmp_path: Path) -> None:
     assert len(resumed.losses) == 1 and resumed.step == 3
 
 
-def test_torchrun_restart_without_a_checkpoint_stays_lenient(tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchrun_restart_without_a_checkpoint_stays_lenient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a worker restarted by torchrun before the first checkpoint: resume is implied, none is there yet
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -130,8 +141,16 @@ def test_no_validation_set_fails_before_training(tmp_path: Path, eval_every: int
     train = tmp_path / "day_0.tsv"
     train.write_text("")  # never read: the check comes first
     run_dir = tmp_path / "run"
-    args = ["--config", DEMO, *RUN, "data.source=tsv", f"data.train_paths=[{train}]", "data.holdout=none",
-            f"trainer.eval_every={eval_every}", f"trainer.run_dir={run_dir}"]
+    args = [
+        "--config",
+        DEMO,
+        *RUN,
+        "data.source=tsv",
+        f"data.train_paths=[{train}]",
+        "data.holdout=none",
+        f"trainer.eval_every={eval_every}",
+        f"trainer.run_dir={run_dir}",
+    ]
     expected = r"no validation set \(data\.holdout='none' and data\.val_paths is empty\).*"
     expected += r"every trainer\.eval_every=5 steps" if eval_every else r"at the end of the run"
     with pytest.raises(ValueError, match=expected):
@@ -160,8 +179,11 @@ def test_checkpoints_folder_that_cannot_be_written_fails_before_training(tmp_pat
     (run / "checkpoints").write_text("a file where the folder goes")
     task = CountingToyTask()
     trainer = Trainer(task, TrainerConfig(run_dir=str(run), max_steps=2, progress=False, plots=False))
-    with pytest.raises(OSError, match=r"checkpoints are on \(trainer\.checkpoint_at_end.*cannot write into "
-                                      rf"{run / 'checkpoints'}"):
+    with pytest.raises(
+        OSError,
+        match=r"checkpoints are on \(trainer\.checkpoint_at_end.*cannot write into "
+        rf"{run / 'checkpoints'}",
+    ):
         trainer.fit()
     assert task.builds == 0
     assert not (run / "log.jsonl").exists()
@@ -189,17 +211,22 @@ def test_cuda_device_without_cuda_is_a_named_error(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for device in ("cuda", "cuda:1"):
         task = CountingToyTask()
-        trainer = Trainer(task, TrainerConfig(run_dir=str(tmp_path / "run"), device=device, max_steps=2,
-                                              progress=False, plots=False))
-        with pytest.raises(ValueError, match=rf"trainer\.device='{device}' asks for a GPU, but CUDA is not "
-                                             r"available.*trainer\.device=cpu"):
+        trainer = Trainer(
+            task, TrainerConfig(run_dir=str(tmp_path / "run"), device=device, max_steps=2, progress=False, plots=False)
+        )
+        with pytest.raises(
+            ValueError,
+            match=rf"trainer\.device='{device}' asks for a GPU, but CUDA is not "
+            r"available.*trainer\.device=cpu",
+        ):
             trainer.fit()
         assert task.builds == 0
     assert not (tmp_path / "run").exists()
     # a GPU index past the machine's devices
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    trainer = Trainer(CountingToyTask(), TrainerConfig(run_dir=str(tmp_path / "run"), device="cuda:3",
-                                                       progress=False, plots=False))
+    trainer = Trainer(
+        CountingToyTask(), TrainerConfig(run_dir=str(tmp_path / "run"), device="cuda:3", progress=False, plots=False)
+    )
     with pytest.raises(ValueError, match=r"trainer\.device='cuda:3', but this machine has 1 CUDA device"):
         trainer.fit()

@@ -27,11 +27,16 @@ def start(tmp_path: Path, run_dir: Path, args: list[str], nproc: int = 1) -> tup
     """Start the toy worker (under torchrun when nproc > 1); its stderr goes to a file."""
     cmd = [sys.executable, str(WORKER)]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(WORKER)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER)]
     err = tmp_path / f"{run_dir.name}.stderr"
-    proc = subprocess.Popen(cmd + [str(run_dir), *args], env=child_env(tmp_path), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=err.open("w"), start_new_session=True)
+    proc = subprocess.Popen(
+        cmd + [str(run_dir), *args],
+        env=child_env(tmp_path),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=err.open("w"),
+        start_new_session=True,
+    )
     return proc, err
 
 
@@ -67,8 +72,9 @@ def run(tmp_path: Path, run_dir: Path, args: list[str], nproc: int = 1) -> str:
     return err.read_text()
 
 
-def interrupt(tmp_path: Path, run_dir: Path, sig: int, nproc: int = 1, after_steps: int = 3,
-              args: Optional[list[str]] = None) -> tuple[int, str]:
+def interrupt(
+    tmp_path: Path, run_dir: Path, sig: int, nproc: int = 1, after_steps: int = 3, args: Optional[list[str]] = None
+) -> tuple[int, str]:
     """Start a slow run, send ``sig`` once ``after_steps`` steps are logged; (exit code, stderr)."""
     proc, err = start(tmp_path, run_dir, ["--steps", str(STEPS), "--slow", "0.3", *(args or [])], nproc)
     wait_for(lambda: steps_logged(run_dir) >= after_steps, f"{after_steps} steps", proc)
@@ -129,8 +135,10 @@ def test_uneven_batches_across_ranks_stop_together(tmp_path: Path) -> None:
     r1 = json.loads((run_dir / "result_rank1.json").read_text())
     assert r0["step"] == r1["step"] == 4
     assert r0["losses"] == r1["losses"] and r0["epoch"] == r1["epoch"] == 1
-    assert "ranks ran out of batches unevenly at step 4: rank(s) 1 had none left; rank 0 leaves 2 batch(es) unused" \
+    assert (
+        "ranks ran out of batches unevenly at step 4: rank(s) 1 had none left; rank 0 leaves 2 batch(es) unused"
         in stderr
+    )
     assert latest_checkpoint(run_dir / "checkpoints").name == "step_000000004"
     assert "val_auc" in (run_dir / "summary.txt").read_text()
 

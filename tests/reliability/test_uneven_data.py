@@ -23,12 +23,25 @@ def test_bad_lines_in_one_ranks_part_do_not_hang(tmp_path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
     sizes = ",".join(map(str, TABLE_SIZES))
     run_dir = tmp_path / "run"
-    proc = run_train(tmp_path, [*TINY, "data.source=tsv", f"data.train_paths=[{path}]", "data.holdout=none",
-                                f"data.val_paths=[{path}]", f"data.num_embeddings_per_feature=[{sizes}]",
-                                "table_sizes_from_data=false", "data.bad_input=skip", "trainer.max_steps=0",
-                                "trainer.epochs=1", "trainer.checkpoint_at_end=false",
-                                f"trainer.run_dir={run_dir}"],
-                     nproc=2, timeout=240)  # a hang fails here by timeout
+    proc = run_train(
+        tmp_path,
+        [
+            *TINY,
+            "data.source=tsv",
+            f"data.train_paths=[{path}]",
+            "data.holdout=none",
+            f"data.val_paths=[{path}]",
+            f"data.num_embeddings_per_feature=[{sizes}]",
+            "table_sizes_from_data=false",
+            "data.bad_input=skip",
+            "trainer.max_steps=0",
+            "trainer.epochs=1",
+            "trainer.checkpoint_at_end=false",
+            f"trainer.run_dir={run_dir}",
+        ],
+        nproc=2,
+        timeout=240,
+    )  # a hang fails here by timeout
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ran out of batches unevenly" in proc.stderr
     assert "rank(s) 1 had none left" in proc.stderr

@@ -60,8 +60,17 @@ def main() -> None:
     run_dir = args.run_dir
     trainer = Trainer(
         UnevenTask(batches_per_epoch=6, uneven=args.uneven, slow=args.slow),
-        TrainerConfig(run_dir=str(run_dir), max_steps=args.steps, epochs=1, log_every=1, checkpoint_every=0,
-                      progress=False, plots=False, seed=5, resume=args.resume),
+        TrainerConfig(
+            run_dir=str(run_dir),
+            max_steps=args.steps,
+            epochs=1,
+            log_every=1,
+            checkpoint_every=0,
+            progress=False,
+            plots=False,
+            seed=5,
+            resume=args.resume,
+        ),
         RankScheduleConfig(mode="threshold", threshold=0.999, truncate_every=4),
         OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2),
     )
@@ -69,10 +78,12 @@ def main() -> None:
 
     def close(destroy_group: bool = True) -> None:
         rank = trainer.process_rank
-        torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-                   run_dir / f"params_rank{rank}.pt")
-        (run_dir / f"result_rank{rank}.json").write_text(json.dumps(
-            {"step": trainer.step, "epoch": trainer.epoch, "losses": trainer.losses}))
+        torch.save(
+            {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, run_dir / f"params_rank{rank}.pt"
+        )
+        (run_dir / f"result_rank{rank}.json").write_text(
+            json.dumps({"step": trainer.step, "epoch": trainer.epoch, "losses": trainer.losses})
+        )
         orig_close(destroy_group)
 
     trainer.close = close  # type: ignore[method-assign]

@@ -21,8 +21,9 @@ def make_cores(tables, rows, cols, ranks, dtype=DT, seed=0):
     g = torch.Generator().manual_seed(seed)
     full = [1, *ranks, 1]
     return [
-        (torch.randn(tables, full[k], rows[k], cols[k], full[k + 1], generator=g, dtype=dtype) / math.sqrt(full[k]))
-        .requires_grad_()
+        (
+            torch.randn(tables, full[k], rows[k], cols[k], full[k + 1], generator=g, dtype=dtype) / math.sqrt(full[k])
+        ).requires_grad_()
         for k in range(len(rows))
     ]
 
@@ -74,12 +75,15 @@ def test_values_and_gradients_equal_the_torch_path(rows, cols, ranks, mode, weig
 
 # float32 runs whole 16-lane vectors (float64 runs 8); a 4 x 4 row of 16 floats is pooled
 # as one vector (kernels/ttm_cpu.cpp, pool_one_vector): ranks of one, two and (padded) three vectors
-@pytest.mark.parametrize("rows, cols, ranks", [
-    ((6, 5, 4, 7), (2, 2, 2, 2), [16, 16, 16]),
-    ((6, 5, 4, 7), (2, 2, 2, 2), [32, 32, 32]),
-    ((30, 27), (4, 4), [40]),
-    ((6, 5, 4), (2, 2, 4), [8, 24]),
-])
+@pytest.mark.parametrize(
+    "rows, cols, ranks",
+    [
+        ((6, 5, 4, 7), (2, 2, 2, 2), [16, 16, 16]),
+        ((6, 5, 4, 7), (2, 2, 2, 2), [32, 32, 32]),
+        ((30, 27), (4, 4), [40]),
+        ((6, 5, 4), (2, 2, 4), [8, 24]),
+    ],
+)
 def test_rows_equal_the_dense_tables_in_float32(rows, cols, ranks) -> None:
     cores64 = make_cores(2, rows, cols, ranks)
     cores32 = [c.detach().float().requires_grad_() for c in cores64]

@@ -61,8 +61,10 @@ def test_per_sample_weight_gradient(lookup_path: str) -> None:
 
 def test_gradcheck_lookup(lookup_path: str) -> None:
     shape = ((2, 3), (2, 2))
-    cores = [torch.randn(1, 1, 2, 2, 3, dtype=DT, requires_grad=True),
-             torch.randn(1, 3, 3, 2, 1, dtype=DT, requires_grad=True)]
+    cores = [
+        torch.randn(1, 1, 2, 2, 3, dtype=DT, requires_grad=True),
+        torch.randn(1, 3, 3, 2, 1, dtype=DT, requires_grad=True),
+    ]
     ids = torch.tensor([0, 5, 5, 3, 1])
     offsets = torch.tensor([0, 2, 2, 5])
     weights = torch.rand(5, dtype=DT, requires_grad=True)
@@ -78,7 +80,7 @@ def test_stacked_tables_in_one_call() -> None:
     bags = [make_bag(), make_bag()]
     stacked = [torch.stack([a, b]) for a, b in zip(bags[0].scaled_cores(), bags[1].scaled_cores())]
     ids, offsets, _ = batch()
-    trains = (torch.arange(ids.numel()) % 2)
+    trains = torch.arange(ids.numel()) % 2
     rows = ttm_rows(stacked, bags[0].row_shape, ids, trains)
     tables = [ttm_table(b) for b in bags]
     want = torch.stack([tables[int(t)][int(i)] for t, i in zip(trains, ids)])
@@ -112,7 +114,8 @@ def test_prefix_and_suffix_are_computed_once(monkeypatch) -> None:
 
 def test_right_rows_equal_the_right_table_rows() -> None:
     """The one-GEMM right half read by key equals the batched table, values and gradients."""
-    from comera_rec.tensor.halves import right_rows as _right_rows, right_table as _right_table
+    from comera_rec.tensor.halves import right_rows as _right_rows
+    from comera_rec.tensor.halves import right_table as _right_table
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(3, 4, 5, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)  # (T, r, n_a, m_a, r_a)

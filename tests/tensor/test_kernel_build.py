@@ -214,8 +214,11 @@ def test_a_build_at_first_use_logs_how_long_it_may_take(fake_build, caplog):
 
 def test_the_build_target_is_named(monkeypatch):
     monkeypatch.setattr(ttm_cpu.platform, "machine", lambda: "x86_64")
-    for flags, expected in (("fpu sse2 avx avx2 avx512f", "AVX-512 (64-byte vectors)"),
-                            ("fpu sse2 avx avx2", "AVX2 (32-byte vectors)"), ("fpu sse2", "SSE2 (16-byte vectors)")):
+    for flags, expected in (
+        ("fpu sse2 avx avx2 avx512f", "AVX-512 (64-byte vectors)"),
+        ("fpu sse2 avx avx2", "AVX2 (32-byte vectors)"),
+        ("fpu sse2", "SSE2 (16-byte vectors)"),
+    ):
         monkeypatch.setattr(ttm_cpu, "_cpu_flags_line", lambda flags=flags: f"flags\t\t: {flags}\n")
         assert ttm_cpu._target_description("") == expected
     assert ttm_cpu._target_description("64") == f"64-byte vectors ({ttm_cpu.VECTOR_BYTES_ENV}=64)"

@@ -65,10 +65,14 @@ def make_case(table_rows, table_dims, feature_table, batch, max_len=3, weighted=
     g = torch.Generator().manual_seed(seed)
     F = len(feature_table)
     lengths = torch.randint(0, max_len + 1, (F * batch,), generator=g)
-    ids = torch.cat([
-        torch.randint(0, table_rows[feature_table[f]], (int(lengths[f * batch : (f + 1) * batch].sum()),), generator=g)
-        for f in range(F)
-    ]).to(index)
+    ids = torch.cat(
+        [
+            torch.randint(
+                0, table_rows[feature_table[f]], (int(lengths[f * batch : (f + 1) * batch].sum()),), generator=g
+            )
+            for f in range(F)
+        ]
+    ).to(index)
     weights = torch.rand(ids.numel(), generator=g) if weighted else None
     size = sum(r * d for r, d in zip(table_rows, table_dims))
     buffer = torch.randn(size, generator=g).requires_grad_()
@@ -128,7 +132,9 @@ def run(case: Case, grad: torch.Tensor | None = None, seed: int = 1):
     tensors are left as they were."""
     buffer = case.buffer.detach().clone().requires_grad_()
     momentum = case.momentum.clone()
-    out = rowwise_adagrad_bag(buffer, momentum, case.layout(), case.ids, case.offsets, case.weights, case.batch, LR, EPS)
+    out = rowwise_adagrad_bag(
+        buffer, momentum, case.layout(), case.ids, case.offsets, case.weights, case.batch, LR, EPS
+    )
     if grad is None:
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
     out.backward(grad)

@@ -51,7 +51,7 @@ def test_factorize_equals_an_exhaustive_search() -> None:
 
     for n, k in [(367, 3), (1460, 2), (93145, 3), (12517, 3)]:
         limit = 1.1 * n
-        pool = range(1, int(limit) + 1) if k == 2 else range(1, int(limit ** 0.5) + 2)
+        pool = range(1, int(limit) + 1) if k == 2 else range(1, int(limit**0.5) + 2)
         best = min(
             (sum(f) * (math.prod(f) / n) ** 8, f)
             for f in itertools.combinations_with_replacement(pool, k)

@@ -9,9 +9,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from comera_rec.tensor import TTMEmbeddingBag, set_static_shapes
-from comera_rec.tensor.stacked import StackedTTMTables
 from comera_rec.tensor.bags import pool_bags, pool_bags_static
 from comera_rec.tensor.contract import ttm_embedding_bag
+from comera_rec.tensor.stacked import StackedTTMTables
 
 ROWS, COLS = (3, 4, 2, 3), (2, 3, 2, 1)
 
@@ -19,8 +19,10 @@ ROWS, COLS = (3, 4, 2, 3), (2, 3, 2, 1)
 def _cores(d: int, tables: int, rank: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     full = [1] + [rank] * (d - 1) + [1]
-    return [torch.randn(tables, full[k], ROWS[k], COLS[k], full[k + 1], generator=g, dtype=torch.float64)
-            .requires_grad_() for k in range(d)]
+    return [
+        torch.randn(tables, full[k], ROWS[k], COLS[k], full[k + 1], generator=g, dtype=torch.float64).requires_grad_()
+        for k in range(d)
+    ]
 
 
 def _inputs(d: int, tables: int, n_ids: int, seed: int):
@@ -50,8 +52,9 @@ def test_static_equals_deduplicated(d: int, tables: int, mode: str, weighted: bo
 
 def _embedding_bag_reference(rows, row_of_id, offsets, mode, weights):
     """torch's own ``F.embedding_bag`` (weighted sum, then / length for mean)."""
-    out = torch.nn.functional.embedding_bag(row_of_id, rows, offsets, mode="sum", per_sample_weights=weights,
-                                            include_last_offset=True)
+    out = torch.nn.functional.embedding_bag(
+        row_of_id, rows, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
+    )
     if mode == "mean":
         out = out / (offsets[1:] - offsets[:-1]).clamp_min(1).to(out.dtype).unsqueeze(1)
     return out
@@ -67,8 +70,10 @@ def test_pooling_equals_torch_embedding_bag() -> None:
         for weights in (None, w):
             ref = _embedding_bag_reference(rows, row_of_id, offsets, mode, weights)
             ref_grad = torch.autograd.grad(ref, rows, grad)[0]
-            for out in (pool_bags(rows, row_of_id, offsets, mode, weights),
-                        pool_bags_static(rows.index_select(0, row_of_id), offsets, mode, weights)):
+            for out in (
+                pool_bags(rows, row_of_id, offsets, mode, weights),
+                pool_bags_static(rows.index_select(0, row_of_id), offsets, mode, weights),
+            ):
                 torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
                 torch.testing.assert_close(torch.autograd.grad(out, rows, grad)[0], ref_grad, rtol=0, atol=1e-12)
 

@@ -60,8 +60,15 @@ def _close(name: str, a: torch.Tensor, b: torch.Tensor, tol: float) -> float:
     return err
 
 
-def _bag_case(mode: str, weighted: bool, chunk: int, block_elems: int, n_ids: int = 14,
-              dtype: torch.dtype = torch.float32, static: bool = False) -> float:
+def _bag_case(
+    mode: str,
+    weighted: bool,
+    chunk: int,
+    block_elems: int,
+    n_ids: int = 14,
+    dtype: torch.dtype = torch.float32,
+    static: bool = False,
+) -> float:
     """``ttm_bag_triton`` against gathered rows pooled by ``pool_bags``: output and grads.
 
     ``static``: the backward's work items without host synchronisation (one per id)."""
@@ -78,8 +85,19 @@ def _bag_case(mode: str, weighted: bool, chunk: int, block_elems: int, n_ids: in
         p_of_id[1], s_of_id[1] = p_of_id[0], s_of_id[0]  # one exactly repeated row
     offsets = _bags(n_ids, 7, seed=2)
     weights = torch.rand(n_ids, generator=g, dtype=dtype).requires_grad_() if weighted else None
-    out = ttm_bag_triton(prefix, suffix, p_of_id, s_of_id, offsets, weights, mode, dim,
-                         chunk=chunk, block_elems=block_elems, static_shapes=static)
+    out = ttm_bag_triton(
+        prefix,
+        suffix,
+        p_of_id,
+        s_of_id,
+        offsets,
+        weights,
+        mode,
+        dim,
+        chunk=chunk,
+        block_elems=block_elems,
+        static_shapes=static,
+    )
     rows = torch.bmm(prefix[p_of_id], suffix[s_of_id]).reshape(n_ids, m_l * m_r)[:, :dim]  # (N, D)
     ref = pool_bags(rows, torch.arange(n_ids), offsets, mode, weights)
     err = _close("forward", out, ref, 1e-5)
@@ -97,13 +115,23 @@ def _bag_case(mode: str, weighted: bool, chunk: int, block_elems: int, n_ids: in
 def _cores(d: int, tables: int, rank: int, rows: tuple, cols: tuple, dtype: torch.dtype, seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
     full = [1] + [rank] * (d - 1) + [1]
-    return [torch.randn(tables, full[k], rows[k], cols[k], full[k + 1], generator=g, dtype=dtype)
-            .mul_(0.7).requires_grad_() for k in range(d)]
+    return [
+        torch.randn(tables, full[k], rows[k], cols[k], full[k + 1], generator=g, dtype=dtype).mul_(0.7).requires_grad_()
+        for k in range(d)
+    ]
 
 
-def _lookup_case(d: int, tables: int, rank: int, mode: str, weighted: bool,
-                 dtype: torch.dtype = torch.float32, chunk: int = 3, dispatch: bool = False,
-                 static: bool = False) -> float:
+def _lookup_case(
+    d: int,
+    tables: int,
+    rank: int,
+    mode: str,
+    weighted: bool,
+    dtype: torch.dtype = torch.float32,
+    chunk: int = 3,
+    dispatch: bool = False,
+    static: bool = False,
+) -> float:
     """The fused lookup against ``ttm_embedding_bag`` on the same cores: output and core grads.
 
     ``dispatch``: go through ``contract.ttm_embedding_bag`` with ids that claim to be on
@@ -135,16 +163,18 @@ def _lookup_case(d: int, tables: int, rank: int, mode: str, weighted: bool,
 
         kernels.ttm_embedding_bag_triton = fused
         try:
-            out = contract.ttm_embedding_bag(cores, rows, dim, ids.as_subclass(_FakeCuda), offsets, mode,
-                                             weights, trains, static_shapes=static)
+            out = contract.ttm_embedding_bag(
+                cores, rows, dim, ids.as_subclass(_FakeCuda), offsets, mode, weights, trains, static_shapes=static
+            )
         finally:
             kernels.ttm_embedding_bag_triton = real
         if calls != [static]:
             raise AssertionError(f"contract.ttm_embedding_bag did not dispatch to the fused path: {calls}")
         out = out.as_subclass(torch.Tensor)
     else:
-        out = ttm_embedding_bag_triton(cores, rows, dim, ids, offsets, mode, weights, trains, chunk=chunk,
-                                       static_shapes=static)
+        out = ttm_embedding_bag_triton(
+            cores, rows, dim, ids, offsets, mode, weights, trains, chunk=chunk, static_shapes=static
+        )
     ref = contract.ttm_embedding_bag(cores, rows, dim, ids, offsets, mode, weights, trains)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     err = _close("forward", out, ref, tol)
@@ -175,7 +205,8 @@ CASES: dict[str, Callable[[], float]] = {
     "static_bag_no_ids": lambda: _bag_case("sum", False, chunk=2, block_elems=4, n_ids=0, static=True),
     "static_lookup_d2_sum": lambda: _lookup_case(2, 1, 3, "sum", False, chunk=2, static=True),
     "static_lookup_d4_stacked_mean_weighted_float64": lambda: _lookup_case(
-        4, 2, 2, "mean", True, dtype=torch.float64, chunk=2, static=True),
+        4, 2, 2, "mean", True, dtype=torch.float64, chunk=2, static=True
+    ),
     "static_dispatch_from_contract": lambda: _lookup_case(3, 2, 2, "sum", True, dispatch=True, static=True),
 }
 
@@ -205,7 +236,11 @@ def interpreted() -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != kernels.DISABLE_ENV}
     env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, os.path.abspath(__file__)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -219,8 +254,9 @@ def test_kernel_matches_torch_path(interpreted: dict[str, dict], case: str) -> N
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list:
     calls: list = []
-    monkeypatch.setattr(kernels, "ttm_embedding_bag_triton",
-                        lambda *args, **kwargs: calls.append((args, kwargs)) or "fused")
+    monkeypatch.setattr(
+        kernels, "ttm_embedding_bag_triton", lambda *args, **kwargs: calls.append((args, kwargs)) or "fused"
+    )
     return calls
 
 
@@ -270,8 +306,16 @@ def test_static_segments_are_the_same_work_items() -> None:
 
 # ---------------------------------------------------------------------------- ahead-of-time compile
 
-_INDEX_ARGS = ("p_of_id_ptr", "s_of_id_ptr", "offsets_ptr", "bag_of_id_ptr", "order_ptr",
-               "item_key_ptr", "item_lo_ptr", "item_hi_ptr")
+_INDEX_ARGS = (
+    "p_of_id_ptr",
+    "s_of_id_ptr",
+    "offsets_ptr",
+    "bag_of_id_ptr",
+    "order_ptr",
+    "item_key_ptr",
+    "item_lo_ptr",
+    "item_hi_ptr",
+)
 _ACCUMULATORS = ("grad_prefix_ptr", "grad_suffix_ptr", "grad_weights_ptr")
 
 
@@ -313,7 +357,8 @@ def test_kernels_compile_for_gpu(tmp_path, monkeypatch: pytest.MonkeyPatch, capa
             else:
                 signature[name] = "*fp32" if name in _ACCUMULATORS else f"*{dtype}"
         compiled = triton.compile(
-            ASTSource(jitted, signature, constants), target=GPUTarget("cuda", capability, 32),
+            ASTSource(jitted, signature, constants),
+            target=GPUTarget("cuda", capability, 32),
             options={"num_warps": 2},
         )
         assert compiled.asm["cubin"], fn.__name__

@@ -37,8 +37,10 @@ def host_vector_bytes() -> int:
     return 64 if "avx512f" in flags else 32 if "avx" in flags else 16
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists(),
-                    reason="reads x86 flags from /proc/cpuinfo")
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists(),
+    reason="reads x86 flags from /proc/cpuinfo",
+)
 def test_build_uses_the_host_width_or_the_forced_one() -> None:
     forced = os.environ.get(ttm_cpu.VECTOR_BYTES_ENV)
     assert kernels.cpu_vector_bytes() == (int(forced) if forced else host_vector_bytes())
@@ -68,9 +70,23 @@ def test_kernel_tests_pass_at_another_width(tmp_path) -> None:
     other = "32" if kernels.cpu_vector_bytes() == 64 else "64"
     env = {**os.environ, ttm_cpu.VECTOR_BYTES_ENV: other}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t"),
-         *KERNEL_TESTS],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "--basetemp",
+            str(tmp_path / "t"),
+            *KERNEL_TESTS,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
     )
     tail = (run.stdout + run.stderr)[-4000:]
     assert run.returncode == 0, f"kernel tests at {other}-byte vectors failed:\n{tail}"

@@ -28,8 +28,9 @@ def main() -> None:
     task = RecordingTask(run_dir)
     trainer = Trainer(
         task,
-        TrainerConfig(run_dir=str(run_dir), max_steps=10, log_every=2, eval_every=5, checkpoint_every=5,
-                      progress=False, seed=3),
+        TrainerConfig(
+            run_dir=str(run_dir), max_steps=10, log_every=2, eval_every=5, checkpoint_every=5, progress=False, seed=3
+        ),
         RankScheduleConfig(mode="threshold", threshold=0.999, truncate_every=4, late_stage=True, switch_step=6),
         OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2),
     )
@@ -40,8 +41,9 @@ def main() -> None:
         rank = dist.get_rank()
         params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
         torch.save(params, run_dir / f"params_rank{rank}.pt")
-        (run_dir / f"ranks_rank{rank}.json").write_text(json.dumps(
-            {"losses": trainer.losses, "nonfinite": trainer.nonfinite, "truncations": trainer.truncations}))
+        (run_dir / f"ranks_rank{rank}.json").write_text(
+            json.dumps({"losses": trainer.losses, "nonfinite": trainer.nonfinite, "truncations": trainer.truncations})
+        )
         orig_close()
 
     trainer.close = close  # type: ignore[method-assign]

@@ -13,6 +13,7 @@ from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from toy_task import ToyTask
 
 from comera_rec.integration import CompressionPolicy, TTMEmbeddingBagCollection
 from comera_rec.rank import RankSchedule, RankScheduleConfig
@@ -31,13 +32,13 @@ from comera_rec.training.cuda_graph import (
     make_static,
 )
 
-from toy_task import ToyTask
-
 
 def _kjt(ids: list[int], lengths: list[int], weights: bool = False) -> KeyedJaggedTensor:
     values = torch.tensor(ids)
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=["f0", "f1"], values=values, lengths=torch.tensor(lengths),
+        keys=["f0", "f1"],
+        values=values,
+        lengths=torch.tensor(lengths),
         weights=torch.rand(len(ids)) if weights else None,
     )
 
@@ -46,32 +47,45 @@ def _kjt(ids: list[int], lengths: list[int], weights: bool = False) -> KeyedJagg
 
 
 def test_static_buffers_copy_every_field() -> None:
-    first = Batch(dense_features=torch.randn(2, 3), sparse_features=_kjt([1, 2, 3, 4], [1, 1, 1, 1]),
-                  labels=torch.tensor([0.0, 1.0]))
+    first = Batch(
+        dense_features=torch.randn(2, 3),
+        sparse_features=_kjt([1, 2, 3, 4], [1, 1, 1, 1]),
+        labels=torch.tensor([0.0, 1.0]),
+    )
     static = make_static({"batch": first, "extra": [torch.zeros(2), 7]}, "cpu")
     kjt = static["batch"].sparse_features
     assert kjt.length_per_key() == [2, 2] and kjt.offset_per_key() == [0, 2, 4]  # fixed host metadata
     assert static["batch"].dense_features.data_ptr() != first.dense_features.data_ptr()  # own buffers
     buffers = [static["batch"].dense_features, kjt.values(), kjt.lengths(), kjt.offsets()]
-    new = Batch(dense_features=torch.randn(2, 3), sparse_features=_kjt([5, 6, 7, 8], [1, 1, 1, 1]),
-                labels=torch.tensor([1.0, 1.0]))
+    new = Batch(
+        dense_features=torch.randn(2, 3),
+        sparse_features=_kjt([5, 6, 7, 8], [1, 1, 1, 1]),
+        labels=torch.tensor([1.0, 1.0]),
+    )
     copy_into(static, {"batch": new, "extra": [torch.ones(2), 7]})
     kjt = static["batch"].sparse_features
-    assert [b.data_ptr() for b in buffers] == [static["batch"].dense_features.data_ptr(), kjt.values().data_ptr(),
-                                               kjt.lengths().data_ptr(), kjt.offsets().data_ptr()]  # in place
+    assert [b.data_ptr() for b in buffers] == [
+        static["batch"].dense_features.data_ptr(),
+        kjt.values().data_ptr(),
+        kjt.lengths().data_ptr(),
+        kjt.offsets().data_ptr(),
+    ]  # in place
     assert torch.equal(static["batch"].dense_features, new.dense_features)
     assert kjt.values().tolist() == [5, 6, 7, 8] and torch.equal(static["batch"].labels, new.labels)
     assert static["extra"][0].tolist() == [1.0, 1.0]
 
 
-@pytest.mark.parametrize("change,field", [
-    (lambda b: {**b, "dense": torch.randn(3, 3)}, r"batch\['dense'\]: shape \[3, 3\]"),
-    (lambda b: {**b, "dense": b["dense"].double()}, r"batch\['dense'\]: dtype"),
-    (lambda b: {**b, "kjt": _kjt([1, 2, 3, 4], [3, 0, 1, 0])}, r"batch\['kjt'\]: ids per feature"),
-    (lambda b: {**b, "kjt": _kjt([1, 2, 3, 4], [1, 1, 1, 1], weights=True)}, r"batch\['kjt'\].weights"),
-    (lambda b: {**b, "n": 4}, r"batch\['n'\]: value 4 differs"),
-    (lambda b: {"dense": b["dense"]}, r"batch: keys \['dense'\]"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (lambda b: {**b, "dense": torch.randn(3, 3)}, r"batch\['dense'\]: shape \[3, 3\]"),
+        (lambda b: {**b, "dense": b["dense"].double()}, r"batch\['dense'\]: dtype"),
+        (lambda b: {**b, "kjt": _kjt([1, 2, 3, 4], [3, 0, 1, 0])}, r"batch\['kjt'\]: ids per feature"),
+        (lambda b: {**b, "kjt": _kjt([1, 2, 3, 4], [1, 1, 1, 1], weights=True)}, r"batch\['kjt'\].weights"),
+        (lambda b: {**b, "n": 4}, r"batch\['n'\]: value 4 differs"),
+        (lambda b: {"dense": b["dense"]}, r"batch: keys \['dense'\]"),
+    ],
+)
 def test_a_different_batch_is_an_error_naming_the_field(change, field) -> None:
     batch = {"dense": torch.randn(2, 3), "kjt": _kjt([1, 2, 3, 4], [1, 1, 1, 1]), "n": 3}
     static = make_static(batch, "cpu")
@@ -93,8 +107,14 @@ def _tiny_model() -> nn.Module:
 
 def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
-    return [{"ids": torch.randint(0, 24, (8,), generator=g), "dense": torch.randn(4, 3, generator=g),
-             "y": torch.randint(0, 2, (4,), generator=g).float()} for _ in range(n)]
+    return [
+        {
+            "ids": torch.randint(0, 24, (8,), generator=g),
+            "dense": torch.randn(4, 3, generator=g),
+            "y": torch.randint(0, 2, (4,), generator=g).float(),
+        }
+        for _ in range(n)
+    ]
 
 
 def _step_fn(model: nn.Module, opt: torch.optim.Optimizer):
@@ -163,8 +183,11 @@ def test_step_graphs_learning_rates() -> None:
     adam = torch.optim.Adam([p], lr=0.1, capturable=True)  # never stepped: a CPU stand-in
     sgd = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.5)
     seen = []
-    graphs = StepGraphs(lambda b: b, lambda: seen.append((adam.param_groups[0]["lr"], sgd.param_groups[0]["lr"])),
-                        capture=EagerCapture(warmup_steps=1))
+    graphs = StepGraphs(
+        lambda b: b,
+        lambda: seen.append((adam.param_groups[0]["lr"], sgd.param_groups[0]["lr"])),
+        capture=EagerCapture(warmup_steps=1),
+    )
     for lr in (0.1, 0.2, 0.3):
         adam.param_groups[0]["lr"] = lr  # as set_lr_factor does: a float
         graphs.update([adam, sgd])
@@ -183,11 +206,21 @@ def test_step_graphs_learning_rates() -> None:
 
 def _collection() -> TTMEmbeddingBagCollection:
     torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=n, feature_names=[f"f{i}"],
-                                 pooling=PoolingType.MEAN if i else PoolingType.SUM)
-              for i, n in enumerate([60, 50])]
-    return TTMEmbeddingBagCollection(tables, CompressionPolicy(rank=3, min_rows_to_compress=0, min_params_to_compress=0, min_gain=0.0),
-                                     is_weighted=True)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=4,
+            num_embeddings=n,
+            feature_names=[f"f{i}"],
+            pooling=PoolingType.MEAN if i else PoolingType.SUM,
+        )
+        for i, n in enumerate([60, 50])
+    ]
+    return TTMEmbeddingBagCollection(
+        tables,
+        CompressionPolicy(rank=3, min_rows_to_compress=0, min_params_to_compress=0, min_gain=0.0),
+        is_weighted=True,
+    )
 
 
 def test_static_lookups_and_objective_do_not_sync() -> None:
@@ -228,8 +261,10 @@ def test_capturable_objective_equals_the_schedule(kw: dict) -> None:
     got, _ = capturable_objective(sched, model, loss)
     assert torch.equal(got, want)
     params = list(model.parameters())
-    for a, b in zip(torch.autograd.grad(got, params, allow_unused=True, retain_graph=True),
-                    torch.autograd.grad(want, params, allow_unused=True)):
+    for a, b in zip(
+        torch.autograd.grad(got, params, allow_unused=True, retain_graph=True),
+        torch.autograd.grad(want, params, allow_unused=True),
+    ):
         assert (a is None and b is None) or torch.equal(a, b)
     sched.stage = "late"
     if sched.config.enabled:
@@ -262,8 +297,16 @@ def _run(tmp_path, graphed: bool, sched: dict, task_kw: dict, capture: EagerCapt
     task = (ToyTask if graphed else StaticToyTask)(batches_per_epoch=4, batch=16, val_batches=1, **task_kw)
     trainer = Trainer(
         task,
-        TrainerConfig(run_dir=str(tmp_path / ("graphed" if graphed else "eager")), max_steps=8, log_every=4,
-                      checkpoint_at_end=False, progress=False, plots=False, seed=1, cuda_graphs=graphed),
+        TrainerConfig(
+            run_dir=str(tmp_path / ("graphed" if graphed else "eager")),
+            max_steps=8,
+            log_every=4,
+            checkpoint_at_end=False,
+            progress=False,
+            plots=False,
+            seed=1,
+            cuda_graphs=graphed,
+        ),
         RankScheduleConfig(**{"mode": "threshold", "threshold": 0.999, "truncate_every": 3, **sched}),
         OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2, clip_grad_norm=1.0),
         graph_capture=capture,
@@ -272,10 +315,13 @@ def _run(tmp_path, graphed: bool, sched: dict, task_kw: dict, capture: EagerCapt
     return trainer
 
 
-@pytest.mark.parametrize("case,sched,task_kw", [
-    ("truncation_and_nonfinite_loss", {}, {"nan_batches": (4,)}),
-    ("late_stage_runs_eagerly", {"late_stage": True, "switch_step": 5}, {}),
-])
+@pytest.mark.parametrize(
+    "case,sched,task_kw",
+    [
+        ("truncation_and_nonfinite_loss", {}, {"nan_batches": (4,)}),
+        ("late_stage_runs_eagerly", {"late_stage": True, "switch_step": 5}, {}),
+    ],
+)
 def test_engine_graphed_loop_equals_eager_loop(tmp_path, case: str, sched: dict, task_kw: dict) -> None:
     capture = EagerCapture(warmup_steps=1)
     graphed = _run(tmp_path, True, sched, task_kw, capture)
@@ -295,8 +341,10 @@ def test_engine_graphed_loop_equals_eager_loop(tmp_path, case: str, sched: dict,
 
 
 def test_engine_refuses_cuda_graphs_on_cpu(tmp_path) -> None:
-    trainer = Trainer(ToyTask(), TrainerConfig(run_dir=str(tmp_path), max_steps=1, progress=False, plots=False,
-                                               device="cpu", cuda_graphs=True))
+    trainer = Trainer(
+        ToyTask(),
+        TrainerConfig(run_dir=str(tmp_path), max_steps=1, progress=False, plots=False, device="cpu", cuda_graphs=True),
+    )
     with pytest.raises(ValueError, match=r"cuda_graphs=True needs a CUDA device, but the device is cpu"):
         trainer.fit()
     assert not (tmp_path / "checkpoints").exists() and TrainerConfig().cuda_graphs is False

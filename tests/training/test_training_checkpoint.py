@@ -7,8 +7,8 @@ import pickle
 import pytest
 import torch
 
-from comera_rec.training import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from comera_rec.training import checkpoint as ckpt_mod
+from comera_rec.training import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 
 
 def state(v: float) -> dict:

@@ -29,8 +29,11 @@ class RunConfig:
 
 
 def test_defaults_and_overrides(tmp_path):
-    cfg = load_config(RunConfig, None, ["optim.lr_cores=0.5", "trainer.max_steps=7", "tables=[1, 2, 3]",
-                                        "schedule.switch=plateau", "note=hello"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        ["optim.lr_cores=0.5", "trainer.max_steps=7", "tables=[1, 2, 3]", "schedule.switch=plateau", "note=hello"],
+    )
     assert cfg.optim.lr_cores == 0.5 and cfg.trainer.max_steps == 7
     assert cfg.tables == [1, 2, 3] and cfg.schedule.switch == "plateau" and cfg.note == "hello"
     assert cfg.optim.betas == (0.9, 0.999)

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from toy_task import ToyTask
 
 from comera_rec.rank import RankScheduleConfig
 from comera_rec.training import OptimConfig, Trainer, TrainerConfig, latest_checkpoint, load_checkpoint, read_jsonl
-
-from toy_task import ToyTask
 
 HERE = Path(__file__).parent
 
@@ -31,8 +30,17 @@ def schedule(**kw) -> RankScheduleConfig:
 
 
 def run(run_dir: Path, steps: int, resume: bool = False, sched: dict | None = None, **trainer_kw) -> Trainer:
-    kw = dict(run_dir=str(run_dir), max_steps=steps, log_every=1, eval_every=4, checkpoint_every=4,
-              progress=False, plots=False, resume=resume, seed=1)
+    kw = dict(
+        run_dir=str(run_dir),
+        max_steps=steps,
+        log_every=1,
+        eval_every=4,
+        checkpoint_every=4,
+        progress=False,
+        plots=False,
+        resume=resume,
+        seed=1,
+    )
     kw.update(trainer_kw)
     trainer = Trainer(ToyTask(batches_per_epoch=5), TrainerConfig(**kw), schedule(**(sched or {})), optim())
     trainer.fit()
@@ -40,8 +48,7 @@ def run(run_dir: Path, steps: int, resume: bool = False, sched: dict | None = No
 
 
 def test_full_run_learns_and_reports(tmp_path):
-    t = run(tmp_path, 40, plots=True, eval_every=10, checkpoint_every=20,
-            progress=True)
+    t = run(tmp_path, 40, plots=True, eval_every=10, checkpoint_every=20, progress=True)
     records = read_jsonl(tmp_path / "log.jsonl")
     kinds = {r["kind"] for r in records}
     assert kinds == {"train", "eval", "truncate", "summary"}
@@ -116,16 +123,21 @@ def test_budget_resume_cuts_as_the_uninterrupted_run(tmp_path):
 
 
 def test_nonfinite_batches_are_skipped(tmp_path):
-    trainer = Trainer(ToyTask(batches_per_epoch=5, nan_batches=(1, 3)),
-                      TrainerConfig(run_dir=str(tmp_path), max_steps=6, progress=False, plots=False,
-                                    checkpoint_at_end=False),
-                      schedule(), optim())
+    trainer = Trainer(
+        ToyTask(batches_per_epoch=5, nan_batches=(1, 3)),
+        TrainerConfig(run_dir=str(tmp_path), max_steps=6, progress=False, plots=False, checkpoint_at_end=False),
+        schedule(),
+        optim(),
+    )
     summary = trainer.fit()
     assert summary["nonfinite_skipped"] == 2 and summary["steps"] == 6
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
-    strict = Trainer(ToyTask(batches_per_epoch=5, nan_batches=(1,)),
-                     TrainerConfig(run_dir=str(tmp_path / "s"), max_steps=6, progress=False, plots=False,
-                                   skip_nonfinite=False), schedule(), optim())
+    strict = Trainer(
+        ToyTask(batches_per_epoch=5, nan_batches=(1,)),
+        TrainerConfig(run_dir=str(tmp_path / "s"), max_steps=6, progress=False, plots=False, skip_nonfinite=False),
+        schedule(),
+        optim(),
+    )
     with pytest.raises(FloatingPointError, match="non-finite loss at step 2"):
         strict.fit()
 

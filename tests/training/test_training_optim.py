@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from toy_task import ToyModel, make_batch
 
 from comera_rec.rank import RankSchedule, RankScheduleConfig
 from comera_rec.training import OptimConfig, build_optimizer, rebuild_optimizer
-
-from toy_task import ToyModel, make_batch
 
 
 def train_steps(model, opt, gen, n, sched=None):
@@ -46,7 +45,9 @@ def test_fused_step_equals_the_foreach_step(name):
         torch.manual_seed(0)
         model = ToyModel().double()
         opt = build_optimizer(model, OptimConfig(name=name, fused=fused, lr_other=1e-2, lr_cores=1e-2))
-        assert opt.defaults["fused"] is (True if fused else None) and opt.defaults["foreach"] is (None if fused else True)
+        assert opt.defaults["fused"] is (True if fused else None) and opt.defaults["foreach"] is (
+            None if fused else True
+        )
         gen = torch.Generator().manual_seed(1)
         for _ in range(3):
             batch = make_batch(gen, 8)
@@ -145,9 +146,9 @@ def test_set_lr_factor_scales_from_the_configured_rates_and_survives_rebuild():
 
 
 def test_engine_warms_up_learning_rates_with_clipping_on(tmp_path):
-    from comera_rec.training import Trainer, TrainerConfig
-
     from toy_task import ToyTask
+
+    from comera_rec.training import Trainer, TrainerConfig
 
     seen = []
 

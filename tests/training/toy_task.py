@@ -42,8 +42,9 @@ def make_batch(gen: torch.Generator, batch: int) -> dict[str, torch.Tensor]:
 class ToyTask:
     """Deterministic data per (epoch, rank); NaN loss on the batches listed in nan_batches."""
 
-    def __init__(self, batches_per_epoch: int = 5, batch: int = 32, val_batches: int = 4,
-                 nan_batches: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, batches_per_epoch: int = 5, batch: int = 32, val_batches: int = 4, nan_batches: tuple[int, ...] = ()
+    ) -> None:
         self.batches_per_epoch = batches_per_epoch
         self.batch = batch
         self.num_val = val_batches

@@ -32,8 +32,9 @@ from comera_rec.transformer.tokenizer import (
     train_wordpiece,
 )
 
-TINY = EncoderConfig(vocab_size=120, max_len=16, num_layers=2, d_model=32, num_heads=4, d_ff=64,
-                     rank=64, embedding_rank=64, dropout=0.0)
+TINY = EncoderConfig(
+    vocab_size=120, max_len=16, num_layers=2, d_model=32, num_heads=4, d_ff=64, rank=64, embedding_rank=64, dropout=0.0
+)
 
 
 def batch(vocab: int = 120, b: int = 4, length: int = 10) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,10 +126,18 @@ def test_one_step_of_every_method(name, tmp_path):
     cfg = TINY.replace(vocab_size=vocab, max_len=32, rank=8, embedding_rank=8)
     method = MethodConfig(name=name, **METHOD_KW)
     task = ClassificationTask(cfg, method, train, val, batch_size=8, eval_batch_size=48)
-    trainer_cfg = TrainerConfig(run_dir=str(tmp_path), max_steps=1, progress=False, plots=False,
-                                checkpoint_at_end=name in ("galore", "lte"), log_every=1)
+    trainer_cfg = TrainerConfig(
+        run_dir=str(tmp_path),
+        max_steps=1,
+        progress=False,
+        plots=False,
+        checkpoint_at_end=name in ("galore", "lte"),
+        log_every=1,
+    )
     schedule = RankScheduleConfig(enabled=method.compressed)
-    trainer = TransformerTrainer(task, trainer_cfg, schedule, OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2))
+    trainer = TransformerTrainer(
+        task, trainer_cfg, schedule, OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2)
+    )
     # capture the parameters before the step through build_model
     before: dict[str, torch.Tensor] = {}
     build = task.build_model
@@ -169,10 +178,14 @@ def test_galore_state_round_trip():
     (w.sum() ** 2).backward()
     opt.step()
     sd = opt.state_dict()
-    assert all(isinstance(v, torch.Tensor) or isinstance(v, (int, float)) for s in sd["state"].values() for v in s.values())
+    assert all(
+        isinstance(v, torch.Tensor) or isinstance(v, (int, float)) for s in sd["state"].values() for v in s.values()
+    )
     opt2 = GaLoreOptimizer([w], lr=1e-2, rank=2, update_proj_gap=10, scale=0.25)
     opt2.load_state_dict(sd)
-    torch.testing.assert_close(opt2.inner.state[w]["projector"].ortho_matrix, opt.inner.state[w]["projector"].ortho_matrix)
+    torch.testing.assert_close(
+        opt2.inner.state[w]["projector"].ortho_matrix, opt.inner.state[w]["projector"].ortho_matrix
+    )
 
 
 def test_lte_merge_is_weight_plus_scaled_head_products():
@@ -263,9 +276,11 @@ def test_code_corpus_jsonl(tmp_path):
 def test_nli_tsv_columns_by_header(tmp_path):
     path = tmp_path / "dev_matched.tsv"
     header = "index\tpromptID\tpairID\tgenre\tsentence1\tsentence2\tlabel1\tgold_label\n"
-    rows = ["0\t1\t2\tfiction\tA man eats.\tSomeone eats.\tentailment\tentailment\n",
-            "1\t1\t2\tfiction\tA \"quoted\" man.\tNobody.\tcontradiction\tcontradiction\n",
-            "2\t1\t2\tfiction\tx\ty\tneutral\t-\n"]
+    rows = [
+        "0\t1\t2\tfiction\tA man eats.\tSomeone eats.\tentailment\tentailment\n",
+        '1\t1\t2\tfiction\tA "quoted" man.\tNobody.\tcontradiction\tcontradiction\n',
+        "2\t1\t2\tfiction\tx\ty\tneutral\t-\n",
+    ]
     path.write_text(header + "".join(rows))
     ex = read_nli_tsv(path)
     assert ex.labels == [0, 2] and ex.skipped == 1 and ex.firsts[1] == 'A "quoted" man.'
@@ -274,8 +289,9 @@ def test_nli_tsv_columns_by_header(tmp_path):
 def test_masking_and_blocks():
     blocks = pack_blocks([list(range(10, 40))], block_len=8, bos=0, eos=2)
     assert blocks.shape == (5, 8) and bool((blocks[:, 0] == 0).all()) and bool((blocks[:, -1] == 2).all())
-    inputs, labels = mask_tokens(blocks, torch.Generator().manual_seed(0), mask_id=4, vocab_size=50,
-                                 special_ids=[0, 1, 2], prob=0.5)
+    inputs, labels = mask_tokens(
+        blocks, torch.Generator().manual_seed(0), mask_id=4, vocab_size=50, special_ids=[0, 1, 2], prob=0.5
+    )
     picked = labels != -100
     assert bool(picked.any()) and not bool(picked[:, 0].any()) and not bool(picked[:, -1].any())
     assert bool((inputs[~picked] == blocks[~picked]).all())
@@ -284,18 +300,31 @@ def test_masking_and_blocks():
 def test_masked_lm_task_step(tmp_path):
     code = read_code_corpus("stdlib", max_files=5)
     tok = train_code_bpe(code.texts, vocab_size=300)
-    blocks = pack_blocks([e.ids for e in tok.encode_batch(code.texts)], 16, tok.token_to_id("<s>"),
-                         tok.token_to_id("</s>"))
+    blocks = pack_blocks(
+        [e.ids for e in tok.encode_batch(code.texts)], 16, tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    )
     cfg = TINY.replace(vocab_size=tok.get_vocab_size(), rank=8, embedding_rank=8, type_vocab_size=1)
     specials = [tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>")]
-    task = MaskedLMTask(cfg, MethodConfig("compressed"), blocks[:64], blocks[64:80], batch_size=8,
-                        mask_id=tok.token_to_id("<mask>"), special_ids=specials)
-    trainer = TransformerTrainer(task, TrainerConfig(run_dir=str(tmp_path), max_steps=2, progress=False,
-                                                     plots=False, checkpoint_at_end=False), RankScheduleConfig(),
-                                 OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2))
+    task = MaskedLMTask(
+        cfg,
+        MethodConfig("compressed"),
+        blocks[:64],
+        blocks[64:80],
+        batch_size=8,
+        mask_id=tok.token_to_id("<mask>"),
+        special_ids=specials,
+    )
+    trainer = TransformerTrainer(
+        task,
+        TrainerConfig(run_dir=str(tmp_path), max_steps=2, progress=False, plots=False, checkpoint_at_end=False),
+        RankScheduleConfig(),
+        OptimConfig(lr_cores=1e-2, lr_controllers=1e-2, lr_other=1e-2),
+    )
     trainer.fit()
     ev = trainer.last_eval
-    assert ev["count"] > 0 and abs(ev["perplexity"] - torch.tensor(ev["log_loss"]).exp().item()) < 1e-3 * ev["perplexity"]
+    assert (
+        ev["count"] > 0 and abs(ev["perplexity"] - torch.tensor(ev["log_loss"]).exp().item()) < 1e-3 * ev["perplexity"]
+    )
 
 
 def test_synthetic_task_is_learnable(tmp_path):

@@ -39,7 +39,6 @@ def test_keep_freed_memory_stops_page_faults_on_reused_buffers():
     assert after < before / 4, f"page faults per round: {before} before, {after} after"
 
 
-
 FREEZE_PROBE = textwrap.dedent(
     """
     import gc

@@ -30,7 +30,9 @@ def test_ddp_broadcast_buffers_notice_is_ignored_and_others_kept():
         warnings.warn("something else is deprecated", FutureWarning)
         warnings.warn("`broadcast_buffers` is deprecated", UserWarning)  # another category: kept
     assert [(w.category, str(w.message)) for w in caught] == [
-        (FutureWarning, "something else is deprecated"), (UserWarning, "`broadcast_buffers` is deprecated")]
+        (FutureWarning, "something else is deprecated"),
+        (UserWarning, "`broadcast_buffers` is deprecated"),
+    ]
 
 
 def test_the_ddp_notice_is_still_what_torch_says(tmp_path):

@@ -24,6 +24,21 @@ from typing import Sequence
 
 import torch
 
+from comera_rec.tensor.kernels.interaction_cpu import (  # DLRM's dot interaction
+    pairwise_dots_cpu,
+    pairwise_kernel_applies,
+)
+from comera_rec.tensor.kernels.rowwise_bag_cpu import (  # uncompressed tables, row-wise Adagrad in backward
+    RowwiseTables,
+    rowwise_adagrad_bag,
+    rowwise_bag_kernel_applies,
+)
+from comera_rec.tensor.kernels.tt_linear_cpu import (  # the fused CPU TT linear and its chains
+    tt_chains_cpu,
+    tt_chains_kernel_applies,
+    tt_linear_cpu,
+    tt_linear_kernel_applies,
+)
 from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup, and the build of all the CPU kernels
     KernelBuild,
     build_cpu_kernels,
@@ -35,18 +50,6 @@ from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup, and the
     gather_column_blocks,
     set_cpu_kernel_enabled,
     ttm_embedding_bag_cpu,
-)
-from comera_rec.tensor.kernels.tt_linear_cpu import (  # the fused CPU TT linear and its chains
-    tt_chains_cpu,
-    tt_chains_kernel_applies,
-    tt_linear_cpu,
-    tt_linear_kernel_applies,
-)
-from comera_rec.tensor.kernels.interaction_cpu import pairwise_dots_cpu, pairwise_kernel_applies  # DLRM's dot interaction
-from comera_rec.tensor.kernels.rowwise_bag_cpu import (  # uncompressed tables, row-wise Adagrad in backward
-    RowwiseTables,
-    rowwise_adagrad_bag,
-    rowwise_bag_kernel_applies,
 )
 
 DISABLE_ENV = "COMERA_DISABLE_TRITON"
@@ -99,8 +102,9 @@ def ttm_embedding_bag_triton(
     """
     from comera_rec.tensor.kernels.ttm_triton import ttm_embedding_bag_triton as fused
 
-    return fused(cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains,
-                 static_shapes=static_shapes)
+    return fused(
+        cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains, static_shapes=static_shapes
+    )
 
 
 __all__ = [

@@ -18,8 +18,11 @@ from comera_rec.tensor.kernels.ttm_cpu import build_cpu_kernels
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m comera_rec.tensor.kernels", description=__doc__.splitlines()[0])
-    parser.add_argument("--require", action="store_true",
-                        help="exit 1 when the kernels are not ready (disabled, or no compiler / a failed build)")
+    parser.add_argument(
+        "--require",
+        action="store_true",
+        help="exit 1 when the kernels are not ready (disabled, or no compiler / a failed build)",
+    )
     args = parser.parse_args(argv)
     result = build_cpu_kernels(lambda line: print(line, flush=True))
     return 1 if args.require and not result.ready else 0

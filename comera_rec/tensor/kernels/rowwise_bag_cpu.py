@@ -43,8 +43,12 @@ def rowwise_bag_kernel_applies(weights: torch.Tensor, momentum: torch.Tensor, id
     """Whether the fused kernel can take these buffers: contiguous CPU float32 weights and
     momentum, CPU ids, outside tracing and ``torch.compile``, kernels enabled."""
     return (
-        weights.device.type == "cpu" and weights.dtype == torch.float32 and weights.is_contiguous()
-        and momentum.device.type == "cpu" and momentum.dtype == torch.float32 and momentum.is_contiguous()
+        weights.device.type == "cpu"
+        and weights.dtype == torch.float32
+        and weights.is_contiguous()
+        and momentum.device.type == "cpu"
+        and momentum.dtype == torch.float32
+        and momentum.is_contiguous()
         and ids.device.type == "cpu"
         and not torch.jit.is_tracing()
         and not torch.compiler.is_compiling()
@@ -57,7 +61,13 @@ class _RowwiseAdagradBag(torch.autograd.Function):
     def forward(ctx, weights, momentum, tables, ids, offsets, per_sample_weights, batch, lr, eps):
         ext = extension()
         out = ext.rowwise_bag_forward(
-            weights.detach(), tables.table_offset, tables.dim_offset, tables.rows, ids, offsets, per_sample_weights,
+            weights.detach(),
+            tables.table_offset,
+            tables.dim_offset,
+            tables.rows,
+            ids,
+            offsets,
+            per_sample_weights,
             batch,
         )
         # the buffers are updated in place in backward, not differentiated: kept as they are
@@ -71,8 +81,20 @@ class _RowwiseAdagradBag(torch.autograd.Function):
         weights, momentum = ctx.buffers
         tables, ids, offsets, per_sample_weights, batch, lr, eps = ctx.args
         extension().rowwise_bag_backward_adagrad(
-            grad, weights, momentum, tables.table_offset, tables.momentum_offset, tables.dim_offset, tables.rows,
-            tables.feature_table, ids, offsets, per_sample_weights, batch, float(lr), float(eps),
+            grad,
+            weights,
+            momentum,
+            tables.table_offset,
+            tables.momentum_offset,
+            tables.dim_offset,
+            tables.rows,
+            tables.feature_table,
+            ids,
+            offsets,
+            per_sample_weights,
+            batch,
+            float(lr),
+            float(eps),
         )
         return (None,) * 9
 

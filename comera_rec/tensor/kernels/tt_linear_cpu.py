@@ -91,7 +91,9 @@ class _TTChains(torch.autograd.Function):
     @staticmethod
     def forward(ctx, num_input_cores, in_features, out_features, *tensors):
         cores, controllers = list(tensors[: 2 * num_input_cores]), list(tensors[2 * num_input_cores :])
-        left, right, *saved = extension().tt_chains_forward(cores, controllers, num_input_cores, in_features, out_features)
+        left, right, *saved = extension().tt_chains_forward(
+            cores, controllers, num_input_cores, in_features, out_features
+        )
         ctx.num_input_cores = num_input_cores
         ctx.save_for_backward(*tensors, *saved)
         return left, right

@@ -50,9 +50,10 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "COMERA_DISABLE_CPU_KERNEL"
 VECTOR_BYTES_ENV = "COMERA_CPU_VECTOR_BYTES"
 _VECTOR_BYTES_CHOICES = ("16", "32", "64")
-_SOURCES = [Path(__file__).with_name(name) for name in (
-    "ttm_cpu.cpp", "tt_linear_cpu.cpp", "interaction_cpu.cpp", "checks_cpu.cpp", "rowwise_bag_cpu.cpp"
-)]
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("ttm_cpu.cpp", "tt_linear_cpu.cpp", "interaction_cpu.cpp", "checks_cpu.cpp", "rowwise_bag_cpu.cpp")
+]
 _HEADERS = [Path(__file__).with_name("simd.h")]
 BUILD_TIME = "1-3 min"  # a build of the five sources: 150 s on 2 cores, less with more (ninja runs one per core)
 _enabled = True
@@ -234,19 +235,28 @@ def extension():
             name, build_dir, flags = _build_spec()
             building = _needs_build(name, build_dir)
             if building and not _quiet_build:
-                logger.info("building the fused CPU kernels for %s in %s: once per machine and source version, "
-                            "%s, and this call waits for it (`python -m comera_rec.tensor.kernels` builds them "
-                            "ahead, as `make`'s set-up does)", _target_description(_forced_vector_bytes()),
-                            build_dir, BUILD_TIME)
+                logger.info(
+                    "building the fused CPU kernels for %s in %s: once per machine and source version, "
+                    "%s, and this call waits for it (`python -m comera_rec.tensor.kernels` builds them "
+                    "ahead, as `make`'s set-up does)",
+                    _target_description(_forced_vector_bytes()),
+                    build_dir,
+                    BUILD_TIME,
+                )
             start = time.perf_counter()
             with exclusive_build(build_dir), pinned_ninja_on_path():
                 module = load(
-                    name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
-                    extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
+                    name=name,
+                    sources=[str(p) for p in _SOURCES],
+                    build_directory=str(build_dir),
+                    extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
                 )
             if building and not _quiet_build:
-                logger.info("built the fused CPU kernels in %.0f s (cached in %s)", time.perf_counter() - start,
-                            build_dir)
+                logger.info(
+                    "built the fused CPU kernels in %.0f s (cached in %s)", time.perf_counter() - start, build_dir
+                )
             _build_error = None
             return module
         except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch path still works
@@ -317,8 +327,10 @@ def build_cpu_kernels(say: Callable[[str], None] | None = None) -> KernelBuild:
     loaded = extension.cache_info().currsize > 0  # loaded (or failed) earlier in this process
     building = not loaded and _needs_build(name, build_dir)
     if building:
-        say(f"building the fused CPU kernels for {target} in {build_dir}, once per machine and source version, "
-            f"{BUILD_TIME}")
+        say(
+            f"building the fused CPU kernels for {target} in {build_dir}, once per machine and source version, "
+            f"{BUILD_TIME}"
+        )
     _quiet_build = True
     try:
         ext = extension()
@@ -327,8 +339,10 @@ def build_cpu_kernels(say: Callable[[str], None] | None = None) -> KernelBuild:
     seconds = time.perf_counter() - start
     if ext is None:
         reason = "no C++ compiler found (CXX, else c++ on PATH)" if not _compiler_found() else _build_error
-        message = (f"the fused CPU kernels could not be built ({reason}): CPU calls take the PyTorch path "
-                   f"(same values, slower); with g++ installed, `python -m comera_rec.tensor.kernels` builds them")
+        message = (
+            f"the fused CPU kernels could not be built ({reason}): CPU calls take the PyTorch path "
+            f"(same values, slower); with g++ installed, `python -m comera_rec.tensor.kernels` builds them"
+        )
         say(message)
         return KernelBuild(False, False, seconds, build_dir, 0, message)
     width = int(ext.vector_bytes())
@@ -455,7 +469,9 @@ def check_jagged(
     return int(code), int(pos), int(total), int(key)
 
 
-def gather_column_blocks(sources: Sequence[torch.Tensor], blocks: Sequence[tuple[int, int]], width: int) -> torch.Tensor:
+def gather_column_blocks(
+    sources: Sequence[torch.Tensor], blocks: Sequence[tuple[int, int]], width: int
+) -> torch.Tensor:
     """Column blocks of several ``(B, C_s)`` matrices side by side, in one pass over the rows.
 
     ``torch.cat([sources[s][:, c : c + width] for s, c in blocks], dim=1)`` with a backward

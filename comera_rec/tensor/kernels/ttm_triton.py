@@ -56,10 +56,22 @@ DEFAULT_BLOCK_ELEMS = 2048  # bound on a program's 2-D tile (elements)
 
 
 def _ttm_bag_fwd_kernel(
-    prefix_ptr, suffix_ptr, p_of_id_ptr, s_of_id_ptr, weights_ptr, offsets_ptr, out_ptr,
-    D, M_L, M_R, R,
-    HAS_WEIGHTS: tl.constexpr, MEAN: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    prefix_ptr,
+    suffix_ptr,
+    p_of_id_ptr,
+    s_of_id_ptr,
+    weights_ptr,
+    offsets_ptr,
+    out_ptr,
+    D,
+    M_L,
+    M_R,
+    R,
+    HAS_WEIGHTS: tl.constexpr,
+    MEAN: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     bag = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,) output columns
@@ -89,10 +101,24 @@ def _ttm_bag_fwd_kernel(
 
 
 def _ttm_bag_bwd_prefix_kernel(
-    grad_out_ptr, suffix_ptr, s_of_id_ptr, bag_of_id_ptr, coef_ptr, order_ptr,
-    item_key_ptr, item_lo_ptr, item_hi_ptr, grad_prefix_ptr,
-    D, M_L, M_R, R,
-    ACC: tl.constexpr, BLOCK_ML: tl.constexpr, BLOCK_MR: tl.constexpr, BLOCK_R: tl.constexpr,
+    grad_out_ptr,
+    suffix_ptr,
+    s_of_id_ptr,
+    bag_of_id_ptr,
+    coef_ptr,
+    order_ptr,
+    item_key_ptr,
+    item_lo_ptr,
+    item_hi_ptr,
+    grad_prefix_ptr,
+    D,
+    M_L,
+    M_R,
+    R,
+    ACC: tl.constexpr,
+    BLOCK_ML: tl.constexpr,
+    BLOCK_MR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     item = tl.program_id(0)
     kk = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) rank slice
@@ -120,10 +146,24 @@ def _ttm_bag_bwd_prefix_kernel(
 
 
 def _ttm_bag_bwd_suffix_kernel(
-    grad_out_ptr, prefix_ptr, p_of_id_ptr, bag_of_id_ptr, coef_ptr, order_ptr,
-    item_key_ptr, item_lo_ptr, item_hi_ptr, grad_suffix_ptr,
-    D, M_L, M_R, R,
-    ACC: tl.constexpr, BLOCK_ML: tl.constexpr, BLOCK_MR: tl.constexpr, BLOCK_R: tl.constexpr,
+    grad_out_ptr,
+    prefix_ptr,
+    p_of_id_ptr,
+    bag_of_id_ptr,
+    coef_ptr,
+    order_ptr,
+    item_key_ptr,
+    item_lo_ptr,
+    item_hi_ptr,
+    grad_suffix_ptr,
+    D,
+    M_L,
+    M_R,
+    R,
+    ACC: tl.constexpr,
+    BLOCK_ML: tl.constexpr,
+    BLOCK_MR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     item = tl.program_id(0)
     kk = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) rank slice
@@ -150,10 +190,21 @@ def _ttm_bag_bwd_suffix_kernel(
 
 
 def _ttm_bag_bwd_weights_kernel(
-    grad_out_ptr, prefix_ptr, suffix_ptr, p_of_id_ptr, s_of_id_ptr, bag_of_id_ptr, scale_ptr,
+    grad_out_ptr,
+    prefix_ptr,
+    suffix_ptr,
+    p_of_id_ptr,
+    s_of_id_ptr,
+    bag_of_id_ptr,
+    scale_ptr,
     grad_weights_ptr,
-    D, M_L, M_R, R,
-    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    D,
+    M_L,
+    M_R,
+    R,
+    ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     p = tl.load(p_of_id_ptr + i)
@@ -289,9 +340,22 @@ def _forward(
     block_r = min(_pow2(r), max(2, block_elems // block_d))
     grid = (num_bags, triton.cdiv(dim, block_d))
     _jit(_ttm_bag_fwd_kernel)[grid](
-        prefix, suffix, p_of_id, s_of_id, weights if weights is not None else prefix, offsets, out,
-        dim, m_l, m_r, r,
-        HAS_WEIGHTS=weights is not None, MEAN=mean, ACC=acc, BLOCK_D=block_d, BLOCK_R=block_r,
+        prefix,
+        suffix,
+        p_of_id,
+        s_of_id,
+        weights if weights is not None else prefix,
+        offsets,
+        out,
+        dim,
+        m_l,
+        m_r,
+        r,
+        HAS_WEIGHTS=weights is not None,
+        MEAN=mean,
+        ACC=acc,
+        BLOCK_D=block_d,
+        BLOCK_R=block_r,
         num_warps=_num_warps(block_d * block_r),
     )
     return out
@@ -324,9 +388,25 @@ def _backward_halves(
         order, key, lo, hi = _segments_static(p_of_id, chunk) if static else _segments(p_of_id, k_p, chunk)
         if key.numel():
             _jit(_ttm_bag_bwd_prefix_kernel)[(key.numel(), triton.cdiv(r, block_r))](
-                grad_out, suffix, s_of_id, bag_of_id, coef, order, key, lo, hi, buf,
-                dim, m_l, m_r, r,
-                ACC=acc, BLOCK_ML=block_ml, BLOCK_MR=block_mr, BLOCK_R=block_r, num_warps=warps,
+                grad_out,
+                suffix,
+                s_of_id,
+                bag_of_id,
+                coef,
+                order,
+                key,
+                lo,
+                hi,
+                buf,
+                dim,
+                m_l,
+                m_r,
+                r,
+                ACC=acc,
+                BLOCK_ML=block_ml,
+                BLOCK_MR=block_mr,
+                BLOCK_R=block_r,
+                num_warps=warps,
             )
         grad_prefix = buf.to(prefix.dtype)
     if need_suffix:
@@ -334,9 +414,25 @@ def _backward_halves(
         order, key, lo, hi = _segments_static(s_of_id, chunk) if static else _segments(s_of_id, k_s, chunk)
         if key.numel():
             _jit(_ttm_bag_bwd_suffix_kernel)[(key.numel(), triton.cdiv(r, block_r))](
-                grad_out, prefix, p_of_id, bag_of_id, coef, order, key, lo, hi, buf,
-                dim, m_l, m_r, r,
-                ACC=acc, BLOCK_ML=block_ml, BLOCK_MR=block_mr, BLOCK_R=block_r, num_warps=warps,
+                grad_out,
+                prefix,
+                p_of_id,
+                bag_of_id,
+                coef,
+                order,
+                key,
+                lo,
+                hi,
+                buf,
+                dim,
+                m_l,
+                m_r,
+                r,
+                ACC=acc,
+                BLOCK_ML=block_ml,
+                BLOCK_MR=block_mr,
+                BLOCK_R=block_r,
+                num_warps=warps,
             )
         grad_suffix = buf.to(suffix.dtype)
     return grad_prefix, grad_suffix
@@ -363,9 +459,22 @@ def _backward_weights(
         block_d = min(_pow2(dim), _pow2(block_elems // 2))
         block_r = min(_pow2(r), max(2, block_elems // block_d))
         _jit(_ttm_bag_bwd_weights_kernel)[(n,)](
-            grad_out, prefix, suffix, p_of_id, s_of_id, bag_of_id, scale, grad_w,
-            dim, m_l, m_r, r,
-            ACC=acc, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=_num_warps(block_d * block_r),
+            grad_out,
+            prefix,
+            suffix,
+            p_of_id,
+            s_of_id,
+            bag_of_id,
+            scale,
+            grad_w,
+            dim,
+            m_l,
+            m_r,
+            r,
+            ACC=acc,
+            BLOCK_D=block_d,
+            BLOCK_R=block_r,
+            num_warps=_num_warps(block_d * block_r),
         )
     return grad_w.to(dtype)
 
@@ -414,14 +523,31 @@ class TTMBagFunction(torch.autograd.Function):
             scale = torch.ones(n, device=prefix.device, dtype=prefix.dtype)
         coef = scale * weights.to(scale.dtype) if weights is not None else scale  # (N,)
         grad_p, grad_s = _backward_halves(
-            grad_out, prefix, suffix, p_of_id, s_of_id, bag_of_id, coef.contiguous(),
-            need_p, need_s, ctx.chunk, ctx.block_elems, ctx.static,
+            grad_out,
+            prefix,
+            suffix,
+            p_of_id,
+            s_of_id,
+            bag_of_id,
+            coef.contiguous(),
+            need_p,
+            need_s,
+            ctx.chunk,
+            ctx.block_elems,
+            ctx.static,
         )
         grad_w = None
         if need_w and weights is not None:
             grad_w = _backward_weights(
-                grad_out, prefix, suffix, p_of_id, s_of_id, bag_of_id, scale.contiguous(),
-                weights.dtype, ctx.block_elems,
+                grad_out,
+                prefix,
+                suffix,
+                p_of_id,
+                s_of_id,
+                bag_of_id,
+                scale.contiguous(),
+                weights.dtype,
+                ctx.block_elems,
             )
         return grad_p, grad_s, None, None, None, grad_w, None, None, None, None, None
 
@@ -484,9 +610,17 @@ def ttm_bag_triton(
         raise ValueError("ttm_bag_triton: chunk must be >= 1 and block_elems >= 4")
     weights = per_sample_weights.contiguous() if per_sample_weights is not None else None
     return TTMBagFunction.apply(
-        prefix.contiguous(), suffix.contiguous(), prefix_of_id.long().contiguous(),
-        suffix_of_id.long().contiguous(), offsets.long().contiguous(), weights,
-        mode == "mean", dim, int(chunk), int(block_elems), bool(static_shapes),
+        prefix.contiguous(),
+        suffix.contiguous(),
+        prefix_of_id.long().contiguous(),
+        suffix_of_id.long().contiguous(),
+        offsets.long().contiguous(),
+        weights,
+        mode == "mean",
+        dim,
+        int(chunk),
+        int(block_elems),
+        bool(static_shapes),
     )
 
 
@@ -540,8 +674,17 @@ def ttm_embedding_bag_triton(
         k_s, m_b, r, m_a = suffix.shape
         suffix = suffix.permute(0, 2, 3, 1).reshape(k_s, r, m_a * m_b)  # (K_s, r, M_r)
         return ttm_bag_triton(
-            prefix, suffix, p_keys, s_keys, offsets, per_sample_weights, mode, embedding_dim,
-            chunk=chunk, block_elems=block_elems, static_shapes=True,
+            prefix,
+            suffix,
+            p_keys,
+            s_keys,
+            offsets,
+            per_sample_weights,
+            mode,
+            embedding_dim,
+            chunk=chunk,
+            block_elems=block_elems,
+            static_shapes=True,
         )
     p_distinct, p_of_id = torch.unique(p_keys, return_inverse=True)  # (K_p,), (N,)
     s_distinct, s_of_id = torch.unique(s_keys, return_inverse=True)  # (K_s,), (N,)
@@ -550,6 +693,14 @@ def ttm_embedding_bag_triton(
     k_s, m_b, r, m_a = suffix.shape
     suffix = suffix.permute(0, 2, 3, 1).reshape(k_s, r, m_a * m_b)  # (K_s, r, M_r)
     return ttm_bag_triton(
-        prefix, suffix, p_of_id, s_of_id, offsets, per_sample_weights, mode, embedding_dim,
-        chunk=chunk, block_elems=block_elems,
+        prefix,
+        suffix,
+        p_of_id,
+        s_of_id,
+        offsets,
+        per_sample_weights,
+        mode,
+        embedding_dim,
+        chunk=chunk,
+        block_elems=block_elems,
     )
