@@ -84,20 +84,6 @@ def run_one(config: str, overrides: list[str], run_dir: Path, threads: int, reru
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def dense_parameter_count(config: str, overrides: list[str]) -> int:
-    """Parameters of the uncompressed model the config describes (the same at every rank):
-    with a run's compression ratio (dense / live parameters) it gives the run's live
-    parameters."""
-    import torch
-
-    from comera_rec.rank import model_dense_num_parameters
-    from dlrm.model import build_dlrm_train
-    from dlrm.task import load_run_config
-
-    cfg = load_run_config(config, [o for o in overrides if o.startswith("model.")])
-    return model_dense_num_parameters(build_dlrm_train(cfg.model, device=torch.device("cpu")))
-
-
 def interpolate_fixed(fixed: list[tuple[float, float]], size: float) -> Optional[float]:
     """AUC of the fixed-rank curve at ``size`` bytes: linear in log(bytes) between the two
     fixed points around it; None outside the curve's range.
@@ -274,9 +260,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         summary = run_one(config, overrides, out / name, threads, args.rerun)
         row = {
             **{k: v for k, v in spec.items() if k != "overrides"},
-            "tt_bytes": int(summary["model_bytes"]),
-            # live parameters (dense / compression) in float32 bytes
-            "model_bytes": int(round(4 * dense / float(summary["compression"]))),
+            "tt_bytes": int(summary["tt_bytes"]),
+            "model_bytes": int(summary["model_bytes"]),  # every parameter at the live ranks
             "auc": float(summary["val_auc"]),
             "log_loss": float(summary["val_log_loss"]),
             "wall_s": float(summary["wall_s"]),
@@ -289,7 +274,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
         return row
 
-    dense = dense_parameter_count(config, preset_overrides + args.overrides)  # the same at every rank
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(launch, specs))
 

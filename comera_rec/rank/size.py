@@ -92,6 +92,32 @@ def _non_tt_parameters(model: nn.Module) -> int:
     return total
 
 
+def model_num_bytes(model: nn.Module, threshold: float = 0.0) -> int:
+    """Bytes of every parameter of the model: TT modules at their live ranks, the rest
+    (dense tables, whole even when sharded; MLP biases; ...) as stored. A dense model's
+    size is its parameters' bytes; :func:`model_tt_bytes` counts the TT cores only.
+
+    Example::
+
+        >>> model_num_bytes(nn.Linear(4, 2))
+        40
+    """
+    total = 0
+    in_tt: set[int] = set()
+    for _, m in tensor_train_modules(model):
+        own = list(m.parameters())
+        in_tt.update(id(p) for p in own)
+        total += m.num_parameters(threshold) * (own[0].element_size() if own else 4)
+    sharded = _sharded_sizes(model)
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in in_tt or id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += sharded.get(name, p.numel()) * p.element_size()
+    return total
+
+
 def _parameter_counts(model: nn.Module, threshold: float) -> tuple[int, int]:
     """(live, dense-equivalent) parameters of the whole model; the parameters outside the
     tensor trains, which both count, are walked once."""

@@ -52,6 +52,7 @@ from comera_rec.rank.schedule import ObjectiveTerms, RankSchedule, RankScheduleC
 from comera_rec.rank.size import (
     model_compression_ratio,
     model_live_ranks,
+    model_num_bytes,
     model_ranks,
     model_tt_bytes,
     total_live_rank,
@@ -762,7 +763,8 @@ class Trainer:
         tau = self.schedule.config.threshold
         return {
             "live_rank": total_live_rank(self.model, tau),
-            "model_bytes": model_tt_bytes(self.model, tau),
+            "tt_bytes": model_tt_bytes(self.model, tau),  # what a rank target counts
+            "model_bytes": model_num_bytes(self.model, tau),  # every parameter
             "compression": model_compression_ratio(self.model, tau),
         }
 
@@ -997,7 +999,7 @@ class Trainer:
                         "ranks_before": tr.ranks_before,
                         "ranks_after": tr.ranks_after,
                         "cuts": len(self.schedule.last_cuts),
-                        "model_bytes": model_tt_bytes(self.model, self.schedule.config.threshold),
+                        "tt_bytes": model_tt_bytes(self.model, self.schedule.config.threshold),
                     }
                 )
             if cfg.log_every and self.step % cfg.log_every == 0:
@@ -1044,6 +1046,7 @@ class Trainer:
             "samples_per_s": float(np.mean(throughputs)) if throughputs else float("nan"),
             "peak_mem_mb": peak_memory_mb(self.device),
             "live_rank": size["live_rank"],
+            "tt_bytes": size["tt_bytes"],
             "model_bytes": size["model_bytes"],
             **({"target_bytes": self.schedule.target_bytes()} if self.schedule.target_bytes() is not None else {}),
             "compression": size["compression"],

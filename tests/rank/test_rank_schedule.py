@@ -12,6 +12,7 @@ from comera_rec.rank import (
     RankSchedule,
     RankScheduleConfig,
     model_compression_ratio,
+    model_num_bytes,
     model_num_parameters,
     model_tt_bytes,
     model_tt_size,
@@ -201,6 +202,13 @@ def test_size_and_compression_ratio():
     dense = 16 * 8 + 8 + 64 * 8 + 17
     live = lin.num_parameters() + emb.num_parameters() + 17
     assert model_compression_ratio(model) == pytest.approx(dense / live)
+    # every parameter's bytes: the TT modules at their live ranks and the rest (the head)
+    assert model_num_bytes(model) == 4 * live
+    with torch.no_grad():
+        lin.controllers[0][1:] = 0.0
+    assert model_num_bytes(model, 1e-2) == 4 * (lin.num_parameters(1e-2) + emb.num_parameters() + 17)
+    assert model_num_bytes(model["head"]) == 4 * 17  # a dense model is its parameters, not 0
+    assert model_tt_bytes(model["head"]) == 0
 
 
 def test_resize_to_state_dict_then_load():

@@ -54,6 +54,7 @@ def test_killed_worker_restarts_and_matches_uninterrupted_run(tmp_path: Path) ->
         "val_accuracy",
         "val_log_loss",
         "live_rank",
+        "tt_bytes",
         "model_bytes",
         "truncations",
         "nonfinite_skipped",
