@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint format wheel-smoke bench-tensor install clean
+.PHONY: demo test lint format wheel-smoke bench-tensor gpu-check install clean
 
 $(STAMP): pyproject.toml requirements/cpu.txt third_party/fbgemm-gpu-shim/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ bench-tensor: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
+
+# on a CUDA machine: versions, GPUs, the GPU tests, a short DLRM benchmark, one table (docs/gpu.md); on CPU one line, exit 0
+gpu-check: $(STAMP)
+	$(PY) -m comera_rec.gpu_check $(ARGS)
 
 # formatting and lint as configured in pyproject.toml ([tool.ruff]); `make format` rewrites
 lint: $(STAMP)

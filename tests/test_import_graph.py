@@ -30,7 +30,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("integration", "data"),  # TorchRec integration; the data pipeline
     ("training",),  # the training engine, which knows nothing of the model's kind
     ("transformer",),  # an application: the transformer models and their runs
-    ("",),  # the package root
+    ("", "gpu_check"),  # the package root; the GPU check (runs commands, imports no layer)
 )
 TIER = {layer: i for i, layers in enumerate(TIERS) for layer in layers}
 

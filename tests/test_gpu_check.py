@@ -1,0 +1,110 @@
+"""comera_rec.gpu_check on CPU: the no-GPU path, the commands it would run, the summary table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from comera_rec import gpu_check
+from comera_rec.gpu_check import ROOT, Step
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(capsys) -> None:
+    assert gpu_check.main([], cuda=False) == 0
+    out = capsys.readouterr().out
+    assert out == gpu_check.NO_GPU + "\n"
+
+
+def test_module_entry_point_on_this_machine() -> None:
+    proc = subprocess.run([sys.executable, "-m", "comera_rec.gpu_check"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0
+    assert proc.stdout.strip().splitlines() == [gpu_check.NO_GPU]
+
+
+def test_pytest_commands_one_gpu_leave_out_the_nccl_test() -> None:
+    steps = gpu_check.pytest_steps("py", 1)
+    assert [s.argv for s in steps] == [
+        ["py", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu"]
+        + ["--deselect", "tests/gpu/test_cuda.py::test_nccl_two_process_all_reduce"],
+        ["py", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+        + ["tests/tensor/test_triton_kernels.py", "tests/tensor/test_static_lookup.py"]
+        + ["tests/training/test_cuda_graph.py"],
+    ]
+    assert all(s.passed is None for s in steps)
+
+
+def test_pytest_commands_two_gpus_keep_the_nccl_test() -> None:
+    assert all("--deselect" not in s.argv for s in gpu_check.pytest_steps("py", 2))
+
+
+def test_the_selected_test_files_exist() -> None:
+    for _, paths in gpu_check.GPU_TESTS:
+        assert all((ROOT / p).exists() for p in paths)
+    for node in gpu_check.DISTRIBUTED_TESTS:
+        path, name = node.split("::")
+        assert f"def {name}(" in (ROOT / path).read_text()
+
+
+def test_bench_command() -> None:
+    s = gpu_check.bench_step("py", steps=20)
+    assert s.argv == ["py", "-m", "dlrm.bench_device", "--device", "cuda", "--batch-size", "2048"] + [
+        "--steps",
+        "20",
+        "--rank",
+        "32",
+        "--variants",
+        "dense",
+        "tt",
+    ]
+
+
+def test_bench_figures_and_pytest_figures() -> None:
+    lines = [
+        json.dumps(dict(variant="dense", step_ms=12.345, samples_per_s=165900, peak_device_bytes=3 * 2**30)),
+        "noise",
+        json.dumps(dict(variant="tt", step_ms=8.0, samples_per_s=256000, peak_device_bytes=None)),
+    ]
+    assert gpu_check.bench_figures("\n".join(lines)) == (
+        "dense 12.35 ms (165,900 samples/s, 3.00 GiB peak); tt 8.00 ms (256,000 samples/s)"
+    )
+    out = "....s.\n=== short test summary info ===\nSKIPPED [1] x\n5 passed, 1 skipped in 3.21s\n"
+    assert gpu_check.pytest_figures(out) == "5 passed, 1 skipped in 3.21s"
+
+
+def test_summary_table() -> None:
+    steps = [Step("tests", ["x"], True, "5 passed"), Step("bench", ["y"], False, "exit 1"), Step("other", ["z"])]
+    assert gpu_check.summary_table(steps).splitlines() == [
+        "| check | result | figures |",
+        "|---|---|---|",
+        "| tests | pass | 5 passed |",
+        "| bench | FAIL | exit 1 |",
+        "| other | not run |  |",
+    ]
+
+
+def test_missing_gpu_packages() -> None:
+    cpu = {
+        "torch": "2.13.0+cpu",
+        "triton": "3.9.0",
+        "fbgemm-gpu": "1.8",
+        "fbgemm-gpu-cpu": "1.8.0",
+        "cuda (torch build)": "-",
+    }
+    assert gpu_check.missing_gpu_packages(cpu) == ["a CUDA torch", "fbgemm-gpu (CUDA)"]
+    gpu = {
+        "torch": "2.14.1",
+        "triton": "3.5",
+        "fbgemm-gpu": "1.9.0",
+        "fbgemm-gpu-cpu": "-",
+        "cuda (torch build)": "12.8",
+    }
+    assert gpu_check.missing_gpu_packages(gpu) == []
+
+
+def test_dry_run_on_a_pretend_gpu_runs_nothing(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(gpu_check, "gpus", lambda: ["cuda:0 Fake, 80 GiB, sm_90"])
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    assert gpu_check.main(["--dry-run"], cuda=True) == 0
+    out = capsys.readouterr().out
+    assert "GPUs: cuda:0 Fake" in out and "-m dlrm.bench_device --device cuda" in out and "--deselect" in out
