@@ -61,6 +61,29 @@ PRESETS = {
 }
 
 
+def summary_row(spec: dict[str, Any], summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """One row of the front from a run's ``summary.json``.
+
+    Raises:
+        ValueError: the summary was written before summaries had ``tt_bytes`` (then
+            ``model_bytes`` meant the TT bytes): run it again.
+    """
+    if "tt_bytes" not in summary:
+        raise ValueError(
+            f"{run_dir / 'summary.json'} is from an older version (no tt_bytes): "
+            "run again with --rerun, or remove that folder"
+        )
+    return {
+        **{k: v for k, v in spec.items() if k != "overrides"},
+        "tt_bytes": int(summary["tt_bytes"]),
+        "model_bytes": int(summary["model_bytes"]),  # every parameter at the live ranks
+        "auc": float(summary["val_auc"]),
+        "log_loss": float(summary["val_log_loss"]),
+        "wall_s": float(summary["wall_s"]),
+        "live_ranks": summary.get("live_ranks", {}),
+    }
+
+
 def run_one(config: str, overrides: list[str], run_dir: Path, threads: int, rerun: bool) -> dict[str, Any]:
     """Train one configuration in a fresh process (unless its summary.json exists and not
     ``rerun``); its summary.json."""
@@ -258,15 +281,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         name = f"{spec['setting'].replace(' -> ', '_to_').replace(' ', '_')}_s{spec['seed']}"
         overrides = preset_overrides + spec["overrides"] + [f"trainer.seed={spec['seed']}"] + args.overrides
         summary = run_one(config, overrides, out / name, threads, args.rerun)
-        row = {
-            **{k: v for k, v in spec.items() if k != "overrides"},
-            "tt_bytes": int(summary["tt_bytes"]),
-            "model_bytes": int(summary["model_bytes"]),  # every parameter at the live ranks
-            "auc": float(summary["val_auc"]),
-            "log_loss": float(summary["val_log_loss"]),
-            "wall_s": float(summary["wall_s"]),
-            "live_ranks": summary.get("live_ranks", {}),
-        }
+        row = summary_row(spec, summary, out / name)
         print(
             f"  done {spec['setting']:>14} seed {spec['seed']}: {row['model_bytes']:>10,} B model, "
             f"{row['tt_bytes']:>10,} B TT  AUC {row['auc']:.4f}  {row['wall_s']:.0f} s",

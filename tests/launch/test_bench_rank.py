@@ -39,3 +39,15 @@ def test_tiny_front_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert abs(adaptive["off_target"]) <= 0.1  # the budget schedule reached its size
     assert (tmp_path / "demo" / "front.png").stat().st_size > 0
     assert "| r4 -> 0.5 |" in capsys.readouterr().out
+
+
+def test_summary_row_reads_both_sizes_and_refuses_an_old_summary(tmp_path) -> None:
+    from dlrm.bench_rank import summary_row
+
+    spec = {"setting": "fixed r4", "seed": 0, "overrides": ["model.rank=4"]}
+    summary = {"tt_bytes": 100, "model_bytes": 900, "val_auc": 0.8, "val_log_loss": 0.45, "wall_s": 3.0}
+    row = summary_row(spec, summary, tmp_path)
+    assert row["tt_bytes"] == 100 and row["model_bytes"] == 900 and "overrides" not in row
+    old = {k: v for k, v in summary.items() if k != "tt_bytes"}  # model_bytes meant TT bytes then
+    with pytest.raises(ValueError, match="older version.*--rerun"):
+        summary_row(spec, old, tmp_path)
