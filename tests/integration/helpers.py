@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -10,6 +11,17 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from comera_rec.integration import CompressionPolicy, TableOverride, TTMEmbeddingBagCollection
 
 SHAPE = ((10, 10), (2, 4))  # rows <= 100, dim 8
+
+# TorchRec's stock DMP call, as its examples write it, warns about its own defaults (the
+# planner's storage reservation, broadcast_buffers); the small dense tables its planner puts
+# on data_parallel get FBGEMM's dense CPU lookup, which has no autograd kernel (the known CPU
+# limit, docs/torchrec.md); DDP notes the strides of (r, n, 1) cores. None is what is tested.
+STOCK_DMP_WARNINGS = [
+    pytest.mark.filterwarnings("ignore:HeuristicalStorageReservation is known to cause issues:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:Grad strides do not match bucket view strides:UserWarning"),
+    pytest.mark.filterwarnings("ignore:fbgemm..dense_embedding_codegen_lookup_function:UserWarning"),
+]
 
 
 def tables(pooling: PoolingType = PoolingType.SUM) -> list[EmbeddingBagConfig]:

@@ -14,34 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from comera_rec import RankAdapter, TTLinear
-from comera_rec.integration import destroy_distributed
 from comera_rec.rank import RankScheduleConfig
 from comera_rec.rank.optim_state import retarget_optimizer
 from comera_rec.rank.truncation import truncate_model
 from tests.integration import adapter_worker as worker
+from tests.integration.helpers import STOCK_DMP_WARNINGS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
-    pytest.mark.filterwarnings("ignore:HeuristicalStorageReservation is known to cause issues:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:Grad strides do not match bucket view strides:UserWarning"),
-    pytest.mark.filterwarnings("ignore:fbgemm..dense_embedding_codegen_lookup_function:UserWarning"),
+    *STOCK_DMP_WARNINGS,
     pytest.mark.filterwarnings("ignore:This API is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:.*does not apply to TT parameters:UserWarning"),
 ]
-
-
-@pytest.fixture
-def gloo(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    destroy_distributed()
 
 
 def _trained_layer(opt_factory) -> tuple[nn.Module, object]:

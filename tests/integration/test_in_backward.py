@@ -29,21 +29,19 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 import comera_rec
-from comera_rec.integration import CompressionPolicy, TTMEmbeddingBagCollection, destroy_distributed
+from comera_rec.integration import CompressionPolicy, TTMEmbeddingBagCollection
 from comera_rec.integration.in_backward import (
     carry_in_backward_optimizers,
     in_backward_spec,
     release_in_backward_optimizers,
 )
+from tests.integration.helpers import STOCK_DMP_WARNINGS
 from tests.integration.test_meta_dmp import DIM, SIZES, _dlrm_batch
 
 CPU = torch.device("cpu")
 
 pytestmark = [
-    pytest.mark.filterwarnings("ignore:HeuristicalStorageReservation is known to cause issues:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:Grad strides do not match bucket view strides:UserWarning"),
-    pytest.mark.filterwarnings("ignore:fbgemm..dense_embedding_codegen_lookup_function:UserWarning"),
+    *STOCK_DMP_WARNINGS,
     pytest.mark.filterwarnings("ignore:This API is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:.*does not apply to TT parameters:UserWarning"),
 ]
@@ -53,13 +51,6 @@ OPTIMIZERS = {
     "Adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
 }
 POLICY = CompressionPolicy(rank=4, min_rows_to_compress=50, min_params_to_compress=0, min_gain=0.0)
-
-
-@pytest.fixture
-def gloo(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    destroy_distributed()
 
 
 def _model() -> DLRMTrain:

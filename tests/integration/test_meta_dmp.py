@@ -16,7 +16,6 @@ from typing import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -28,31 +27,16 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import comera_rec
 from comera_rec import TTLinear, TTMEmbeddingBag
-from comera_rec.integration import CompressionPolicy, TTLowRankCrossNet, TTMEmbeddingBagCollection, destroy_distributed
+from comera_rec.integration import CompressionPolicy, TTLowRankCrossNet, TTMEmbeddingBagCollection
 from comera_rec.tensor.stacked import StackedTTMTables
 from comera_rec.tensor.train import TensorTrainModule
-from tests.integration.helpers import kjt, policy, tables
+from tests.integration.helpers import STOCK_DMP_WARNINGS, kjt, policy, tables
 
 CPU = torch.device("cpu")
 
-# TorchRec's stock DMP call, as its examples write it, warns about its own defaults (the
-# planner's storage reservation, broadcast_buffers); the small dense tables its planner puts
-# on data_parallel get FBGEMM's dense CPU lookup, which has no autograd kernel (the known CPU
-# limit, docs/torchrec.md); DDP notes the strides of (r, n, 1) cores. None is what is tested.
 pytestmark = [
-    pytest.mark.filterwarnings("ignore:HeuristicalStorageReservation is known to cause issues:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:Grad strides do not match bucket view strides:UserWarning"),
-    pytest.mark.filterwarnings("ignore:fbgemm..dense_embedding_codegen_lookup_function:UserWarning"),
+    *STOCK_DMP_WARNINGS,
 ]
-
-
-@pytest.fixture
-def gloo(tmp_path):
-    """A one-process gloo group (world size 1), destroyed afterwards."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    destroy_distributed()
 
 
 def stock_dmp(model: nn.Module) -> DistributedModelParallel:

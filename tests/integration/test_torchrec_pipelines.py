@@ -34,14 +34,12 @@ import torch.distributed as dist
 
 from comera_rec.integration import destroy_distributed
 from tests.integration import pipelines_worker as worker
+from tests.integration.helpers import STOCK_DMP_WARNINGS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
-    pytest.mark.filterwarnings("ignore:HeuristicalStorageReservation is known to cause issues:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:Grad strides do not match bucket view strides:UserWarning"),
-    pytest.mark.filterwarnings("ignore:fbgemm..dense_embedding_codegen_lookup_function:UserWarning"),
+    *STOCK_DMP_WARNINGS,
     pytest.mark.filterwarnings("ignore:This API is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:.*does not apply to TT parameters:UserWarning"),
     pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning"),  # DMP's ShardedTensor state

@@ -41,6 +41,7 @@ import comera_rec
 from comera_rec import TTLinear
 from comera_rec.integration import CompressionPolicy, TTMEmbeddingBagCollection, destroy_distributed
 from comera_rec.tensor.train import TensorTrainModule
+from tests.integration.helpers import STOCK_DMP_WARNINGS
 
 CPU = torch.device("cpu")
 DIM = 8
@@ -56,19 +57,8 @@ DISTINCT, ROUNDS = 2, 3  # the batches, and how often each is seen
 # the planner puts on data_parallel gets FBGEMM's dense CPU lookup, which has no autograd
 # kernel (the known CPU limit, docs/torchrec.md); DDP notes the strides of (r, n, 1) cores.
 pytestmark = [
-    pytest.mark.filterwarnings("ignore:HeuristicalStorageReservation is known to cause issues:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:Grad strides do not match bucket view strides:UserWarning"),
-    pytest.mark.filterwarnings("ignore:fbgemm..dense_embedding_codegen_lookup_function:UserWarning"),
+    *STOCK_DMP_WARNINGS,
 ]
-
-
-@pytest.fixture
-def gloo(tmp_path):
-    """A one-process gloo group (world size 1), destroyed afterwards."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    destroy_distributed()
 
 
 def build(sizes: list[int], sharding: str, world_size: int = 1) -> DistributedModelParallel:
