@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from torch import nn
+from torchrec.distributed.model_parallel import get_unwrapped_module
 
 from comera_rec.integration.distributed import rewrap_data_parallel
 from comera_rec.rank.optim_state import retarget_optimizer
@@ -44,12 +45,8 @@ from comera_rec.tensor.train import tensor_train_modules
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside DMP / DDP wrappers (``.module`` until there is none)."""
-    seen = set()
-    while hasattr(model, "module") and isinstance(model.module, nn.Module) and id(model) not in seen:
-        seen.add(id(model))
-        model = model.module
-    return model
+    """The user's model inside DMP / DDP / FSDP wrappers (TorchRec's ``get_unwrapped_module``)."""
+    return get_unwrapped_module(model)
 
 
 class RankAdapter:

@@ -255,7 +255,9 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def _release_in_backward(self) -> None:
         # TT parameters are replicated, never fused into backward (integration/in_backward.py)
-        release_in_backward_optimizers(self.groups.named_parameters(prefix="groups"), type(self).__name__)
+        # a cheap test per forward; the names are built only when something is marked
+        if any(hasattr(p, "_in_backward_optimizers") for p in self.groups.parameters()):
+            release_in_backward_optimizers(self.groups.named_parameters(prefix="groups"), type(self).__name__)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "TTMEmbeddingBagCollection":
         """``nn.Module._apply`` (``.to``, ``.cpu``, ``to_empty``), after taking any

@@ -26,7 +26,10 @@ import torch
 from comera_rec.rank.truncation import ParameterChange, TruncationResult
 
 
-def _sliced_state(state: dict[str, Any], change: ParameterChange) -> dict[str, Any]:
+def sliced_state(state: dict[str, Any], change: ParameterChange) -> dict[str, Any]:
+    """``state`` (an optimiser's state of ``change.old``) for ``change.new``: every tensor
+    shaped like the old parameter sliced to the kept indices, the rest (``step``) kept;
+    empty when the kept indices are unknown (the state starts afresh)."""
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == change.old.shape:
@@ -52,7 +55,7 @@ def _retarget_one(opt: Any, changes: dict[int, ParameterChange]) -> int:
         for change in changes.values():
             if change.old in state:
                 old_state = state.pop(change.old)
-                new_state = _sliced_state(old_state, change)
+                new_state = sliced_state(old_state, change)
                 if new_state:
                     state[change.new] = new_state
     keyed = getattr(opt, "params", None)  # KeyedOptimizer: fully qualified name -> parameter

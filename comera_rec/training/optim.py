@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
+from comera_rec.rank.optim_state import sliced_state
 from comera_rec.rank.truncation import TruncationResult
 from comera_rec.tensor.train import parameter_groups
 
@@ -191,20 +192,6 @@ def build_optimizer(
     return OPTIMIZERS[config.name](groups, lr=config.lr_other, **config.kwargs(capturable))
 
 
-def _move_state(
-    state: dict[str, object],
-    old: nn.Parameter,
-    slicer: Optional[Callable[[torch.Tensor], torch.Tensor]],
-) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == old.shape:
-            out[key] = slicer(value) if slicer is not None else value
-        else:
-            out[key] = value
-    return out
-
-
 def rebuild_optimizer(
     old: torch.optim.Optimizer,
     model: nn.Module,
@@ -249,7 +236,7 @@ def rebuild_optimizer(
             change = by_new.get(id(p))
             if change is None:
                 if p in old.state:
-                    new.state[p] = _move_state(old.state[p], p, None)
+                    new.state[p] = dict(old.state[p])
             elif change.old in old.state and change.index:
-                new.state[p] = _move_state(old.state[change.old], change.old, change.slice)
+                new.state[p] = sliced_state(old.state[change.old], change)
     return new
