@@ -7,7 +7,7 @@ On a machine without CUDA it says so in one line and exits 0. On a CUDA machine 
 (a) prints the torch / CUDA / triton / fbgemm-gpu / torchrec versions and the GPUs,
 (b) runs the tests that exercise the GPU paths with pytest (``tests/gpu``, which skips
 without CUDA, and the CPU-checked Triton / static-lookup / CUDA-graph files, now against a
-CUDA torch), (c) runs ``dlrm.bench_device`` at Kaggle shapes (dense TorchRec with FBGEMM's
+CUDA torch), (c) runs ``comera_rec.dlrm.bench_device`` at Kaggle shapes (dense TorchRec with FBGEMM's
 CUDA TBE vs compressed) and prints one summary table. It installs nothing: when the GPU
 set is missing (triton, a CUDA fbgemm-gpu) it prints the install command (docs/gpu.md).
 Exit status: 0 when everything that ran passed, 1 otherwise.
@@ -114,7 +114,7 @@ def pytest_steps(python: str, n_gpus: int) -> list[Step]:
 
 def bench_step(python: str, steps: int = 50, batch_size: int = 2048, rank: int = 32) -> Step:
     """The benchmark command, as data: Kaggle shapes, dense (FBGEMM TBE) and TT, on cuda."""
-    argv = [python, "-m", "dlrm.bench_device", "--device", "cuda", "--batch-size", str(batch_size)]
+    argv = [python, "-m", "comera_rec.dlrm.bench_device", "--device", "cuda", "--batch-size", str(batch_size)]
     argv += ["--steps", str(steps), "--rank", str(rank), "--variants", "dense", "tt"]
     return Step(f"DLRM Kaggle step, batch {batch_size}, rank {rank}", argv)
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None, cuda: bool | None = None) -> int:
             print(" ".join(s.argv))
         return 0
     for s in steps:
-        run_step(s, bench_figures if s.argv[2] == "dlrm.bench_device" else pytest_figures)
+        run_step(s, bench_figures if s.argv[2] == "comera_rec.dlrm.bench_device" else pytest_figures)
     print("\n" + summary_table(steps))
     return 0 if all(s.passed for s in steps) else 1
 

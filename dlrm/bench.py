@@ -45,6 +45,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
+from comera_rec.dlrm.config import DLRMConfig
+from comera_rec.dlrm.model import build_dlrm_train
 from comera_rec.integration.distributed import EmbeddingOptimizerSpec, wrap_model
 from comera_rec.rank import model_num_parameters
 from comera_rec.tensor import kernels
@@ -53,8 +55,6 @@ from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.utils.benchmark import current_rss_bytes, fmt_bytes, peak_rss_bytes, time_interleaved
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory, minor_page_faults
 from comera_rec.utils.logs import quiet_foreign_notices
-from dlrm.config import DLRMConfig
-from dlrm.model import build_dlrm_train
 
 
 @dataclass

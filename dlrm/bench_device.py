@@ -7,8 +7,8 @@ Adagrad fused into backward (``wrap_model`` without a process group; on CUDA FBG
 TBE), TT tables and layers at ``--rank``, AdamW for the rest, synthetic Kaggle-shaped batches.
 Prints one JSON line per variant: median step milliseconds, samples/s, peak device memory.
 
-    python -m dlrm.bench_device --device cuda            # Kaggle shapes, batch 2048
-    python -m dlrm.bench_device --device cpu --tiny      # a smoke run (tests)
+    python -m comera_rec.dlrm.bench_device --device cuda            # Kaggle shapes, batch 2048
+    python -m comera_rec.dlrm.bench_device --device cpu --tiny      # a smoke run (tests)
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from dataclasses import replace
 import torch
 
 from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
+from comera_rec.dlrm.config import DLRMConfig
+from comera_rec.dlrm.model import build_dlrm_train
 from comera_rec.integration.distributed import EmbeddingOptimizerSpec, wrap_model
-from dlrm.config import DLRMConfig
-from dlrm.model import build_dlrm_train
 
 TINY = dict(
     table_sizes=[5000, 200] + [30] * 24, embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1], min_params_to_compress=0

@@ -1,7 +1,7 @@
 """The accuracy-size front: fixed-rank training against the budget rank schedule.
 
 Every run trains the same config for the same number of steps, each in a process of its
-own (``python -m dlrm.cli``, what ``comera-train-dlrm`` runs), and reads its ``summary.json``:
+own (``python -m comera_rec.dlrm.cli``, what ``comera-train-dlrm`` runs), and reads its ``summary.json``:
 
 - fixed: ``model.rank = model.mlp_rank = r``, the rank schedule off, for each ``--fixed`` r;
 - adaptive: from each ``--starts`` rank, the budget schedule with each ``--targets`` ratio
@@ -93,7 +93,7 @@ def run_one(config: str, overrides: list[str], run_dir: Path, threads: int, reru
     cmd = [
         sys.executable,
         "-m",
-        "dlrm.cli",
+        "comera_rec.dlrm.cli",
         "--config",
         config,
         f"trainer.run_dir={run_dir}",

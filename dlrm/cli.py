@@ -2,7 +2,7 @@
 
     comera-train-dlrm --config dlrm_demo [section.key=value ...]
     comera-train-dlrm --config configs/dlrm_demo.yaml --resume
-    torchrun --nproc_per_node=2 -m dlrm.cli --config dlrm_demo
+    torchrun --nproc_per_node=2 -m comera_rec.dlrm.cli --config dlrm_demo
 
 From a checkout the same command is ``python launch/train_dlrm.py``. ``--config`` takes a
 path or the name of a shipped config (``dlrm_demo``, ``dlrm_criteo_kaggle``, ...: the
@@ -16,9 +16,9 @@ import sys
 from typing import Optional, Sequence
 
 from comera_rec.config import run_config_from_args
+from comera_rec.dlrm.task import DLRMRunConfig, DLRMTask
 from comera_rec.training import Trainer
 from comera_rec.utils.logs import setup_logging
-from dlrm.task import DLRMRunConfig, DLRMTask
 
 
 def train(argv: Optional[Sequence[str]] = None) -> dict:

@@ -91,9 +91,9 @@ class DLRMConfig:
     interaction: Literal["dot", "dcn"] = "dot"
     """``"dot"``: TorchRec ``DLRM`` (pairwise dot products); ``"dcn"``: ``DLRM_DCN``."""
     fused_interaction: bool = False
-    """Use :class:`dlrm.interaction.PairwiseDotInteraction` for the ``"dot"`` interaction:
+    """Use :class:`comera_rec.dlrm.interaction.PairwiseDotInteraction` for the ``"dot"`` interaction:
     TorchRec's values, a backward without ``index_put`` accumulation, on CPU one fused kernel
-    (docs/performance.md); and :class:`dlrm.interaction.FlatSparseArch` for the sparse arch
+    (docs/performance.md); and :class:`comera_rec.dlrm.interaction.FlatSparseArch` for the sparse arch
     (no per-feature split and concatenation; a plain fused collection's tables through the
     fused CPU row-wise Adagrad kernel). ``False`` keeps TorchRec's ``InteractionArch`` and
     ``SparseArch``."""

@@ -9,12 +9,13 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingBagCollectionInterface
 
+from comera_rec.dlrm.config import DLRMConfig
+from comera_rec.dlrm.interaction import FlatSparseArch, PairwiseDotInteraction
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
 from comera_rec.integration.compress import ModelSize, model_size
 from comera_rec.integration.mlp import TTLowRankCrossNet, fuse_narrow_layers, tt_mlp
 from comera_rec.integration.policy import CompressionPolicy
-from dlrm.config import DLRMConfig
-from dlrm.interaction import FlatSparseArch, PairwiseDotInteraction
+from comera_rec.integration.torchrec_internals import perceptron_linear, perceptrons
 
 
 def criteo_tables(
@@ -131,7 +132,7 @@ def make_dlrm(
         model.dense_arch.model = tt_mlp(
             dense_in_features, bottom_mlp, rank=rank, min_gain=policy.min_gain, device=device
         )
-        over_in = model.over_arch.model[0]._mlp[0]._linear.in_features
+        over_in = perceptron_linear(perceptrons(model.over_arch.model[0])[0]).in_features
         model.over_arch.model[0] = tt_mlp(over_in, top_mlp[:-1], rank=rank, min_gain=policy.min_gain, device=device)
     fuse_narrow_layers(model.dense_arch.model)
     if interaction == "dcn" and policy.compress_crossnet:

@@ -27,12 +27,12 @@ from torchrec.datasets.utils import Batch
 from comera_rec.config import from_dict, to_dict
 from comera_rec.data import CriteoNpyReader, CriteoParquetReader, CriteoReaderConfig, CriteoTsvReader
 from comera_rec.data.criteo import NO_LABEL
+from comera_rec.dlrm.task import DLRMRunConfig, DLRMTask, load_run_config
 from comera_rec.rank import resize_to_state_dict
 from comera_rec.training import BinaryMetrics, IncompatibleCheckpointError, latest_checkpoint, load_checkpoint
 from comera_rec.training.checkpoint import is_complete, restore_local
 from comera_rec.training.engine import config_differences, state_dict_mismatches
 from comera_rec.utils.logs import setup_logging
-from dlrm.task import DLRMRunConfig, DLRMTask, load_run_config
 
 PathLike = Union[str, Path]
 # input suffix -> reader (".gz": gzipped TSV)

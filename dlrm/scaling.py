@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from comera_rec.dlrm.config import DLRMConfig
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
-from dlrm.config import DLRMConfig
 
 FLOAT_BYTES = 4  # fp32 gradients and pooled embeddings
 ID_BYTES = 8  # int64 ids
@@ -67,7 +67,7 @@ def count_model(model: nn.Module, name: str = "") -> ModelComm:
 
     Example::
 
-        >>> from dlrm.model import build_dlrm
+        >>> from comera_rec.dlrm.model import build_dlrm
         >>> cfg = DLRMConfig(table_sizes=[1000, 50], embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1], compressed=False)
         >>> c = count_model(build_dlrm(cfg, device="meta"))
         >>> c.sharded_features, c.sharded_table_params, c.tt_table_params
@@ -102,7 +102,7 @@ def count_model(model: nn.Module, name: str = "") -> ModelComm:
 
 def count_config(config: DLRMConfig, name: str = "") -> ModelComm:
     """:func:`count_model` of the model ``config`` builds, on the meta device."""
-    from dlrm.model import build_dlrm
+    from comera_rec.dlrm.model import build_dlrm
 
     return count_model(build_dlrm(config, device="meta"), name)
 
@@ -320,8 +320,8 @@ def _worker(rank: int, world: int, init: str, out_dir: str, batch_per_rank: int,
     from torch.nn.parallel import DistributedDataParallel
 
     from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
+    from comera_rec.dlrm.model import build_dlrm_train
     from comera_rec.integration.distributed import wrap_model
-    from dlrm.model import build_dlrm_train
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

@@ -16,6 +16,8 @@ from torchrec.datasets.utils import Batch
 
 from comera_rec.config import load_config
 from comera_rec.data import DataConfig, build_dataloaders, num_embeddings, set_epoch
+from comera_rec.dlrm.config import DLRMConfig
+from comera_rec.dlrm.model import build_dlrm_train
 from comera_rec.integration.distributed import (
     EmbeddingOptimizerSpec,
     OptimizerBundle,
@@ -25,8 +27,6 @@ from comera_rec.integration.distributed import (
 )
 from comera_rec.rank import RankScheduleConfig
 from comera_rec.training import OptimConfig, TrainerConfig
-from dlrm.config import DLRMConfig
-from dlrm.model import build_dlrm_train
 
 
 @dataclass

@@ -7,13 +7,13 @@
     python launch/bench_dlrm.py --rounds 5      # more fresh processes per variant for the step time
     python launch/bench_dlrm.py --lookup-paths  # also the compressed models with the fused CPU kernels off
 
-The same as the installed console script ``comera-bench``: both run :func:`dlrm.bench.main`,
+The same as the installed console script ``comera-bench``: both run :func:`comera_rec.dlrm.bench.main`,
 whose help (``--help``) and module text say what is measured and how.
 """
 
 from __future__ import annotations
 
-from dlrm.bench import main
+from comera_rec.dlrm.bench import main
 
 if __name__ == "__main__":
     main()

@@ -5,12 +5,12 @@
     python launch/bench_rank.py --seeds 0 --targets 0.25 --fixed 4 8 16   # a quick look
 
 The same as the installed console script ``comera-bench-rank``: both run
-:func:`dlrm.bench_rank.main`, whose module text says what is run, printed and written.
+:func:`comera_rec.dlrm.bench_rank.main`, whose module text says what is run, printed and written.
 """
 
 from __future__ import annotations
 
-from dlrm.bench_rank import main
+from comera_rec.dlrm.bench_rank import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -12,7 +12,7 @@ The logic lives in dlrm/predict.py; see docs/serving.md.
 
 from __future__ import annotations
 
-from dlrm.predict import predict_cli as main
+from comera_rec.dlrm.predict import predict_cli as main
 
 if __name__ == "__main__":
     main()

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from comera_rec.dlrm.task import DLRMTask, load_run_config
 from comera_rec.training import Trainer
 from comera_rec.utils.logs import setup_logging
-from dlrm.task import DLRMTask, load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,14 +5,14 @@
     python launch/train_dlrm.py --config configs/dlrm_demo.yaml --resume
 
 The same as the installed console script ``comera-train-dlrm``: both run
-:func:`dlrm.cli.train` (the options are there). Every field of every section is
+:func:`comera_rec.dlrm.cli.train` (the options are there). Every field of every section is
 documented in docs/training.md and docs/dlrm.md; `--help-config` prints them with their
 current values.
 """
 
 from __future__ import annotations
 
-from dlrm.cli import train as main
+from comera_rec.dlrm.cli import train as main
 
 if __name__ == "__main__":
     main()

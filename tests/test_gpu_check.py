@@ -48,7 +48,7 @@ def test_the_selected_test_files_exist() -> None:
 
 def test_bench_command() -> None:
     s = gpu_check.bench_step("py", steps=20)
-    assert s.argv == ["py", "-m", "dlrm.bench_device", "--device", "cuda", "--batch-size", "2048"] + [
+    assert s.argv == ["py", "-m", "comera_rec.dlrm.bench_device", "--device", "cuda", "--batch-size", "2048"] + [
         "--steps",
         "20",
         "--rank",
@@ -107,4 +107,4 @@ def test_dry_run_on_a_pretend_gpu_runs_nothing(capsys, monkeypatch) -> None:
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
     assert gpu_check.main(["--dry-run"], cuda=True) == 0
     out = capsys.readouterr().out
-    assert "GPUs: cuda:0 Fake" in out and "-m dlrm.bench_device --device cuda" in out and "--deselect" in out
+    assert "GPUs: cuda:0 Fake" in out and "-m comera_rec.dlrm.bench_device --device cuda" in out and "--deselect" in out

@@ -2,7 +2,9 @@
 tensor core and rank adaptation free of TorchRec and FBGEMM (the layers of the design notes
 and of README's layout table).
 
-The graph is read from the sources with ``ast``; nothing is imported. Every ``import``
+The graph is read from the sources with ``ast``; nothing is imported. The DLRM assembly
+(the folder ``dlrm/``, linked as ``comera_rec/dlrm``) is read through the link, as
+``comera_rec.dlrm``. Every ``import``
 counts: at module level, inside functions (lazy imports), under ``TYPE_CHECKING``.
 ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``
 (its ``__init__``). The implicit import of a module's parent packages is not an edge.
@@ -11,6 +13,7 @@ counts: at module level, inside functions (lazy imports), under ``TYPE_CHECKING`
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -29,20 +32,24 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("rank",),  # rank adaptation: objective, schedule, truncation
     ("integration", "data"),  # TorchRec integration; the data pipeline
     ("training",),  # the training engine, which knows nothing of the model's kind
-    ("transformer",),  # an application: the transformer models and their runs
+    ("transformer", "dlrm"),  # the applications: transformer models, the DLRM assembly, and their runs
     ("", "gpu_check"),  # the package root; the GPU check (runs commands, imports no layer)
 )
 TIER = {layer: i for i, layers in enumerate(TIERS) for layer in layers}
 
 NO_TORCHREC = ("tensor", "rank")  # layers that must not import these:
 TORCHREC_NAMES = ("torchrec", "fbgemm_gpu")
-OUTSIDE = ("dlrm", "launch")  # the application and entry points built on comera_rec
+# the entry points built on comera_rec, and the DLRM assembly's name were it top-level
+OUTSIDE = ("dlrm", "launch")
 
 
 def module_files() -> dict[str, Path]:
     """``comera_rec`` module name -> source file."""
     files = {}
-    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+    paths = []  # through links to folders (comera_rec/dlrm), which Path.rglob skips before Python 3.13
+    for folder, _, names in os.walk(ROOT / PACKAGE, followlinks=True):
+        paths += [Path(folder, n) for n in names if n.endswith(".py")]
+    for path in sorted(paths):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
@@ -149,6 +156,8 @@ def test_the_walker_sees_absolute_relative_and_lazy_imports() -> None:
     assert "comera_rec.tensor.halves" in graph["comera_rec.tensor.kernels.ttm_triton"]
     assert "comera_rec.tensor.kernels.ttm_triton" in graph["comera_rec.tensor.kernels"]  # lazy, in a function
     assert "comera_rec.integration" in graph["comera_rec"]  # lazy, in a function
+    assert "comera_rec.dlrm.task" in graph["comera_rec.dlrm.cli"]  # through the link comera_rec/dlrm
+    assert "comera_rec.dlrm.model" in graph["comera_rec.dlrm.scaling"]  # lazy, in a function
     modules = {"p", "p.a", "p.b", "p.b.c"}
     source = "import p.a\nfrom . import c, x\nfrom .. import a\ndef f():\n    from p.b.c import y\n"
     assert imports_in(source, "p.b", True, modules) == [
@@ -189,8 +198,9 @@ def test_no_upward_import_between_layers() -> None:
 
 @pytest.mark.parametrize("layer", ["all", *NO_TORCHREC])
 def test_no_forbidden_third_party_import(layer: str) -> None:
-    """No comera_rec module imports the DLRM application or the entry points; the tensor
-    core and rank adaptation import neither TorchRec nor FBGEMM."""
+    """No comera_rec module imports the entry points or a top-level ``dlrm`` (the DLRM
+    assembly is ``comera_rec.dlrm``); the tensor core and rank adaptation import neither
+    TorchRec nor FBGEMM."""
     forbidden = OUTSIDE if layer == "all" else TORCHREC_NAMES
     files = module_files()
     bad = []

@@ -32,16 +32,21 @@ ABI_PAIRS = {(2, 13): (1, 8), (2, 14): (1, 9)}
 # torch pins its own triton on CUDA machines: an exact pin here could fight it
 NEVER_EXACT = set(SUPPORTED) | {"triton"}
 SCRIPTS = {
-    "comera-train-dlrm": ("dlrm.cli:main", "launch.train_dlrm", "dlrm.cli", "train"),
+    "comera-train-dlrm": ("comera_rec.dlrm.cli:main", "launch.train_dlrm", "comera_rec.dlrm.cli", "train"),
     "comera-train-transformer": (
         "comera_rec.transformer.cli:main",
         "launch.train_transformer",
         "comera_rec.transformer.cli",
         "train",
     ),
-    "comera-bench": ("dlrm.bench:main", "launch.bench_dlrm", "dlrm.bench", "main"),
-    "comera-bench-rank": ("dlrm.bench_rank:main", "launch.bench_rank", "dlrm.bench_rank", "main"),
-    "comera-predict-dlrm": ("dlrm.predict:main", "launch.predict_dlrm", "dlrm.predict", "predict_cli"),
+    "comera-bench": ("comera_rec.dlrm.bench:main", "launch.bench_dlrm", "comera_rec.dlrm.bench", "main"),
+    "comera-bench-rank": ("comera_rec.dlrm.bench_rank:main", "launch.bench_rank", "comera_rec.dlrm.bench_rank", "main"),
+    "comera-predict-dlrm": (
+        "comera_rec.dlrm.predict:main",
+        "launch.predict_dlrm",
+        "comera_rec.dlrm.predict",
+        "predict_cli",
+    ),
 }
 
 
@@ -142,10 +147,10 @@ def test_launch_file_runs_the_same_function(name: str) -> None:
 
 def test_train_console_main_exits_zero_not_with_the_summary(monkeypatch: pytest.MonkeyPatch) -> None:
     # a console script does sys.exit(main()): a returned dict would print it and exit 1
-    import dlrm.cli
+    import comera_rec.dlrm.cli
 
-    monkeypatch.setattr(dlrm.cli, "train", lambda argv=None: {"val_auc": 0.8})
-    assert dlrm.cli.main([]) == 0
+    monkeypatch.setattr(comera_rec.dlrm.cli, "train", lambda argv=None: {"val_auc": 0.8})
+    assert comera_rec.dlrm.cli.main([]) == 0
 
 
 # ------------------------------------------------------------------------------ configs by name
@@ -170,7 +175,7 @@ def test_a_bare_name_is_a_shipped_config(name: str, tmp_path: Path, monkeypatch:
 def test_a_path_is_used_as_it_is_and_a_local_file_wins_over_a_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dlrm.task import DLRMRunConfig
+    from comera_rec.dlrm.task import DLRMRunConfig
 
     mine = tmp_path / "mine.yaml"
     mine.write_text("trainer:\n  max_steps: 7\n")
@@ -186,7 +191,7 @@ def test_a_path_is_used_as_it_is_and_a_local_file_wins_over_a_name(
 def test_an_unknown_name_lists_the_shipped_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dlrm.task import DLRMRunConfig
+    from comera_rec.dlrm.task import DLRMRunConfig
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"unknown config 'dlrm_dmeo'.*available: .*dlrm_demo, dlrm_demo_dense"):
@@ -202,7 +207,7 @@ def test_an_unknown_name_lists_the_shipped_ones(
 
 
 def test_the_command_line_takes_a_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dlrm.task import DLRMRunConfig
+    from comera_rec.dlrm.task import DLRMRunConfig
 
     monkeypatch.chdir(tmp_path)
     by_name = run_config_from_args(DLRMRunConfig, ["--config", "dlrm_demo", "trainer.max_steps=20"], None)

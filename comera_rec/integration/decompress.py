@@ -24,6 +24,11 @@ from torchrec.modules.mlp import Perceptron
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
 from comera_rec.integration.compress import ModuleReport
 from comera_rec.integration.mlp import TTLowRankCrossNet
+from comera_rec.integration.torchrec_internals import (
+    perceptron_activation,
+    perceptron_linear,
+    set_perceptron_activation,
+)
 from comera_rec.tensor.embedding import TTMEmbeddingBag
 from comera_rec.tensor.linear import NarrowLinear, TTLinear
 
@@ -105,9 +110,12 @@ def _linear(module: TTLinear | NarrowLinear, parent: nn.Module, child: str) -> n
     layer = _dense_linear(weight, module.bias)
     if not module.relu:
         return layer
-    if isinstance(parent, Perceptron) and child == "_linear" and isinstance(parent._activation_fn, nn.Identity):
-        del parent._activation_fn  # a registered submodule: a plain function cannot be assigned over it
-        parent._activation_fn = torch.relu
+    if (
+        isinstance(parent, Perceptron)
+        and perceptron_linear(parent) is module
+        and isinstance(perceptron_activation(parent), nn.Identity)
+    ):
+        set_perceptron_activation(parent, torch.relu)
         return layer
     return NarrowLinear.from_linear(layer, relu=True)
 

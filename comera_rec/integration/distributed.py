@@ -38,6 +38,12 @@ from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from comera_rec.integration.torchrec_internals import (
+    collection_device,
+    rewrap_dmp_data_parallel,
+    set_collection_device,
+    sharded_tensor_type,
+)
 from comera_rec.tensor.train import InitOnMaterialize, parameter_groups
 
 ParamGroups = dict[str, list[nn.Parameter]]
@@ -336,9 +342,9 @@ def _materialize_rest(model: nn.Module, device: torch.device) -> None:
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
     for _, module in model.named_modules():
-        if hasattr(module, "embedding_bag_configs") and hasattr(module, "_device"):
-            if getattr(module, "_device").type == "meta":
-                module._device = device
+        if hasattr(module, "embedding_bag_configs") and collection_device(module) is not None:
+            if collection_device(module).type == "meta":
+                set_collection_device(module, device)
                 if type(module) is EmbeddingBagCollection:
                     module.reset_parameters()
 
@@ -362,8 +368,7 @@ def _table_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def _load_sharded_tables(wrapped: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
+    ShardedTensor = sharded_tensor_type()
     for name, value in wrapped.state_dict().items():
         full = weights.get(_strip(name))
         if full is None:
@@ -393,11 +398,7 @@ def rewrap_data_parallel(wrapped: nn.Module) -> nn.Module:
         The model to call from now on (the same DMP object; a new DDP object).
     """
     if isinstance(wrapped, DistributedModelParallel):
-        inner = wrapped._dmp_wrapped_module
-        if isinstance(inner, DistributedDataParallel):
-            wrapped._dmp_wrapped_module = inner.module
-            del inner
-        wrapped._data_parallel_wrapper.wrap(wrapped, wrapped._env, wrapped.device)
+        rewrap_dmp_data_parallel(wrapped)
         return wrapped
     if isinstance(wrapped, DistributedDataParallel):
         return DistributedDataParallel(

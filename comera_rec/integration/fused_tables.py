@@ -20,6 +20,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
+from comera_rec.integration.torchrec_internals import fused_lookup_tables, fused_lookups, lookup_tbe
 from comera_rec.tensor import kernels
 from comera_rec.tensor.kernels.rowwise_bag_cpu import RowwiseTables
 
@@ -45,17 +46,20 @@ def single_lookup(collection: nn.Module, feature_names: Sequence[str]) -> nn.Mod
     features come in ``feature_names`` order, or ``None`` (sharded, several lookups, other
     order): then its ids can be handed to the lookup as they come, without the per-feature
     split and concatenation of ``FusedEmbeddingBagCollection.forward``."""
-    if type(collection) is not FusedEmbeddingBagCollection or len(getattr(collection, "_emb_modules", ())) != 1:
+    if type(collection) is not FusedEmbeddingBagCollection:
         return None
-    tables = next(iter(collection._key_to_tables.values()))
+    lookups = fused_lookups(collection)
+    if len(lookups) != 1:
+        return None
+    tables = fused_lookup_tables(collection)[0]
     if [f for t in tables for f in t.feature_names] != list(feature_names):
         return None
-    return collection._emb_modules[0]
+    return lookups[0]
 
 
 def _plain_tbe(lookup: nn.Module) -> nn.Module | None:
     """The FBGEMM TBE inside a TorchRec fused lookup when the kernel can stand in for it."""
-    tbe = getattr(lookup, "_emb_module", None)
+    tbe = lookup_tbe(lookup)
     if tbe is None or not hasattr(tbe, "optimizer_args"):
         return None
     args = tbe.optimizer_args
@@ -92,7 +96,7 @@ def fused_tables_lookup(
     (:func:`single_lookup`), through the fused CPU kernel when it applies, else FBGEMM.
 
     Args:
-        lookup: the collection's one lookup (``_emb_modules[0]``).
+        lookup: the collection's one lookup (:func:`single_lookup`).
         ids: ids of all features, feature after feature in the lookup's order.
         lengths: ``(F * batch,)`` bag lengths.
         weights: per-id weights or ``None``.

@@ -15,6 +15,13 @@ from torchrec.modules.crossnet import LowRankCrossNet
 from torchrec.modules.mlp import MLP
 
 from comera_rec.integration.policy import linear_pays
+from comera_rec.integration.torchrec_internals import (
+    perceptron_activation,
+    perceptron_linear,
+    perceptrons,
+    set_perceptron_activation,
+    set_perceptron_linear,
+)
 from comera_rec.tensor.linear import NarrowLinear, TTLinear
 from comera_rec.tensor.train import InitOnMaterialize
 
@@ -52,19 +59,20 @@ def tt_mlp(
     Example::
 
         >>> mlp = tt_mlp(13, [512, 256, 64, 16], rank=16)
-        >>> [type(p._linear).__name__ for p in mlp._mlp]
+        >>> [type(perceptron_linear(p)).__name__ for p in perceptrons(mlp)]
         ['Linear', 'TTLinear', 'TTLinear', 'Linear']
     """
     mlp = MLP(in_size, layer_sizes, bias=bias, activation=activation, device=device, dtype=dtype)
-    for perceptron in mlp._mlp:
-        linear = perceptron._linear
+    for perceptron in perceptrons(mlp):
+        linear = perceptron_linear(perceptron)
         if linear_pays(linear.in_features, linear.out_features, rank, min_gain, bias):
-            relu = is_relu(perceptron._activation_fn)
-            perceptron._linear = TTLinear(
+            relu = is_relu(perceptron_activation(perceptron))
+            layer = TTLinear(
                 linear.in_features, linear.out_features, rank, bias=bias, device=device, dtype=dtype, relu=relu
             )
+            set_perceptron_linear(perceptron, layer)
             if relu:
-                perceptron._activation_fn = nn.Identity()
+                set_perceptron_activation(perceptron, nn.Identity())
     return mlp
 
 
@@ -77,16 +85,16 @@ def fuse_narrow_layers(mlp: MLP) -> MLP:
     Example::
 
         >>> mlp = fuse_narrow_layers(MLP(13, [512, 256]))
-        >>> [type(p._linear).__name__ for p in mlp._mlp]
+        >>> [type(perceptron_linear(p)).__name__ for p in perceptrons(mlp)]
         ['NarrowLinear', 'Linear']
     """
-    for perceptron in mlp._mlp:
-        linear = perceptron._linear
+    for perceptron in perceptrons(mlp):
+        linear = perceptron_linear(perceptron)
         if type(linear) is nn.Linear and linear.in_features <= NarrowLinear.MAX_FUSED_INPUTS:
-            relu = is_relu(perceptron._activation_fn)
-            perceptron._linear = NarrowLinear.from_linear(linear, relu=relu)
+            relu = is_relu(perceptron_activation(perceptron))
+            set_perceptron_linear(perceptron, NarrowLinear.from_linear(linear, relu=relu))
             if relu:
-                perceptron._activation_fn = nn.Identity()
+                set_perceptron_activation(perceptron, nn.Identity())
     return mlp
 
 

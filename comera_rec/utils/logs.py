@@ -38,7 +38,7 @@ def quiet_foreign_notices() -> None:
 
 
 # The project's own loggers (the entry points log as ``__main__``).
-OWN_LOGGERS: tuple[str, ...] = ("comera_rec", "dlrm", "__main__")
+OWN_LOGGERS: tuple[str, ...] = ("comera_rec", "__main__")
 
 
 def setup_logging(level: int = logging.INFO) -> None:

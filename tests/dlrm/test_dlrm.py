@@ -9,10 +9,10 @@ from torchrec.models.dlrm import DLRM_DCN, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from comera_rec.dlrm import KAGGLE_TABLE_SIZES, DLRMConfig, build_dlrm, build_dlrm_train, dlrm_size, make_dlrm
 from comera_rec.integration import TTMEmbeddingBagCollection
 from comera_rec.integration.mlp import TTLowRankCrossNet
 from comera_rec.tensor.linear import TTLinear
-from dlrm import KAGGLE_TABLE_SIZES, DLRMConfig, build_dlrm, build_dlrm_train, dlrm_size, make_dlrm
 
 SIZES = [5000, 3000, 40]
 

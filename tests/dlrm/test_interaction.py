@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.models.dlrm import InteractionArch, SparseArch
 
+from comera_rec.dlrm import DLRMConfig, build_dlrm, build_dlrm_train
+from comera_rec.dlrm.interaction import FlatSparseArch, PairwiseDotInteraction
 from comera_rec.tensor import NarrowLinear, kernels
-from dlrm import DLRMConfig, build_dlrm, build_dlrm_train
-from dlrm.interaction import FlatSparseArch, PairwiseDotInteraction
 from tests.dlrm.test_dlrm import _batch, _config
 from tests.threads import assert_bit_identical, at_thread_counts
 

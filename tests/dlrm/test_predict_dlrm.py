@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from dlrm.predict import CheckpointConfigMismatchError, CheckpointNotFoundError, find_checkpoint
+from comera_rec.dlrm.predict import CheckpointConfigMismatchError, CheckpointNotFoundError, find_checkpoint
 from launch.predict_dlrm import main as predict_main
 from launch.train_dlrm import main as train_main
 from tests.dlrm.tiny import TABLE_SIZES, TINY

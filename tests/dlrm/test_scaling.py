@@ -1,4 +1,4 @@
-"""dlrm.scaling: the counts of what a step sends, against hand counts on tiny shapes."""
+"""comera_rec.dlrm.scaling: the counts of what a step sends, against hand counts on tiny shapes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from dlrm.config import DLRMConfig
-from dlrm.scaling import ModelComm, Network, allreduce_time, alltoall_time, count_config, step_bytes
+from comera_rec.dlrm.config import DLRMConfig
+from comera_rec.dlrm.scaling import ModelComm, Network, allreduce_time, alltoall_time, count_config, step_bytes
 
 # 2 tables (1000 and 50 rows) of dim 8, 13 dense inputs, bottom 13-16-8, dot interaction of 3
 # vectors (8 + 3 pairs = 11 inputs to the top), top 11-16-1

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from comera_rec.config import ConfigError
-from dlrm.task import load_run_config
+from comera_rec.dlrm.task import load_run_config
 from launch.train_dlrm import main
 from tests.dlrm.tiny import TINY
 

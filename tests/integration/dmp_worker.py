@@ -18,9 +18,9 @@ from torchrec.datasets.utils import Batch
 from torchrec.models.dlrm import DLRMTrain
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from comera_rec.dlrm import criteo_tables, make_dlrm
 from comera_rec.integration import CompressionPolicy, TableOverride
 from comera_rec.rank.size import model_dense_num_parameters, model_num_parameters
-from dlrm import criteo_tables, make_dlrm
 
 SIZES = [600, 500, 40, 30]  # two TTM tables (stacked), two dense tables
 FEATURES = [f"cat_{i}" for i in range(len(SIZES))]

@@ -168,7 +168,7 @@ def test_after_rank_truncation() -> None:
 def test_trainer_model_with_fused_relu_and_narrow_layers() -> None:
     # the trainer's own compressed model: tt_mlp fuses the ReLU into TTLinear and the bottom
     # MLP's first layer is a NarrowLinear; decompressed it must load into TorchRec's DLRM
-    from dlrm.model import criteo_tables, make_dlrm
+    from comera_rec.dlrm.model import criteo_tables, make_dlrm
 
     tables = criteo_tables([400, 300, 20], 8, ["f0", "f1", "f2"])
     torch.manual_seed(0)

@@ -11,9 +11,9 @@ from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from comera_rec.dlrm.interaction import FlatSparseArch
 from comera_rec.integration.fused_tables import _plain_tbe, fused_tables_lookup, single_lookup
 from comera_rec.tensor import kernels
-from dlrm.interaction import FlatSparseArch
 
 pytestmark = pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
 

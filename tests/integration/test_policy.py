@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from comera_rec.dlrm.config import DLRMConfig
 from comera_rec.integration.policy import CompressionPolicy, TableOverride, plan_table, plan_tables, ttm_num_parameters
 from comera_rec.tensor.embedding import ttm_shape
 from comera_rec.tensor.train import cap_ranks
-from dlrm.config import DLRMConfig
 
 
 def parameters(shape, rank: int) -> int:

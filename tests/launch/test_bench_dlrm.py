@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from dlrm import bench as bench_dlrm
+from comera_rec.dlrm import bench as bench_dlrm
 
 
 def test_every_timed_step_gets_its_own_batch() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrm import bench_rank
+from comera_rec.dlrm import bench_rank
 from tests.dlrm.tiny import TINY
 
 
@@ -42,7 +42,7 @@ def test_tiny_front_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_summary_row_reads_both_sizes_and_refuses_an_old_summary(tmp_path) -> None:
-    from dlrm.bench_rank import summary_row
+    from comera_rec.dlrm.bench_rank import summary_row
 
     spec = {"setting": "fixed r4", "seed": 0, "overrides": ["model.rank=4"]}
     summary = {"tt_bytes": 100, "model_bytes": 900, "val_auc": 0.8, "val_log_loss": 0.45, "wall_s": 3.0}

@@ -15,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from comera_rec.dlrm.model import build_dlrm_train
+from comera_rec.dlrm.task import load_run_config
 from comera_rec.rank import RankSchedule, RankScheduleConfig, model_tt_bytes, model_tt_size
 from comera_rec.rank.budget import (
     SliceImportance,
@@ -26,8 +28,6 @@ from comera_rec.rank.budget import (
 from comera_rec.tensor import TTLinear, TTMEmbeddingBag, tensor_train_modules
 from comera_rec.tensor.stacked import StackedTTMTables
 from comera_rec.training import OptimConfig, build_optimizer, rebuild_optimizer
-from dlrm.model import build_dlrm_train
-from dlrm.task import load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

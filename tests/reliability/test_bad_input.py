@@ -14,9 +14,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from comera_rec.config import ConfigError
 from comera_rec.data.readers import BadInputError
 from comera_rec.data.synthetic import SyntheticCriteo, SyntheticCriteoConfig
+from comera_rec.dlrm.task import DLRMTask, load_run_config
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
 from comera_rec.training import IncompatibleCheckpointError
-from dlrm.task import DLRMTask, load_run_config
 from launch.train_dlrm import main
 from tests.reliability.helpers import DEMO, TABLE_SIZES, TINY
 

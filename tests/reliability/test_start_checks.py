@@ -11,9 +11,9 @@ import torch
 
 from comera_rec.config import ConfigError
 from comera_rec.data import DataConfig
+from comera_rec.dlrm.task import DLRMTask, load_run_config
 from comera_rec.rank import RankScheduleConfig
 from comera_rec.training import OptimConfig, Trainer, TrainerConfig
-from dlrm.task import DLRMTask, load_run_config
 from launch.train_dlrm import main
 from tests.reliability.helpers import DEMO, TINY
 from tests.training.toy_task import ToyTask
