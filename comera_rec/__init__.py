@@ -22,6 +22,7 @@ _INTEGRATION = (
     "CompressionPolicy",
     "RankAdapter",
     "TTMEmbeddingBagCollection",
+    "TTMEmbeddingCollection",
     "TableOverride",
     "compress",
     "decompress",

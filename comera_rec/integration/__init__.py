@@ -23,6 +23,7 @@ from comera_rec.integration.distributed import (
     rewrap_data_parallel,
     wrap_model,
 )
+from comera_rec.integration.embedding_collection import TTMEmbeddingCollection
 from comera_rec.integration.mlp import TTLowRankCrossNet, fuse_narrow_layers, tt_mlp
 from comera_rec.integration.policy import (
     CompressionPolicy,
@@ -45,6 +46,7 @@ __all__ = [
     "RankAdapter",
     "TTLowRankCrossNet",
     "TTMEmbeddingBagCollection",
+    "TTMEmbeddingCollection",
     "TableOverride",
     "TablePlan",
     "compress",

@@ -35,7 +35,7 @@ from comera_rec.tensor.stacked import StackedTTMTables
 _POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
 
 
-def _fx_opaque(module: nn.Module, method: str, *args: object) -> object:
+def fx_opaque(module: nn.Module, method: str, *args: object) -> object:
     """``getattr(module, method)(*args)``; FX symbolic tracing records it as one call.
 
     TorchRec's train pipelines (``TrainPipelineSparseDist`` and its kin) FX-trace the
@@ -49,7 +49,7 @@ def _fx_opaque(module: nn.Module, method: str, *args: object) -> object:
     return getattr(module, method)(*args)
 
 
-torch.fx.wrap("_fx_opaque")
+torch.fx.wrap("fx_opaque")
 
 
 class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
@@ -450,14 +450,14 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         ``features`` itself, the KJT this collection is given, so the pipeline's trace
         finds its input in the batch and runs its input distribution ahead, as for any
         sharded ``EmbeddingBagCollection``; the checks and the TTM lookups trace as one
-        call each (:func:`_fx_opaque`).
+        call each (:func:`fx_opaque`).
         """
         self._release_in_backward()  # marked after the model was moved (no DMP): see _apply
-        _fx_opaque(self, "_check_features", features)  # before any table reads an id
+        fx_opaque(self, "_check_features", features)  # before any table reads an id
         # sharded: the whole KJT, in eager runs as in the pipeline (a sharded EBC picks its
         # features; its input dist is set up for the keys of its first input)
         dense_out = self.dense(features) if isinstance(self.dense, ShardedModule) else None
-        return _fx_opaque(self, "_pool", features, dense_out)  # type: ignore[return-value]
+        return fx_opaque(self, "_pool", features, dense_out)  # type: ignore[return-value]
 
     def _check_features(self, features: KeyedJaggedTensor) -> None:
         """The input's type, layout and (if ``validate_inputs``) ids; see :meth:`forward`."""

@@ -12,6 +12,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
+from comera_rec.integration.embedding_collection import TTMEmbeddingCollection
 from comera_rec.integration.mlp import TTLowRankCrossNet
 from comera_rec.integration.policy import CompressionPolicy, linear_pays
 from comera_rec.tensor.linear import TTLinear
@@ -98,6 +99,8 @@ def compress(model: nn.Module, policy: CompressionPolicy | None = None) -> Compr
 
     * every ``EmbeddingBagCollection`` becomes a :class:`TTMEmbeddingBagCollection`
       (large tables TTM by TT-SVD of the trained weights, small ones dense as they were);
+    * every ``EmbeddingCollection`` (sequence, unpooled embeddings) becomes a
+      :class:`TTMEmbeddingCollection` by the same rule;
     * every ``LowRankCrossNet`` becomes a :class:`TTLowRankCrossNet` (if
       ``policy.compress_crossnet``);
     * every ``nn.Linear`` (the MLP layers) becomes a ``TTLinear`` by TT-SVD where it
@@ -133,14 +136,18 @@ def compress(model: nn.Module, policy: CompressionPolicy | None = None) -> Compr
         )
     policy = policy or CompressionPolicy()
     report = CompressionReport()
-    if isinstance(model, (EmbeddingBagCollection, LowRankCrossNet, nn.Linear)):
+    if isinstance(model, (EmbeddingBagCollection, EmbeddingCollection, LowRankCrossNet, nn.Linear)):
         raise TypeError("compress: pass the model that holds the module (the module is replaced in its parent)")
+    # the dense child of a sequence collection compressed before is already the policy's choice
+    compressed_ec = [n + "." for n, m in model.named_modules() if isinstance(m, TTMEmbeddingCollection)]
     for name, module in list(model.named_modules()):
-        if not name:
+        if not name or any(name.startswith(p) for p in compressed_ec):
             continue
         replacement: nn.Module | None = None
         if type(module) is EmbeddingBagCollection:
             replacement = TTMEmbeddingBagCollection.from_embedding_bag_collection(module, policy)
+        elif type(module) is EmbeddingCollection:
+            replacement = TTMEmbeddingCollection.from_embedding_collection(module, policy)
         elif isinstance(module, LowRankCrossNet) and policy.compress_crossnet:
             replacement = TTLowRankCrossNet.from_crossnet(module, policy.mlp_rank, min_gain=policy.min_gain)
         elif type(module) is nn.Linear and policy.compress_mlps:
@@ -159,8 +166,13 @@ def compress(model: nn.Module, policy: CompressionPolicy | None = None) -> Compr
             continue
         _set_submodule(model, name, replacement)
         report.modules.append(ModuleReport(name, type(replacement).__name__, _numel(module), _numel(replacement)))
-        if isinstance(replacement, TTMEmbeddingBagCollection):
-            sizes = {t.name: t.num_embeddings * t.embedding_dim for t in replacement.embedding_bag_configs()}
+        if isinstance(replacement, (TTMEmbeddingBagCollection, TTMEmbeddingCollection)):
+            configs = (
+                replacement.embedding_bag_configs()
+                if isinstance(replacement, TTMEmbeddingBagCollection)
+                else replacement.embedding_configs()
+            )
+            sizes = {t.name: t.num_embeddings * t.embedding_dim for t in configs}
             for table in replacement.dense_tables():
                 report.kept.append(
                     KeptModule(f"{name}.{table}", "table", sizes[table], replacement.plans[table].reason)
@@ -176,7 +188,7 @@ def _left_dense_reason(module: nn.Module, policy: CompressionPolicy) -> str | No
     if isinstance(module, FusedEmbeddingBagCollection):
         return "already fused (FusedEmbeddingBagCollection): call compress() on the EmbeddingBagCollection before fusing it"
     if isinstance(module, EmbeddingCollection):
-        return "sequence (unpooled) embeddings are not compressed yet: its tables stay dense"
+        return f"a subclass ({kind}) of EmbeddingCollection: only the class itself is converted"
     if isinstance(module, EmbeddingBagCollection):
         return f"a subclass ({kind}) of EmbeddingBagCollection: only the class itself is converted"
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):

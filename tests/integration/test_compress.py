@@ -97,8 +97,8 @@ def test_model_size_of_tt_layer() -> None:
 
 
 class _Mixed(nn.Module):
-    """A DLRM beside modules compress() leaves alone: a plain torch embedding, a TorchRec
-    sequence collection and an already fused collection."""
+    """A DLRM beside a TorchRec sequence collection (compressed too) and modules compress()
+    leaves alone: a plain torch embedding and an already fused collection."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -127,7 +127,8 @@ def test_compress_reports_every_module_it_leaves_dense_and_why() -> None:
     assert "rows < min_rows_to_compress=100" in kept["dlrm.sparse_arch.embedding_bag_collection.t2"].reason
     assert kept["dlrm.sparse_arch.embedding_bag_collection.t2"].params == 20 * 8
     assert "plain torch embedding" in kept["plain"].reason
-    assert "sequence (unpooled) embeddings" in kept["sequence"].reason
+    assert "sequence" not in kept  # an EmbeddingCollection is compressed (TTMEmbeddingCollection)
+    assert {m.name: m.kind for m in report.modules}["sequence"] == "TTMEmbeddingCollection"
     assert "already fused" in kept["fused"].reason
     # DLRM's 6->32 bottom layer stays dense: TT would not pay at rank 4
     small = [k for k in report.kept if k.kind == "Linear" and "6->32" in k.reason]
