@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import OrderedDict
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -26,8 +26,9 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from comera_rec.integration.fused_tables import fused_tables_lookup, single_lookup
-from comera_rec.integration.in_backward import carry_in_backward_optimizers, release_in_backward_optimizers
+from comera_rec.integration.in_backward import carry_in_backward_optimizers
 from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tables
+from comera_rec.integration.table_groups import TTMTableGroups
 from comera_rec.tensor import kernels
 from comera_rec.tensor.bags import divide_bags
 from comera_rec.tensor.stacked import StackedTTMTables
@@ -52,7 +53,7 @@ def fx_opaque(module: nn.Module, method: str, *args: object) -> object:
 torch.fx.wrap("fx_opaque")
 
 
-class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
+class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface):
     """An ``EmbeddingBagCollection`` whose large tables are TTM tensor trains.
 
     Output keys, their order and ``length_per_key`` are those of TorchRec's
@@ -222,18 +223,6 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """Whether the input KJT's weights are used as per-sample weights."""
         return self._is_weighted
 
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def compressed_tables(self) -> list[str]:
-        """Names of the TTM tables."""
-        return [n for members in self._group_tables for n in members]
-
-    def dense_tables(self) -> list[str]:
-        """Names of the dense tables."""
-        return [t.name for t in self._embedding_bag_configs if not self.plans[t.name].compressed]
-
     def reset_parameters(self) -> None:
         """(Re)initialise all tables; a no-op for tensors still on the meta device."""
         for group in self.groups:
@@ -241,43 +230,11 @@ class TTMEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if self.dense is not None:
             self.dense.reset_parameters()
 
-    def apply(self, fn: Callable[[nn.Module], None]) -> "TTMEmbeddingBagCollection":
-        """``nn.Module.apply``; when it takes a collection built on ``meta`` off it (as
-        ``DistributedModelParallel``'s parameter initialisation does) :attr:`device`
-        follows. The TTM groups initialise themselves then (see
-        :class:`~comera_rec.tensor.train.InitOnMaterialize`); ``dense`` is TorchRec's."""
-        super().apply(fn)
-        if self._device.type == "meta":
-            devices = {p.device for p in self.parameters()}
-            if len(devices) == 1 and next(iter(devices)).type != "meta":
-                self._device = next(iter(devices))
-        return self
+    def _table_configs(self) -> list[EmbeddingBagConfig]:
+        return self._embedding_bag_configs
 
-    def _release_in_backward(self) -> None:
-        # TT parameters are replicated, never fused into backward (integration/in_backward.py)
-        # a cheap test per forward; the names are built only when something is marked
-        if any(hasattr(p, "_in_backward_optimizers") for p in self.groups.parameters()):
-            release_in_backward_optimizers(self.groups.named_parameters(prefix="groups"), type(self).__name__)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "TTMEmbeddingBagCollection":
-        """``nn.Module._apply`` (``.to``, ``.cpu``, ``to_empty``), after taking any
-        ``apply_optimizer_in_backward`` optimisers off the TT parameters: DMP moves the model
-        with ``.to(device)`` just before wrapping it in DDP, whose in-backward path would
-        otherwise run them (:mod:`~comera_rec.integration.in_backward`)."""
-        self._release_in_backward()
-        return super()._apply(fn, recurse)
-
-    def table_weight(self, name: str) -> torch.Tensor:
-        """The dense ``(num_embeddings, embedding_dim)`` table ``name`` (reconstructed if TTM).
-
-        Meant for tests and export: a TTM table is formed whole.
-        """
-        for g, members in enumerate(self._group_tables):
-            if name in members:
-                return self.groups[g].dense_weight(members.index(name))
-        if self.dense is not None and name in self.dense.embedding_bags:
-            return self.dense.embedding_bags[name].weight
-        raise KeyError(f"TTMEmbeddingBagCollection: no table named {name!r}")
+    def _dense_modules(self) -> Mapping[str, nn.Module]:
+        return self.dense.embedding_bags if self.dense is not None else {}
 
     def extra_repr(self) -> str:
         return f"compressed={self.compressed_tables()}, dense={self.dense_tables()}, is_weighted={self._is_weighted}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -28,8 +28,9 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from comera_rec.integration.collection import fx_opaque
-from comera_rec.integration.in_backward import carry_in_backward_optimizers, release_in_backward_optimizers
+from comera_rec.integration.in_backward import carry_in_backward_optimizers
 from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tables
+from comera_rec.integration.table_groups import TTMTableGroups
 from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import ttm_embedding_bag, ttm_rows
 from comera_rec.tensor.stacked import StackedTTMTables
@@ -100,7 +101,7 @@ def ttm_lookup_rows(
     return rows.index_select(0, row_of_id)
 
 
-class TTMEmbeddingCollection(EmbeddingCollectionInterface):
+class TTMEmbeddingCollection(TTMTableGroups, EmbeddingCollectionInterface):
     """An ``EmbeddingCollection`` (per-id, unpooled embeddings) whose large tables are TTM tensor trains.
 
     Output keys and their order, each ``JaggedTensor``'s lengths (hence offsets) and,
@@ -272,18 +273,6 @@ class TTMEmbeddingCollection(EmbeddingCollectionInterface):
         """Output keys per table, as TorchRec names them (``feature@table`` when shared)."""
         return self._embedding_names_by_table
 
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def compressed_tables(self) -> list[str]:
-        """Names of the TTM tables."""
-        return [n for members in self._group_tables for n in members]
-
-    def dense_tables(self) -> list[str]:
-        """Names of the dense tables."""
-        return [t.name for t in self._embedding_configs if not self.plans[t.name].compressed]
-
     def reset_parameters(self) -> None:
         """(Re)initialise all tables; a no-op for tensors still on the meta device."""
         for group in self.groups:
@@ -302,39 +291,11 @@ class TTMEmbeddingCollection(EmbeddingCollectionInterface):
                     else:
                         emb.reset_parameters()
 
-    def apply(self, fn: Callable[[nn.Module], None]) -> "TTMEmbeddingCollection":
-        """``nn.Module.apply``; when it takes a collection built on ``meta`` off it (as
-        ``DistributedModelParallel`` does) :attr:`device` follows. The TTM groups
-        initialise themselves then (:class:`~comera_rec.tensor.train.InitOnMaterialize`)."""
-        super().apply(fn)
-        if self._device.type == "meta":
-            devices = {p.device for p in self.parameters()}
-            if len(devices) == 1 and next(iter(devices)).type != "meta":
-                self._device = next(iter(devices))
-        return self
+    def _table_configs(self) -> list[EmbeddingConfig]:
+        return self._embedding_configs
 
-    def _release_in_backward(self) -> None:
-        # TT parameters are replicated, never fused into backward (integration/in_backward.py)
-        if any(hasattr(p, "_in_backward_optimizers") for p in self.groups.parameters()):
-            release_in_backward_optimizers(self.groups.named_parameters(prefix="groups"), _NAME)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "TTMEmbeddingCollection":
-        """``nn.Module._apply`` after taking any in-backward optimisers off the TT parameters
-        (DMP moves the model just before wrapping it in DDP; see the bag collection)."""
-        self._release_in_backward()
-        return super()._apply(fn, recurse)
-
-    def table_weight(self, name: str) -> torch.Tensor:
-        """The dense ``(num_embeddings, embedding_dim)`` table ``name`` (reconstructed if TTM).
-
-        Meant for tests and export: a TTM table is formed whole.
-        """
-        for g, members in enumerate(self._group_tables):
-            if name in members:
-                return self.groups[g].dense_weight(members.index(name))
-        if self.dense is not None and name in self.dense.embeddings:
-            return self.dense.embeddings[name].weight
-        raise KeyError(f"{_NAME}: no table named {name!r}")
+    def _dense_modules(self) -> Mapping[str, nn.Module]:
+        return self.dense.embeddings if self.dense is not None else {}
 
     def extra_repr(self) -> str:
         return f"compressed={self.compressed_tables()}, dense={self.dense_tables()}, need_indices={self._need_indices}"

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -10,6 +15,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from comera_rec.integration import CompressionPolicy, TableOverride, TTMEmbeddingBagCollection
 
+ROOT = Path(__file__).resolve().parents[2]
 SHAPE = ((10, 10), (2, 4))  # rows <= 100, dim 8
 
 # TorchRec's stock DMP call, as its examples write it, warns about its own defaults (the
@@ -70,3 +76,31 @@ def reference_ebc(
         for name, bag in ref.embedding_bags.items():
             bag.weight.copy_(ttm.table_weight(name))
     return ref
+
+
+def run_two_process_worker(worker: str, tmp: Path, timeout: int, **env: str) -> Path:
+    """Run ``tests/integration/<worker>`` under torchrun with 2 processes (gloo, one thread
+    each; torchelastic's files under ``tmp``) and return the folder it wrote its results to.
+
+    Args:
+        worker: the worker script's file name.
+        tmp: a test's temporary folder.
+        timeout: seconds before the launch fails.
+        env: extra environment variables for the worker.
+    """
+    out = tmp / "out"
+    out.mkdir()
+    environ = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env)
+    script = ROOT / "tests" / "integration" / worker
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--standalone",
+        str(script),
+        str(out),
+    ]
+    proc = subprocess.run(command, env=environ, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out

@@ -7,9 +7,6 @@ The loop is TorchRec's examples' (stock DMP, ``apply_optimizer_in_backward(RowWi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,9 +19,7 @@ from comera_rec.rank import RankScheduleConfig
 from comera_rec.rank.optim_state import retarget_optimizer
 from comera_rec.rank.truncation import truncate_model
 from tests.integration import adapter_worker as worker
-from tests.integration.helpers import STOCK_DMP_WARNINGS
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.helpers import STOCK_DMP_WARNINGS, run_two_process_worker
 
 pytestmark = [
     *STOCK_DMP_WARNINGS,
@@ -119,26 +114,7 @@ def test_adapter_in_a_torchrec_dmp_loop_reaches_its_target(gloo) -> None:
 
 @pytest.mark.slow
 def test_adapter_two_processes_cut_alike(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--standalone",
-            str(ROOT / "tests" / "integration" / "adapter_worker.py"),
-            str(out),
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = run_two_process_worker("adapter_worker.py", tmp_path, timeout=300)
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     assert ranks[0]["ranks"] == ranks[1]["ranks"]
     assert ranks[0]["sizes"] == ranks[1]["sizes"]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +20,7 @@ from comera_rec.integration.distributed import (
 )
 from comera_rec.rank.size import model_dense_num_parameters, model_num_parameters
 from tests.integration import dmp_worker as worker
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.helpers import run_two_process_worker
 
 
 def _reference(table_optimizer: str = "SGD") -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
@@ -79,33 +76,9 @@ def test_single_process_wrap_and_rewrap_keeps_state() -> None:
     ],
 )
 def test_two_process_dmp_matches_one_process(tmp_path: Path, sharding: str, table_optimizer: str) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    env = dict(
-        os.environ,
-        TMPDIR=str(tmp_path),
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        DMP_SHARDING=sharding,
-        DMP_TABLE_OPTIMIZER=table_optimizer,
+    out = run_two_process_worker(
+        "dmp_worker.py", tmp_path, timeout=240, DMP_SHARDING=sharding, DMP_TABLE_OPTIMIZER=table_optimizer
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--standalone",
-            str(ROOT / "tests" / "integration" / "dmp_worker.py"),
-            str(out),
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     expected, sizes = _reference(table_optimizer)
     # the model's size counts whole tables, not this rank's shards

@@ -31,7 +31,7 @@ from comera_rec.rank.truncation import truncate_model
 from comera_rec.tensor import kernels
 from comera_rec.tensor.stacked import StackedTTMTables
 from comera_rec.tensor.train import tensor_train_modules
-from tests.integration.helpers import STOCK_DMP_WARNINGS
+from tests.integration.helpers import STOCK_DMP_WARNINGS, run_two_process_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [*STOCK_DMP_WARNINGS]
@@ -488,26 +488,7 @@ def test_meta_collection_initialises_and_trains_under_stock_dmp(gloo, build: str
 
 
 def test_two_process_dmp_matches_one_process(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--standalone",
-            str(ROOT / "tests" / "integration" / "ec_dmp_worker.py"),
-            str(out),
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = run_two_process_worker("ec_dmp_worker.py", tmp_path, timeout=280)
     from tests.integration import ec_dmp_worker as worker
 
     expected = worker.train_one_process()

@@ -22,10 +22,6 @@ would not train; docs/torchrec.md). One torchrun launch runs every style.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -34,9 +30,7 @@ import torch.distributed as dist
 
 from comera_rec.integration import destroy_distributed
 from tests.integration import pipelines_worker as worker
-from tests.integration.helpers import STOCK_DMP_WARNINGS
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.helpers import STOCK_DMP_WARNINGS, run_two_process_worker
 
 pytestmark = [
     *STOCK_DMP_WARNINGS,
@@ -82,26 +76,7 @@ def one_process(tmp_path_factory) -> Callable[[str], dict]:
 def two_processes(tmp_path_factory) -> Callable[[str], list[dict]]:
     """``get(style)``: both ranks' results of one torchrun launch that runs every style."""
     tmp = tmp_path_factory.mktemp("torchrun")
-    out = tmp / "out"
-    out.mkdir()
-    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--standalone",
-            str(ROOT / "tests" / "integration" / "pipelines_worker.py"),
-            str(out),
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = run_two_process_worker("pipelines_worker.py", tmp, timeout=400)
     return lambda style: [torch.load(out / f"{style}.rank{r}.pt") for r in range(2)]
 
 

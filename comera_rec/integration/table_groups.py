@@ -1,0 +1,94 @@
+"""What the pooled and the unpooled TTM collections share: stacked TTM table groups beside
+a TorchRec collection of the small tables left dense.
+
+Both :class:`~comera_rec.integration.collection.TTMEmbeddingBagCollection` and
+:class:`~comera_rec.integration.embedding_collection.TTMEmbeddingCollection` hold
+
+- ``groups``: an ``nn.ModuleList`` of ``StackedTTMTables``, ``_group_tables[g]`` the table
+  names of group ``g`` in stacking order;
+- ``dense``: TorchRec's own collection of the dense tables, or ``None``;
+- ``plans``: the compression plan of every table; ``_device``: where they were built.
+
+:class:`TTMTableGroups` is the bookkeeping on top of that: the table lists, the device that
+follows DMP's initialisation off ``meta``, and the release of in-backward optimisers from
+TT parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from comera_rec.integration.in_backward import release_in_backward_optimizers
+
+
+class TTMTableGroups:
+    """Mixin for an ``nn.Module`` collection of TTM table groups and dense TorchRec tables
+    (put it before the TorchRec interface in the bases). The class provides
+    :meth:`_table_configs` (the configs as given) and :meth:`_dense_modules` (name -> the
+    dense table's module, which has a ``weight``)."""
+
+    groups: nn.ModuleList
+    dense: nn.Module | None
+    plans: Mapping[str, Any]
+    _group_tables: list[list[str]]
+    _device: torch.device
+
+    def _table_configs(self) -> Sequence[Any]:
+        raise NotImplementedError
+
+    def _dense_modules(self) -> Mapping[str, nn.Module]:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def compressed_tables(self) -> list[str]:
+        """Names of the TTM tables."""
+        return [n for members in self._group_tables for n in members]
+
+    def dense_tables(self) -> list[str]:
+        """Names of the dense tables."""
+        return [t.name for t in self._table_configs() if not self.plans[t.name].compressed]
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """The dense ``(num_embeddings, embedding_dim)`` table ``name`` (reconstructed if TTM).
+
+        Meant for tests and export: a TTM table is formed whole.
+        """
+        for g, members in enumerate(self._group_tables):
+            if name in members:
+                return self.groups[g].dense_weight(members.index(name))
+        dense = self._dense_modules() if self.dense is not None else {}
+        if name in dense:
+            return dense[name].weight
+        raise KeyError(f"{type(self).__name__}: no table named {name!r}")
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> nn.Module:
+        """``nn.Module.apply``; when it takes a collection built on ``meta`` off it (as
+        ``DistributedModelParallel``'s parameter initialisation does) :attr:`device`
+        follows. The TTM groups initialise themselves then (see
+        :class:`~comera_rec.tensor.train.InitOnMaterialize`); ``dense`` is TorchRec's."""
+        super().apply(fn)  # type: ignore[misc]
+        if self._device.type == "meta":
+            devices = {p.device for p in self.parameters()}  # type: ignore[attr-defined]
+            if len(devices) == 1 and next(iter(devices)).type != "meta":
+                self._device = next(iter(devices))
+        return self  # type: ignore[return-value]
+
+    def _release_in_backward(self) -> None:
+        # TT parameters are replicated, never fused into backward (integration/in_backward.py);
+        # a cheap test per forward: the names are built only when something is marked
+        if any(hasattr(p, "_in_backward_optimizers") for p in self.groups.parameters()):
+            release_in_backward_optimizers(self.groups.named_parameters(prefix="groups"), type(self).__name__)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        """``nn.Module._apply`` (``.to``, ``.cpu``, ``to_empty``), after taking any
+        ``apply_optimizer_in_backward`` optimisers off the TT parameters: DMP moves the model
+        with ``.to(device)`` just before wrapping it in DDP, whose in-backward path would
+        otherwise run them (:mod:`~comera_rec.integration.in_backward`)."""
+        self._release_in_backward()
+        return super()._apply(fn, recurse)  # type: ignore[misc]
