@@ -1,0 +1,189 @@
+"""comera_rec.dlrm.export: the exported inference form of dense and compressed DLRMs gives
+the eager model's logits, saves and loads, and names the part that cannot export."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
+from comera_rec.dlrm.config import DLRMConfig
+from comera_rec.dlrm.export import (
+    ExportError,
+    ServingLookup,
+    export_dlrm,
+    kjt_inputs,
+    load_exported,
+    save_exported,
+    serving_model,
+)
+from comera_rec.dlrm.model import build_dlrm
+from comera_rec.integration.collection import TTMEmbeddingBagCollection
+from comera_rec.rank.truncation import truncate_model
+from comera_rec.tensor.train import tensor_train_modules
+from tests.dlrm.tiny import TABLE_SIZES
+
+TINY = DLRMConfig(
+    table_sizes=list(TABLE_SIZES),
+    embedding_dim=8,
+    bottom_mlp=[64, 32, 8],
+    top_mlp=[64, 32, 1],
+    rank=4,
+    mlp_rank=4,
+    min_rows_to_compress=10_000,
+    min_params_to_compress=0,
+)
+# exported and eager sum in other orders (kernels vs ATen): equal up to float rounding
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def batches(batch_size: int, count: int = 2) -> list:
+    """Synthetic Criteo batches with Zipf ids over the tiny tables."""
+    data = SyntheticCriteo(
+        SyntheticCriteoConfig(
+            num_embeddings_per_feature=list(TABLE_SIZES),
+            zipf_exponent=1.1,
+            batch_size=batch_size,
+            num_rows=batch_size * count,
+            seed=3,
+            stream="val",
+        )
+    )
+    return list(data)
+
+
+def check_equal(model: nn.Module, program_module: nn.Module, feature_names: list[str]) -> None:
+    """Exported and eager logits agree on batches of 64 and of 1 row."""
+    for batch in batches(64) + batches(1):
+        values, lengths = kjt_inputs(batch.sparse_features, feature_names)
+        with torch.no_grad():
+            eager = model(batch.dense_features, batch.sparse_features)
+            exported = program_module(batch.dense_features, values, lengths)
+        assert exported.shape == eager.shape
+        torch.testing.assert_close(exported, eager, **TOL)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        replace(TINY, compressed=True, fused_interaction=True),
+        replace(TINY, compressed=True, fused_interaction=False),
+        replace(TINY, compressed=False),
+        replace(TINY, compressed=True, interaction="dcn", dcn_num_layers=2, dcn_low_rank=16),
+    ],
+    ids=["tt_fused", "tt", "dense", "tt_dcn"],
+)
+def test_exported_equals_eager(config: DLRMConfig) -> None:
+    model = build_dlrm(config).eval()
+    program = export_dlrm(model)
+    serving = serving_model(model)
+    check_equal(model, program.module(), serving.feature_names)
+    ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    names = list(program.state_dict) + list(program.constants)
+    # no rank controller survives as a tensor of the program: folded into cores / chains
+    assert not any("controllers" in n for n in names)
+    if config.compressed:
+        assert "aten._unique2.default" in ops  # the de-duplicated TTM lookup is in the graph
+        assert isinstance(model.sparse_arch.embedding_bag_collection, TTMEmbeddingBagCollection)
+
+
+def test_after_rank_truncation() -> None:
+    model = build_dlrm(replace(TINY, compressed=True, fused_interaction=True)).eval()
+    with torch.no_grad():
+        for _, module in tensor_train_modules(model):
+            for d in module.controllers:  # the upper half of every bond dead, the rest scaled
+                r = d.shape[-1]
+                d[..., (r + 1) // 2 :] = 0.0
+                d[..., : (r + 1) // 2] = 0.7
+    result = truncate_model(model, 1e-6)
+    assert result.changed and result.ranks_after != result.ranks_before
+    program = export_dlrm(model)
+    check_equal(model, program.module(), serving_model(model).feature_names)
+
+
+@pytest.mark.parametrize("compressed", [True, False], ids=["tt", "dense"])
+def test_save_load_round_trip(tmp_path: Path, compressed: bool) -> None:
+    model = build_dlrm(replace(TINY, compressed=compressed, fused_interaction=compressed)).eval()
+    names = serving_model(model).feature_names
+    path = save_exported(export_dlrm(model), tmp_path / "sub" / "model.pt2")
+    assert path.is_file() and path.stat().st_size > 0
+    loaded = load_exported(path)
+    assert isinstance(torch.export.load(str(path)), torch.export.ExportedProgram)
+    check_equal(model, loaded, names)
+    # keys in another order than the model's: kjt_inputs puts them back
+    batch = batches(8)[0]
+    kjt = batch.sparse_features
+    shuffled = kjt.permute(list(reversed(range(len(kjt.keys())))))
+    with torch.no_grad():
+        a = loaded(batch.dense_features, *kjt_inputs(kjt, names))
+        b = loaded(batch.dense_features, *kjt_inputs(shuffled, names))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+_PLAIN_TORCH = """
+import sys, torch
+program = torch.export.load(sys.argv[1]).module()
+inputs = torch.load(sys.argv[2])
+with torch.no_grad():
+    torch.save(program(*inputs), sys.argv[3])
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("comera_rec", "torchrec", "fbgemm_gpu"))
+assert not loaded, loaded
+"""
+
+
+def test_program_runs_without_the_training_code(tmp_path: Path) -> None:
+    """A fresh interpreter that imports only torch loads and runs the compressed program."""
+    model = build_dlrm(replace(TINY, compressed=True, fused_interaction=True)).eval()
+    names = serving_model(model).feature_names
+    path = save_exported(export_dlrm(model), tmp_path / "model.pt2")
+    batch = batches(16)[0]
+    inputs = (batch.dense_features, *kjt_inputs(batch.sparse_features, names))
+    torch.save(inputs, tmp_path / "inputs.pt")
+    script = tmp_path / "serve.py"
+    script.write_text(_PLAIN_TORCH)
+    subprocess.run(
+        [sys.executable, str(script), str(path), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+        check=True,
+        cwd=tmp_path,  # not the checkout: nothing of the project on the path but the install
+        timeout=300,
+    )
+    with torch.no_grad():
+        eager = model(batch.dense_features, batch.sparse_features)
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), eager, **TOL)
+
+
+class _BranchOnData(nn.Module):
+    """A top MLP that branches in Python on its input's values: not exportable."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.sum() > 0):
+            return self.inner(x)
+        return -self.inner(x)
+
+
+def test_unexportable_part_is_named() -> None:
+    model = build_dlrm(replace(TINY, compressed=True, fused_interaction=True)).eval()
+    model.over_arch = _BranchOnData(model.over_arch)
+    with pytest.raises(ExportError, match=r"over_arch \(_BranchOnData\) does not export"):
+        export_dlrm(model)
+
+
+def test_parts_without_inference_form_are_named() -> None:
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])]
+    weighted = EmbeddingBagCollection(tables, is_weighted=True)
+    with pytest.raises(ExportError, match=r"sparse_arch.embedding_bag_collection \(EmbeddingBagCollection\): weighted"):
+        ServingLookup(["f"], weighted, "sparse_arch.embedding_bag_collection")
+    with pytest.raises(ExportError, match=r"model \(Linear\)"):
+        serving_model(nn.Linear(2, 2))
