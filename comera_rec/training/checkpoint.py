@@ -4,25 +4,38 @@ Layout of a checkpoint root::
 
     checkpoints/
       step_000000100/          # complete: has meta.json
-        meta.json              # step, world size, ranks of every TT module, "complete": true
-        rank0.pt  rank1.pt     # each process's state (torch.save of tensors / plain types)
+        meta.json              # step, world size, ranks of every TT module, sizes and
+                               # SHA-256 of every file, "complete": true
+        rank0.pt  rank1.pt     # each process's own state (torch.save of tensors / plain types)
+        shared/                # the global tensors, on torch.distributed.checkpoint (DCP):
+          .metadata            #   every tensor's global size and where its chunks are
+          __0_0.distcp  ...    #   the chunks each process wrote
       .tmp-step_000000200/     # being written (or left by a crash): ignored
 
-Every process writes its own file (model, optimisers, schedule, data position and its
-RNG states) into a temporary folder; after a barrier rank 0 writes ``meta.json`` last
-and renames the folder into place (``os.replace``, atomic on one file system). A crash at
-any point leaves either the previous complete checkpoints or a ``.tmp-*`` folder that is
-never loaded (and is removed by the next save). ``meta.json`` records the run id (see
-:mod:`comera_rec.training.rundir`), and pruning to ``keep`` deletes only checkpoints of
-the same run. ``meta.json`` also records the size of every rank file, so a file cut
-short later (a full disk, a bad copy) makes the checkpoint incomplete, and its SHA-256: :func:`latest_checkpoint` verifies the rank files of the
-candidates newest first and skips (with a warning naming it and why) every damaged one, so
-a resume falls back to the newest good checkpoint; :func:`load_checkpoint` verifies the
-file it reads again (damaged bytes asked for by name are a clear error) and logs the step
-and folder it loaded. Files are read with ``torch.load(weights_only=True)``: no pickled
-code runs.
+Every process writes its own rank file (counters, RNG streams, schedule: what may differ
+between processes) and, through DCP, its part of the *shared* state handed to
+:func:`save_checkpoint` (model, optimiser state: replicated tensors are written once, by
+one process; sharded tables as chunks with their global offsets), all into a temporary
+folder; after a barrier rank 0 writes ``meta.json`` last and renames the folder into place
+(``os.replace``, atomic on one file system). A crash at any point leaves either the
+previous complete checkpoints or a ``.tmp-*`` folder that is never loaded (and is removed
+by the next save). ``meta.json`` records the run id (see :mod:`comera_rec.training.rundir`),
+and pruning to ``keep`` deletes only checkpoints of the same run. ``meta.json`` also
+records the size and SHA-256 of every file (rank files and DCP files), so a file cut short
+later (a full disk, a bad copy) makes the checkpoint incomplete: :func:`latest_checkpoint`
+verifies the candidates newest first and skips (with a warning naming it and why) every
+damaged one, so a resume falls back to the newest good checkpoint; :func:`load_checkpoint`
+verifies the files it reads again (damaged bytes asked for by name are a clear error) and
+logs the step and folder it loaded. Rank files are read with
+``torch.load(weights_only=True)``, DCP metadata with an allow-list unpickler and DCP
+tensors weights-only (:mod:`comera_rec.training.dcp_state`): no pickled code runs.
 Before anything is written every process checks its state for NaN / inf; a non-finite
 value anywhere makes every process refuse the save (:class:`NonFiniteStateError`).
+
+Because the shared state is stored with global shapes and offsets, a checkpoint written by
+N processes loads into M (the engine's resume reshards through DCP) and
+:func:`load_checkpoint` / :func:`export_model_state` give the whole model in one process
+without a process group.
 """
 
 from __future__ import annotations
@@ -41,10 +54,22 @@ import torch
 import torch.distributed as dist
 
 from comera_rec.training import faults
+from comera_rec.training.dcp_state import (
+    SHARED_DIR,
+    complete_skeleton,
+    fill_skeleton,
+    load_whole,
+    placeholders,
+    save_shared,
+    split_tensors,
+    tensor_shapes,
+)
 from comera_rec.training.dist import is_distributed
 
 _NAME = re.compile(r"^step_(\d{9})$")
 TMP_PREFIX = ".tmp-"
+SHARED_KEY = "__shared__"
+"""Key of a rank file's skeleton of the shared state (its tensors are in ``shared/``)."""
 log = logging.getLogger(__name__)
 
 
@@ -152,14 +177,24 @@ def _incomplete_reason(path: Path) -> Optional[str]:
                 return f"{file.name} has {file.stat().st_size} bytes, meta.json says {sizes[file.name]} (cut short?)"
     except (TypeError, ValueError) as e:
         return f"meta.json has a malformed world_size or file size ({e})"
+    shared = meta.get("shared")
+    if shared is not None:
+        if not isinstance(shared, dict) or not isinstance(shared.get("files"), dict):
+            return 'meta.json has a malformed "shared" entry'
+        for name, size in shared["files"].items():
+            file = path / SHARED_DIR / name
+            if not file.is_file():
+                return f"{SHARED_DIR}/{name} is missing"
+            if file.stat().st_size != int(size):
+                return f"{SHARED_DIR}/{name} has {file.stat().st_size} bytes, meta.json says {size} (cut short?)"
     return None
 
 
 def is_complete(path: Union[str, Path]) -> bool:
     """True if ``path`` is a finished checkpoint (named ``step_*`` with a valid meta.json).
 
-    Only sizes are checked (a stat per rank file); :func:`checkpoint_problem` also
-    verifies the checksums.
+    Only sizes are checked (a stat per rank file and per ``shared/`` file);
+    :func:`checkpoint_problem` also verifies the checksums.
     """
     return _incomplete_reason(Path(path)) is None
 
@@ -167,9 +202,9 @@ def is_complete(path: Union[str, Path]) -> bool:
 def checkpoint_problem(path: Union[str, Path]) -> Optional[str]:
     """Why the checkpoint ``path`` cannot be resumed from, or None when it is sound.
 
-    Checks what :func:`is_complete` checks, then reads every rank file once and compares
-    its SHA-256 with the one recorded in ``meta.json`` (files written without a recorded
-    checksum are accepted on their size).
+    Checks what :func:`is_complete` checks, then reads every rank file and every file of
+    ``shared/`` once and compares its SHA-256 with the one recorded in ``meta.json`` (files
+    written without a recorded checksum are accepted on their size).
 
     Args:
         path: a ``step_*`` checkpoint folder.
@@ -200,6 +235,20 @@ def checkpoint_problem(path: Union[str, Path]) -> Optional[str]:
             return f"unreadable: {file.name} ({e})"
         if actual != expected[file.name]:
             return f"damaged: the SHA-256 of {file.name} differs from the one in meta.json"
+    return _shared_problem(path, meta)
+
+
+def _shared_problem(path: Path, meta: dict[str, Any]) -> Optional[str]:
+    """Why the DCP files of ``path`` do not match the checksums in ``meta``, or None."""
+    shared = meta.get("shared") or {}
+    for name, digest in (shared.get("sha256") or {}).items():
+        file = path / SHARED_DIR / name
+        try:
+            actual = _sha256(file)
+        except OSError as e:
+            return f"unreadable: {SHARED_DIR}/{name} ({e})"
+        if actual != digest:
+            return f"damaged: the SHA-256 of {SHARED_DIR}/{name} differs from the one in meta.json"
     return None
 
 
@@ -268,6 +317,7 @@ def save_checkpoint(
     meta: dict[str, Any],
     keep: int = 2,
     run_id: Optional[str] = None,
+    shared: Optional[dict[str, Any]] = None,
 ) -> Path:
     """Write this process's ``state`` into the checkpoint of ``step`` (collective).
 
@@ -286,6 +336,11 @@ def save_checkpoint(
             None records none, and then only checkpoints without one are pruned. A folder of
             the same step left by another run is renamed aside (``step_N.run-<id>``), not
             deleted.
+        shared: the global state, the same structure on every process (None on all or on
+            none): its tensors must be replicated (equal on every process; one copy is
+            written) or ShardedTensors (each process writes its shards); they go into
+            ``shared/`` through DCP, the rest (its skeleton) into the rank files. A run
+            with another number of processes or another sharding can read it back.
 
     Returns:
         The checkpoint folder.
@@ -303,7 +358,7 @@ def save_checkpoint(
     world = dist.get_world_size() if is_distributed() else 1
     final = root / checkpoint_name(step)
     tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
-    bad = nonfinite_entries(state)
+    bad = nonfinite_entries(state) + (nonfinite_entries(shared) if shared is not None else [])
     bad_anywhere = len(bad) > 0
     if is_distributed():
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
@@ -322,7 +377,20 @@ def save_checkpoint(
         for stale in root.glob(f"{TMP_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
+        if shared is not None:
+            (tmp / SHARED_DIR).mkdir()
     _barrier()
+    if shared is not None:
+        # tensors through DCP (one copy of replicated ones, shards with their offsets); each
+        # process hashes the DCP files it wrote, rank 0 collects the sidecars below
+        skeleton, flat = {}, {}
+        for key, value in shared.items():
+            skeleton[key], part_flat = split_tensors(value, str(key))
+            flat.update(part_flat)
+        written = save_shared(tmp / SHARED_DIR, flat)
+        sums = {f.name: [f.stat().st_size, _sha256(f)] for f in written}
+        (tmp / f"shared{rank}.sha256.json").write_text(json.dumps(sums))
+        state = dict(state, **{SHARED_KEY: skeleton})
     part = tmp / f"rank{rank}.pt.part"
     with part.open("wb") as f:
         writer = _HashingWriter(f)
@@ -341,11 +409,23 @@ def save_checkpoint(
             sha256[f"rank{r}.pt"] = sidecar.read_text().strip()
             sidecar.unlink()
         meta = dict(meta, step=step, world_size=world, complete=True, files=files, sha256=sha256)
+        if shared is not None:
+            sums = {}
+            for r in range(world):
+                sidecar = tmp / f"shared{r}.sha256.json"
+                sums.update(json.loads(sidecar.read_text()))
+                sidecar.unlink()
+            meta["shared"] = {
+                "files": {name: size for name, (size, _) in sorted(sums.items())},
+                "sha256": {name: digest for name, (_, digest) in sorted(sums.items())},
+            }
         if run_id is not None:
             meta["run_id"] = run_id
         meta_part = tmp / "meta.json.part"
         meta_part.write_text(json.dumps(meta, indent=1, sort_keys=True))
         os.replace(meta_part, tmp / "meta.json")
+        if shared is not None:
+            _fsync_dir(tmp / SHARED_DIR)
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again (after a resume): replace it
             other = _run_id_of(final)
@@ -387,23 +467,35 @@ def read_meta(path: Union[str, Path]) -> dict[str, Any]:
     return json.loads((path / "meta.json").read_text())
 
 
-def load_checkpoint(path: Union[str, Path], rank: Optional[int] = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def load_checkpoint(
+    path: Union[str, Path], rank: Optional[int] = None, shared: bool = True
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read one process's state from a complete checkpoint (CPU tensors).
+
+    A checkpoint with a shared part (``shared/``, the model and optimiser state on DCP)
+    can be read by any number of processes: a process whose rank the checkpoint has no
+    file for reads rank ``rank % world_size``'s (the per-process state of the writing run
+    is the same on every process, except the RNG streams). Older checkpoints without a
+    shared part hold each process's local shards and need the same world size.
 
     Args:
         path: a checkpoint folder (see :func:`latest_checkpoint`).
-        rank: whose file; this process's rank by default.
+        rank: whose rank file; this process's rank by default.
+        shared: read the shared tensors whole (sharded tables gathered, in this process
+            alone, no collective) and merge them into the state; False leaves the shared
+            part's skeleton under :data:`SHARED_KEY` for a sharded load (the engine's).
 
     Returns:
         ``(state, meta)``.
 
     Raises:
         FileNotFoundError: not a complete checkpoint.
-        ValueError: the checkpoint was written by a different number of processes.
-        pickle.UnpicklingError: the file holds an object other than tensors and plain
-            types (it is refused, never run).
-        CheckpointError: the file is corrupt (cut short, or its SHA-256 differs from the
-            one in ``meta.json``).
+        ValueError: a checkpoint without a shared part written by another number of
+            processes.
+        pickle.UnpicklingError: a file holds an object other than tensors and plain types
+            (it is refused, never run).
+        CheckpointError: a file is corrupt (cut short, or its SHA-256 differs from the one
+            in ``meta.json``).
     """
     path = Path(path)
     try:
@@ -413,10 +505,16 @@ def load_checkpoint(path: Union[str, Path], rank: Optional[int] = None) -> tuple
     if not isinstance(meta, dict) or meta.get("complete") is not True:
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no valid meta.json)")
     world = dist.get_world_size() if is_distributed() else 1
+    saved_world = int(meta.get("world_size", 1))
     if rank is None:
         rank = dist.get_rank() if is_distributed() else 0
-        if int(meta["world_size"]) != world:
-            raise ValueError(f"{path} was written by {meta['world_size']} processes; this run has {world}")
+        if saved_world != world:
+            if "shared" not in meta:
+                raise ValueError(
+                    f"{path} was written by {saved_world} processes in the per-process format (local "
+                    f"shards, no shared/ folder); this run has {world}: resume it with {saved_world}"
+                )
+            rank = rank % saved_world
     file = path / f"rank{rank}.pt"
     if not file.is_file():
         raise FileNotFoundError(f"{file} is missing: {path} is not a complete checkpoint")
@@ -434,8 +532,85 @@ def load_checkpoint(path: Union[str, Path], rank: Optional[int] = None) -> tuple
         raise CheckpointError(f"{file}: damaged (its SHA-256 differs from the one in meta.json)")
     if not isinstance(state, dict):
         raise CheckpointError(f"{file}: expected a dict of states, got {type(state).__name__}")
+    if shared and SHARED_KEY in state:
+        problem = _shared_problem(path, meta)
+        if problem is not None:
+            raise CheckpointError(f"{path}: {problem}")
+        try:
+            # each rank file names its own part of TorchRec's fused state: complete it
+            skeleton = complete_skeleton(state.pop(SHARED_KEY), tensor_shapes(path / SHARED_DIR))
+            flat = load_whole(path / SHARED_DIR, placeholders(skeleton))
+        except pickle.UnpicklingError:
+            raise
+        except (RuntimeError, OSError, KeyError, ValueError) as e:
+            raise CheckpointError(f"{path / SHARED_DIR}: cannot be read ({type(e).__name__}: {e})") from e
+        state.update(fill_skeleton(skeleton, flat))
     log.info("loaded checkpoint of step %s from %s (%s)", meta.get("step"), path, file.name)
     return state, meta
+
+
+def export_model_state(path: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict[str, torch.Tensor]:
+    """The trained model of a checkpoint as one plain state dict, in one process.
+
+    Dense tables come back whole (gathered from their shards), TT cores and controllers
+    at the ranks they were saved with: load it into the model built from the run's config
+    after :func:`comera_rec.rank.truncation.resize_to_state_dict`. No process group is
+    needed, whatever number of processes wrote the checkpoint.
+
+    Args:
+        path: a ``step_*`` checkpoint folder.
+        out: where to ``torch.save`` the state dict too (loadable with
+            ``torch.load(weights_only=True)``); None writes nothing.
+
+    Returns:
+        The model's state dict (CPU tensors).
+
+    Raises:
+        ValueError: the checkpoint has no shared part and was written by several
+            processes (its rank files hold only local shards).
+
+    Example::
+
+        >>> sd = export_model_state("runs/x/checkpoints/step_000000100")  # doctest: +SKIP
+        >>> resize_to_state_dict(model, sd); model.load_state_dict(sd)  # doctest: +SKIP
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    if "shared" not in meta and int(meta.get("world_size", 1)) != 1:
+        raise ValueError(f"{path}: written by {meta['world_size']} processes without a shared/ part")
+    model = load_checkpoint(path, rank=0)[0]["model"]
+    state = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
+    if out is not None:
+        out = Path(out)
+        part = out.with_name(out.name + ".part")
+        torch.save(state, part)
+        os.replace(part, out)
+    return state
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m comera_rec.training.checkpoint export CHECKPOINT OUT.pt``: see
+    :func:`export_model_state`.
+
+    Args:
+        argv: the arguments (``sys.argv[1:]`` by default).
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m comera_rec.training.checkpoint")
+    sub = parser.add_subparsers(dest="command", required=True)
+    export = sub.add_parser("export", help="write a checkpoint's model as one plain state dict (torch.save)")
+    export.add_argument("checkpoint", type=Path, help="a step_* folder, or a checkpoints/ folder (its newest)")
+    export.add_argument("out", type=Path)
+    args = parser.parse_args(argv)
+    path = args.checkpoint
+    if not _NAME.match(path.name):
+        found = latest_checkpoint(path)
+        if found is None:
+            raise SystemExit(f"{path}: no complete checkpoint")
+        path = found
+    state = export_model_state(path, args.out)
+    print(f"{args.out}: {len(state)} tensors of the model at step {_step_of(path)} ({path})")
 
 
 # ---------------------------------------------------------------------------- sharded state
@@ -506,3 +681,7 @@ def restore_local(live: Any, saved: Any, where: str = "state") -> Any:
     if isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)) and len(saved) == len(live):
         return type(saved)(restore_local(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(live, saved)))
     return saved
+
+
+if __name__ == "__main__":
+    main()

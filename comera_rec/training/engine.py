@@ -63,14 +63,15 @@ from comera_rec.tensor.kernels import build_cpu_kernels
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training import faults
 from comera_rec.training.checkpoint import (
+    SHARED_KEY,
     NonFiniteStateError,
     latest_checkpoint,
     load_checkpoint,
-    localize,
     restore_local,
     save_checkpoint,
 )
 from comera_rec.training.cuda_graph import CaptureBackend, CudaGraphCapture, StepGraphs, capturable_objective
+from comera_rec.training.dcp_state import restore_shared, shared_model_shapes, shared_state
 from comera_rec.training.dist import is_distributed, process_rank, restart_count, world_size
 from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.training.optim import OptimConfig, build_optimizer, lr_factor, set_lr_factor
@@ -684,11 +685,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoint
     def _state(self) -> dict[str, Any]:
-        assert self.model is not None and self.optimizer is not None
+        """This process's own state (the rank file); the model and optimisers are shared."""
         return {
-            "model": localize(self.model.state_dict()),
-            "optimizer": self.optimizer.state_dict(),
-            "extra_optimizers": [localize(o.state_dict()) for o in self.extra],
             "schedule": self.schedule.state_dict(),
             "trainer": {
                 "step": self.step,
@@ -697,6 +695,7 @@ class Trainer:
                 "nonfinite": self.nonfinite,
                 "truncations": self.truncations,
                 "samples": self.samples,
+                "last_eval": dict(self.last_eval),
             },
             "rng": _rng_state(self.device),
         }
@@ -715,11 +714,13 @@ class Trainer:
             meta,
             keep=self.config.keep_checkpoints,
             run_id=run_id,
+            shared=shared_state(self.model, self.optimizer, self.extra),
         )
         self._saved = (self.step, path)
         return path
 
     def _check_compatible(self, path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Refuse a checkpoint whose model (keys, shapes, the task's fixed config keys) differs."""
         problems = state_dict_mismatches(self.model, state["model"])
         diffs = config_differences(meta.get("config"), to_dict(self.run_config)) if self.run_config is not None else []
         # config sections that define the model (the task says which): any change there is fatal
@@ -738,10 +739,40 @@ class Trainer:
             logger.warning("resuming from %s with config changes: %s", path, "; ".join(diffs))
 
     def _restore(self, path: Path) -> None:
-        state, meta = load_checkpoint(path)
+        state, meta = load_checkpoint(path, shared=False)
+        skeleton = state.pop(SHARED_KEY, None)
+        if skeleton is None:  # a checkpoint of the per-process format (same world size)
+            self._restore_local(path, state, meta)
+        else:
+            saved = int(meta.get("world_size", 1))
+            if saved != world_size() and process_rank() == 0:
+                logger.warning(
+                    "resuming %s, written by %d process(es), with %d: the model and optimiser state are "
+                    "resharded; the data position is kept per process (batch %d of each process's part), "
+                    "so the batches differ from an uninterrupted run",
+                    path,
+                    saved,
+                    world_size(),
+                    int(state["trainer"]["batch_in_epoch"]),
+                )
+            shapes = shared_model_shapes(path, skeleton)
+            self._check_compatible(path, {"model": shapes}, meta)
+            resize_to_state_dict(self.model, shapes)
+            # wrap first: sharded tables exist only once the model is sharded again
+            self.wrapped = self.task.wrap(self.model)
+            self._build_optimizers()
+            restore_shared(path, skeleton, self.model, self.optimizer, self.extra)
+        self.schedule.load_state_dict(state["schedule"])
+        t = state["trainer"]
+        self.step, self.epoch, self.batch_in_epoch = int(t["step"]), int(t["epoch"]), int(t["batch_in_epoch"])
+        self.nonfinite, self.truncations, self.samples = int(t["nonfinite"]), int(t["truncations"]), int(t["samples"])
+        self.last_eval = {str(k): float(v) for k, v in dict(t.get("last_eval", {})).items()}
+        self._rng_to_restore = state["rng"]
+
+    def _restore_local(self, path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Load a checkpoint whose rank files hold the model and local shards."""
         self._check_compatible(path, state, meta)
         resize_to_state_dict(self.model, state["model"])
-        # wrap first: sharded tables exist only once the model is sharded again
         self.wrapped = self.task.wrap(self.model)
         self.model.load_state_dict(restore_local(self.model.state_dict(), state["model"], "model"))
         self._build_optimizers()
@@ -752,11 +783,6 @@ class Trainer:
             )
         for opt, sd in zip(self.extra, state["extra_optimizers"]):
             opt.load_state_dict(restore_local(opt.state_dict(), sd, "extra_optimizers"))
-        self.schedule.load_state_dict(state["schedule"])
-        t = state["trainer"]
-        self.step, self.epoch, self.batch_in_epoch = int(t["step"]), int(t["epoch"]), int(t["batch_in_epoch"])
-        self.nonfinite, self.truncations, self.samples = int(t["nonfinite"]), int(t["truncations"]), int(t["samples"])
-        self._rng_to_restore = state["rng"]
 
     # ------------------------------------------------------------------ metrics
     def _size_record(self) -> dict[str, Any]:
