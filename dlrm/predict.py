@@ -6,8 +6,9 @@ resized to the checkpoint's, weights-only load), and the input files are read by
 training readers with the run's categorical transform (vocabularies or hashing). So a
 prediction over the run's validation files gives the trainer's own AUC and log loss.
 
-One process; checkpoints written by several processes are refused (their dense tables
-are split across the rank files).
+One process. A checkpoint written by several processes is read whole from its shared DCP
+part (sharded tables gathered); one in the older per-process format is refused (its dense
+tables are split across the rank files).
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def load_model(checkpoint: PathLike, config: Optional[PathLike] = None, device: 
         CheckpointNotFoundError: no checkpoint at ``checkpoint``.
         CheckpointConfigMismatchError: ``config`` (or the stored one) does not describe the
             checkpoint's model; the message lists the differing keys and tensors.
-        ValueError: the checkpoint was written by several processes, or stores no config
-            and none is given.
+        ValueError: the checkpoint was written by several processes in the older
+            per-process format (no ``shared/`` part), or stores no config and none is given.
 
     Example::
 
@@ -121,10 +122,10 @@ def load_model(checkpoint: PathLike, config: Optional[PathLike] = None, device: 
     """
     path = find_checkpoint(checkpoint)
     state, meta = load_checkpoint(path, rank=0)
-    if int(meta.get("world_size", 1)) != 1:
+    if int(meta.get("world_size", 1)) != 1 and "shared" not in meta:
         raise ValueError(
-            f"{path} was written by {meta['world_size']} processes: each rank file holds only part of the "
-            f"sharded tables; predict reads single-process checkpoints"
+            f"{path} was written by {meta['world_size']} processes in the older per-process format: each "
+            f"rank file holds only part of the sharded tables; predict reads those from one process only"
         )
     saved = meta.get("config")
     if config is None and saved is None:

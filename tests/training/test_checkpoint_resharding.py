@@ -159,3 +159,16 @@ def test_export_of_a_two_process_checkpoint_loads_into_the_model_of_its_config(
     assert len(tables) == 22  # the dense (not TT) tables, whole
     for k, v in model.state_dict().items():
         assert torch.equal(v, gathered[k]), k
+
+
+def test_predict_loads_a_two_process_checkpoint_whole(written: dict[str, Path]) -> None:
+    from comera_rec.dlrm.predict import load_model
+
+    loaded = load_model(written["two_tw"] / STEP4)  # one process: the sharded tables gathered
+    gathered = load_checkpoint(written["two_tw"] / STEP4)[0]["model"]
+    state = loaded.model.state_dict()
+    assert loaded.step == 4
+    for k, v in gathered.items():
+        name = next((s for s in state if s.endswith(k)), None)
+        assert name is not None, k
+        assert torch.equal(state[name], v), k
