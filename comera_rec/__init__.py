@@ -27,7 +27,7 @@ _INTEGRATION = (
     "compress",
     "decompress",
     "model_size",
-    "rewrap_after_truncation",
+    "rewrap_data_parallel",
     "wrap_model",
 )
 

@@ -47,7 +47,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
 from comera_rec.dlrm.config import DLRMConfig
 from comera_rec.dlrm.model import build_dlrm_train
-from comera_rec.integration.distributed import EmbeddingOptimizerSpec, wrap_model
+from comera_rec.integration.distributed import EmbeddingOptimizerSpec, replicated_parameter_groups, wrap_model
 from comera_rec.rank import model_num_parameters
 from comera_rec.tensor import kernels
 from comera_rec.tensor.train import tensor_train_modules
@@ -119,13 +119,12 @@ def build(variant: str, setup: Setup, mlperf: bool):
     model = build_dlrm_train(model_config(variant, setup, mlperf), device="cpu")
     if variant.removesuffix(TORCH_LOOKUP) == "tt_half":
         cut_ranks_to_half(model)
-    wrapped, bundle = wrap_model(
+    wrapped, _ = wrap_model(
         model,
         device="cpu",
-        make_dense_optimizer=adamw,
         embedding_optimizer=EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": EMBEDDING_LR, "eps": 1e-8}),
     )
-    return wrapped, bundle
+    return wrapped, adamw(replicated_parameter_groups(wrapped))
 
 
 # The demo config's learning rates, the same for every variant.
@@ -162,11 +161,11 @@ def train_batches(setup: Setup, mlperf: bool, n: int) -> list:
     return list(itertools.islice(iter(batches(setup, mlperf, "train", setup.batch_size * n)), n))
 
 
-def train_step(wrapped, bundle, batch) -> float:
+def train_step(wrapped, optimizer, batch) -> float:
     loss, _ = wrapped(batch)
     loss.backward()
-    bundle.step()
-    bundle.zero_grad()
+    optimizer.step()
+    optimizer.zero_grad()
     return float(loss.detach())
 
 
@@ -197,7 +196,7 @@ def process_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # r
     use_lookup_path(variant)
     data = train_batches(setup, mlperf, setup.warmup_steps + setup.timed_steps)
     base = current_rss_bytes()
-    wrapped, bundle = build(variant, setup, mlperf)
+    wrapped, optimizer = build(variant, setup, mlperf)
     freeze_live_objects()  # as the trainer does (trainer.freeze_gc), every variant alike
     times = []
     faults_at_start = minor_page_faults()  # read again when the timed steps begin
@@ -205,7 +204,7 @@ def process_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # r
         if step == setup.warmup_steps:
             faults_at_start = minor_page_faults()
         start = time.perf_counter()
-        train_step(wrapped, bundle, data[step % len(data)])
+        train_step(wrapped, optimizer, data[step % len(data)])
         times.append(time.perf_counter() - start)
     faults = (minor_page_faults() - faults_at_start) / setup.timed_steps
     queue.put(

@@ -25,7 +25,7 @@ import torch
 from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
 from comera_rec.dlrm.config import DLRMConfig
 from comera_rec.dlrm.model import build_dlrm_train
-from comera_rec.integration.distributed import EmbeddingOptimizerSpec, wrap_model
+from comera_rec.integration.distributed import EmbeddingOptimizerSpec, replicated_parameter_groups, wrap_model
 
 TINY = dict(
     table_sizes=[5000, 200] + [30] * 24, embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1], min_params_to_compress=0
@@ -49,12 +49,10 @@ def run_variant(variant: str, device: torch.device, batch_size: int, steps: int,
     torch.manual_seed(0)
     cfg = config(variant, rank, tiny)
     model = build_dlrm_train(cfg, device="meta")
-    wrapped, optim = wrap_model(
-        model,
-        device=device,
-        make_dense_optimizer=lambda groups: torch.optim.AdamW([p for ps in groups.values() for p in ps], lr=1e-3),
-        embedding_optimizer=EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": 0.05, "eps": 1e-8}),
+    wrapped, _ = wrap_model(
+        model, device=device, embedding_optimizer=EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": 0.05, "eps": 1e-8})
     )
+    optim = torch.optim.AdamW([p for ps in replicated_parameter_groups(wrapped).values() for p in ps], lr=1e-3)
     data = SyntheticCriteo(
         SyntheticCriteoConfig(
             num_embeddings_per_feature=list(cfg.table_sizes),

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.datasets.utils import Batch
+from torchrec.optim.keyed import KeyedOptimizer
 
 from comera_rec.config import load_config
 from comera_rec.data import DataConfig, build_dataloaders, num_embeddings, set_epoch
@@ -20,7 +21,6 @@ from comera_rec.dlrm.config import DLRMConfig
 from comera_rec.dlrm.model import build_dlrm_train
 from comera_rec.integration.distributed import (
     EmbeddingOptimizerSpec,
-    OptimizerBundle,
     replicated_parameter_groups,
     rewrap_data_parallel,
     wrap_model,
@@ -136,7 +136,8 @@ class DLRMTask:
     def __init__(self, config: DLRMRunConfig) -> None:
         check_run_config(config)
         self.config = config
-        self.bundle: Optional[OptimizerBundle] = None
+        self.fused_optimizer: Optional[KeyedOptimizer] = None
+        """The dense tables' optimiser, fused into backward (set by :meth:`wrap`)."""
         self._wrapped: Optional[nn.Module] = None
         self.device = torch.device("cpu")
         self._train: Optional[Iterable[Batch]] = None
@@ -158,8 +159,8 @@ class DLRMTask:
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """DMP on the first call; after a truncation, rebuild its DDP wrapper only."""
-        if self._wrapped is None or self.bundle is None:
-            self._wrapped, self.bundle = wrap_model(
+        if self._wrapped is None:
+            self._wrapped, self.fused_optimizer = wrap_model(
                 model,
                 device=self.device,
                 embedding_optimizer=self.config.embedding_optim.spec(),
@@ -176,8 +177,7 @@ class DLRMTask:
 
     def extra_optimizers(self, wrapped: nn.Module) -> list[Any]:
         """DMP's fused optimiser of sharded tables (its state goes into checkpoints)."""
-        assert self.bundle is not None
-        return [self.bundle.fused] if self.bundle.fused is not None else []
+        return [self.fused_optimizer] if self.fused_optimizer is not None else []
 
     def checkpoint_config_keys(self) -> list[str]:
         """Config keys a resumed run must share with its checkpoint: the whole model section."""

@@ -14,12 +14,9 @@ from comera_rec.integration.compress import (
 from comera_rec.integration.decompress import DecompressionReport, decompress
 from comera_rec.integration.distributed import (
     EmbeddingOptimizerSpec,
-    OptimizerBundle,
-    default_dense_optimizer,
     destroy_distributed,
     materialize_tensor_trains,
     replicated_parameter_groups,
-    rewrap_after_truncation,
     rewrap_data_parallel,
     wrap_model,
 )
@@ -42,7 +39,6 @@ __all__ = [
     "KeptModule",
     "ModelSize",
     "ModuleReport",
-    "OptimizerBundle",
     "RankAdapter",
     "TTLowRankCrossNet",
     "TTMEmbeddingBagCollection",
@@ -51,7 +47,6 @@ __all__ = [
     "TablePlan",
     "compress",
     "decompress",
-    "default_dense_optimizer",
     "destroy_distributed",
     "linear_pays",
     "materialize_tensor_trains",
@@ -59,7 +54,6 @@ __all__ = [
     "plan_table",
     "plan_tables",
     "replicated_parameter_groups",
-    "rewrap_after_truncation",
     "rewrap_data_parallel",
     "fuse_narrow_layers",
     "tt_mlp",

@@ -12,7 +12,12 @@ Layout under ``DistributedModelParallel`` (DMP):
 
 After ``truncate_ranks`` replaces TT parameters by smaller ones the DDP wrapper still
 holds the old ones and silently stops syncing the new ones: call
-:func:`rewrap_after_truncation` after any truncation.
+:func:`rewrap_data_parallel` after any truncation, and point the optimiser of the
+replicated parameters at the new ones (``comera_rec.rank.retarget_optimizer``, or
+``comera_rec.training.rebuild_optimizer``; :class:`~comera_rec.RankAdapter` does both).
+The optimiser of the replicated parameters is the caller's: build it over
+:func:`replicated_parameter_groups` (``comera_rec.training.build_optimizer`` builds the
+method's AdamW with one group per kind).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import gc
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +52,6 @@ from comera_rec.integration.torchrec_internals import (
 from comera_rec.tensor.train import InitOnMaterialize, parameter_groups
 
 ParamGroups = dict[str, list[nn.Parameter]]
-DenseOptimizerFactory = Callable[[ParamGroups], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -116,41 +120,6 @@ def dense_table_constraints(
                 f"{', '.join(CPU_SHARDING_TYPES)}"
             )
     return out
-
-
-def default_dense_optimizer(groups: ParamGroups) -> torch.optim.Optimizer:
-    """AdamW without weight decay at the method's reference rates: cores 1e-4,
-    controllers 1e-3, everything else 5e-5; torch's fused kernel (one pass per tensor)."""
-    rates = {"cores": 1e-4, "controllers": 1e-3, "other": 5e-5}
-    return torch.optim.AdamW(
-        [{"params": groups[k], "lr": rates[k], "name": k} for k in ("cores", "controllers", "other") if groups[k]],
-        weight_decay=0.0,
-        fused=True,
-    )
-
-
-@dataclass
-class OptimizerBundle:
-    """The optimizers of a wrapped model.
-
-    Call ``loss.backward()`` (dense tables are updated inside it by the fused
-    optimizer), then :meth:`step` and :meth:`zero_grad`.
-    """
-
-    dense: torch.optim.Optimizer
-    """Steps the replicated parameters (TT cores, controllers, MLPs); schedulers attach here."""
-    fused: KeyedOptimizer | None
-    """DMP's fused optimizer of the sharded tables (state for checkpoints); ``None`` unsharded."""
-    make_dense_optimizer: DenseOptimizerFactory
-    """How ``dense`` was built; used again after truncation."""
-    groups: ParamGroups
-    """The replicated parameters by kind (``cores``, ``controllers``, ``other``)."""
-
-    def step(self) -> None:
-        self.dense.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.dense.zero_grad(set_to_none=set_to_none)
 
 
 def materialize_tensor_trains(model: nn.Module, device: torch.device | str) -> None:
@@ -235,11 +204,10 @@ def wrap_model(
     *,
     device: torch.device | str,
     world_size: int | None = None,
-    make_dense_optimizer: DenseOptimizerFactory = default_dense_optimizer,
     embedding_optimizer: EmbeddingOptimizerSpec | None = None,
     sharding_type: str | None = None,
     constraints: dict[str, ParameterConstraints] | None = None,
-) -> tuple[nn.Module, OptimizerBundle]:
+) -> tuple[nn.Module, KeyedOptimizer | None]:
     """Wrap a (compressed) TorchRec model for training on one or many processes.
 
     With an initialised process group the model goes into ``DistributedModelParallel``:
@@ -251,8 +219,6 @@ def wrap_model(
         model: the model, possibly on the meta device.
         device: the compute device of this process (``cpu`` with gloo, ``cuda:LOCAL_RANK`` with nccl).
         world_size: checked against the process group's size when given.
-        make_dense_optimizer: builds the optimizer of the replicated parameters from
-            their groups (``cores``, ``controllers``, ``other``).
         embedding_optimizer: optimizer of the dense tables, fused into backward.
         sharding_type: force one sharding type for every dense table (``"table_wise"``,
             ``"column_wise"``, ``"table_column_wise"``, ``"row_wise"`` or ``"data_parallel"``
@@ -261,11 +227,16 @@ def wrap_model(
         constraints: per-table planner constraints (override ``sharding_type``).
 
     Returns:
-        ``(wrapped model, optimizers)``.
+        ``(wrapped model, fused optimiser)``: the fused optimiser holds the dense tables'
+        optimiser state (a ``KeyedOptimizer``, for checkpoints; ``None`` when no table is
+        fused). The replicated parameters (:func:`replicated_parameter_groups`) need an
+        optimiser of the caller's.
 
     Example::
 
-        >>> wrapped, optim = wrap_model(model, device=torch.device("cpu"))  # doctest: +SKIP
+        >>> wrapped, fused = wrap_model(model, device=torch.device("cpu"))  # doctest: +SKIP
+        >>> groups = replicated_parameter_groups(wrapped)  # doctest: +SKIP
+        >>> optim = torch.optim.AdamW([p for ps in groups.values() for p in ps], lr=1e-4)  # doctest: +SKIP
         >>> loss, _ = wrapped(batch); loss.backward(); optim.step(); optim.zero_grad()  # doctest: +SKIP
     """
     device = torch.device(device)
@@ -283,9 +254,7 @@ def wrap_model(
         model = model.to(device)
         # One process: FBGEMM's table-batched kernels with the optimizer fused into
         # backward, the same kernels DMP uses when it shards the tables.
-        fused = _fuse_dense_tables(model, spec, device)
-        groups = replicated_parameter_groups(model)
-        return model, OptimizerBundle(make_dense_optimizer(groups), fused, make_dense_optimizer, groups)
+        return model, _fuse_dense_tables(model, spec, device)
 
     tables = [p for p in _fused_table_params(model) if not hasattr(p, "_in_backward_optimizers")]
     if tables:
@@ -303,8 +272,7 @@ def wrap_model(
         wrapped: nn.Module = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
         _load_sharded_tables(wrapped, tables_before)
         fused = wrapped.fused_optimizer
-    groups = replicated_parameter_groups(wrapped)
-    return wrapped, OptimizerBundle(make_dense_optimizer(groups), fused, make_dense_optimizer, groups)
+    return wrapped, fused
 
 
 @torch.no_grad()
@@ -415,45 +383,10 @@ def rewrap_data_parallel(wrapped: nn.Module) -> nn.Module:
     return wrapped
 
 
-def rewrap_after_truncation(wrapped: nn.Module, optim: OptimizerBundle) -> tuple[nn.Module, OptimizerBundle]:
-    """Rebuild the DDP wrapper and the dense optimizer after TT ranks were truncated.
-
-    Call it on every rank right after ``truncate_ranks`` (the decision is the same on
-    all ranks: controllers are replicated). The fused optimizer of the sharded tables is
-    kept. Optimizer state (and each group's current learning rate) carries over for
-    parameters that were not replaced; replaced (smaller) parameters start fresh.
-
-    Args:
-        wrapped: what :func:`wrap_model` returned (DMP, or the plain module).
-        optim: its optimizers.
-
-    Returns:
-        ``(wrapped model, optimizers)`` to use from now on.
-
-    Example::
-
-        >>> if any(m.truncate_ranks(1e-2) for _, m in tensor_train_modules(model)):  # doctest: +SKIP
-        ...     wrapped, optim = rewrap_after_truncation(wrapped, optim)
-    """
-    if isinstance(wrapped, DistributedDataParallel):
-        raise TypeError("rewrap_after_truncation: pass the DMP-wrapped model (or the plain model), not a bare DDP")
-    wrapped = rewrap_data_parallel(wrapped)
-    groups = replicated_parameter_groups(wrapped)
-    dense = optim.make_dense_optimizer(groups)
-    old = optim.dense
-    for p, state in old.state.items():
-        if any(p is q for g in dense.param_groups for q in g["params"]):
-            dense.state[p] = state
-    if len(old.param_groups) == len(dense.param_groups):
-        for g_old, g_new in zip(old.param_groups, dense.param_groups):
-            g_new["lr"] = g_old["lr"]
-    return wrapped, OptimizerBundle(dense, optim.fused, optim.make_dense_optimizer, groups)
-
-
 def destroy_distributed() -> None:
     """Collect garbage and destroy the default process group.
 
-    Delete the wrapped model and the optimizers first (``del wrapped, optim``): gloo
+    Delete the wrapped model and the optimizers first (``del wrapped, optim, fused``): gloo
     aborts at exit in a fraction of runs when they outlive the process group.
     """
     gc.collect()

@@ -88,7 +88,7 @@ def kill_and_truncate(model: torch.nn.Module) -> bool:
 
 
 def train(wrapped: torch.nn.Module, optim, unwrapped: torch.nn.Module, rank: int, world: int):
-    from comera_rec.integration.distributed import rewrap_after_truncation
+    from comera_rec.integration.distributed import replicated_parameter_groups, rewrap_data_parallel
 
     per = GLOBAL_BATCH // world
     for step in range(STEPS):
@@ -100,7 +100,8 @@ def train(wrapped: torch.nn.Module, optim, unwrapped: torch.nn.Module, rank: int
         if step + 1 == TRUNCATE_AT:
             assert kill_and_truncate(unwrapped)
             if not os.environ.get("DMP_SKIP_REWRAP"):  # set only to show what goes wrong without it
-                wrapped, optim = rewrap_after_truncation(wrapped, optim)
+                wrapped = rewrap_data_parallel(wrapped)
+                optim = sgd(replicated_parameter_groups(wrapped))  # plain SGD: no state to carry
     return wrapped, optim
 
 
@@ -110,20 +111,21 @@ def main(out_dir: str) -> None:
 
     from comera_rec.integration.distributed import (
         destroy_distributed,
+        replicated_parameter_groups,
         wrap_model,
     )
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
-    wrapped, optim = wrap_model(
+    wrapped, fused = wrap_model(
         model,
         device=torch.device("cpu"),
         world_size=world,
-        make_dense_optimizer=sgd,
         embedding_optimizer=table_optimizer(),
         sharding_type=None if SHARDING == "planner" else SHARDING,
     )
+    optim = sgd(replicated_parameter_groups(wrapped))
     unwrapped = wrapped.module
     wrapped, optim = train(wrapped, optim, unwrapped, rank, world)
     replicated, shards = {}, []
@@ -143,7 +145,7 @@ def main(out_dir: str) -> None:
         },
         os.path.join(out_dir, f"rank{rank}.pt"),
     )
-    del wrapped, optim, unwrapped, model
+    del wrapped, optim, fused, unwrapped, model
     destroy_distributed()
 
 

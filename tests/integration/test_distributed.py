@@ -1,4 +1,4 @@
-"""wrap_model / rewrap_after_truncation, and two-process DMP equivalence with one process."""
+"""wrap_model / rewrap_data_parallel, and two-process DMP equivalence with one process."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from comera_rec.integration.distributed import (
     dense_table_constraints,
     host_memory_bytes,
     planner_topology,
-    rewrap_after_truncation,
+    replicated_parameter_groups,
+    rewrap_data_parallel,
     wrap_model,
 )
 from comera_rec.rank.size import model_dense_num_parameters, model_num_parameters
+from comera_rec.training import OptimConfig, build_optimizer, rebuild_optimizer
 from tests.integration import dmp_worker as worker
 from tests.integration.helpers import run_two_process_worker
 
@@ -27,26 +29,27 @@ def _reference(table_optimizer: str = "SGD") -> tuple[dict[str, torch.Tensor], t
     """One process, whole global batch, same optimizers (tables updated in backward): the
     state and the model's (live, dense-equivalent) parameter counts."""
     model = worker.build_model()
-    wrapped, optim = wrap_model(
-        model,
-        device="cpu",
-        make_dense_optimizer=worker.sgd,
-        embedding_optimizer=worker.table_optimizer(table_optimizer),
-    )
+    wrapped, _ = wrap_model(model, device="cpu", embedding_optimizer=worker.table_optimizer(table_optimizer))
+    optim = worker.sgd(replicated_parameter_groups(wrapped))
     wrapped, optim = worker.train(wrapped, optim, model, rank=0, world=1)
     state = {k: v.detach().clone() for k, v in wrapped.state_dict().items()}
     return state, (model_num_parameters(model), model_dense_num_parameters(model))
 
 
-def test_single_process_wrap_and_rewrap_keeps_state() -> None:
+def test_single_process_wrap_then_rewrap_and_rebuilt_optimizer_keep_state() -> None:
     model = worker.build_model()
-    wrapped, optim = wrap_model(model, device="cpu")
+    wrapped, fused = wrap_model(model, device="cpu")
     ebc = model.model.sparse_arch.embedding_bag_collection
     # one process: the dense tables run FBGEMM's kernels, updated inside backward
     assert isinstance(ebc.dense, FusedEmbeddingBagCollection)
-    assert optim.fused is not None
+    assert fused is not None
     table = ebc.dense.embedding_bags["t_cat_2"].weight
-    assert all(p is not table for ps in optim.groups.values() for p in ps)
+
+    def replicated() -> list[torch.nn.Parameter]:
+        return [p for ps in replicated_parameter_groups(wrapped).values() for p in ps]
+
+    assert all(p is not table for p in replicated())
+    optim = build_optimizer(model, OptimConfig(), include=replicated())
     before = table.detach().clone()
     loss, _ = wrapped(worker.make_batch(0))
     loss.backward()
@@ -54,12 +57,13 @@ def test_single_process_wrap_and_rewrap_keeps_state() -> None:
     optim.zero_grad()
     assert not torch.equal(before, table.detach())
     mlp_weight = model.model.over_arch.model[1].weight
-    assert mlp_weight in optim.dense.state
+    assert mlp_weight in optim.state
     assert worker.kill_and_truncate(model)
-    wrapped, new = rewrap_after_truncation(wrapped, optim)
-    assert new.dense.state[mlp_weight] is optim.dense.state[mlp_weight]  # unchanged params keep state
+    wrapped = rewrap_data_parallel(wrapped)
+    new = rebuild_optimizer(optim, model, OptimConfig(), include=replicated())
+    assert new.state[mlp_weight]["exp_avg"] is optim.state[mlp_weight]["exp_avg"]  # unchanged params keep state
     cores = {id(p) for p in ebc.groups[0].cores}
-    assert cores <= {id(p) for p in new.groups["cores"]}
+    assert cores <= {id(p) for g in new.param_groups for p in g["params"]}
     loss, _ = wrapped(worker.make_batch(1))
     loss.backward()
     new.step()

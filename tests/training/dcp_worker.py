@@ -40,7 +40,7 @@ class SplitColumnsTask(DLRMTask):
             for cfg in m.embedding_bag_configs()
         ]
         constraints = {n: ParameterConstraints(sharding_types=["column_wise"], min_partition=4) for n in names}
-        self._wrapped, self.bundle = wrap_model(
+        self._wrapped, self.fused_optimizer = wrap_model(
             model,
             device=self.device,
             embedding_optimizer=self.config.embedding_optim.spec(),
