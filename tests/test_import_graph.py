@@ -32,7 +32,8 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("rank",),  # rank adaptation: objective, schedule, truncation
     ("integration", "data"),  # TorchRec integration; the data pipeline
     ("training",),  # the training engine, which knows nothing of the model's kind
-    ("transformer", "dlrm"),  # the applications: transformer models, the DLRM assembly, and their runs
+    # the applications: transformer models, the DLRM assembly, the sequence model, and their runs
+    ("transformer", "dlrm", "sequence"),
     ("", "gpu_check"),  # the package root; the GPU check (runs commands, imports no layer)
 )
 TIER = {layer: i for i, layers in enumerate(TIERS) for layer in layers}
