@@ -149,7 +149,7 @@ def test_schedule_module_floors_follow_the_target_and_round_trip():
     other = RankSchedule(RankScheduleConfig(module_floor=0.5, target_size_ratio=0.2))
     other.load_state_dict(schedule.state_dict())
     assert other.module_floors() == floors
-    assert RankSchedule(RankScheduleConfig()).module_floors() == {}  # off by default
+    assert RankSchedule(RankScheduleConfig(module_floor=0.0)).module_floors() == {}  # 0: no floor
     with pytest.raises(ValueError, match="module_floor"):
         RankScheduleConfig(module_floor=-1.0)
 
