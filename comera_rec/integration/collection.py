@@ -240,28 +240,6 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         return f"compressed={self.compressed_tables()}, dense={self.dense_tables()}, is_weighted={self._is_weighted}"
 
     # ------------------------------------------------------------------ forward
-    def _key_layout(self, keys: Sequence[str]) -> tuple[dict[str, int], list[int]]:
-        cache_key = tuple(keys)
-        hit = self._key_cache.get(cache_key)
-        if hit is not None:
-            return hit
-        index = {k: i for i, k in enumerate(keys)}
-        missing = [f for f in self._bounds if f not in index]
-        if missing:
-            raise ValueError(
-                f"TTMEmbeddingBagCollection: the input KeyedJaggedTensor lacks feature(s) {missing} "
-                f"read by the tables; its keys are {list(keys)}"
-            )
-        extra = [k for k in keys if k not in self._bounds]
-        if extra and not self._allow_extra_keys:
-            raise ValueError(
-                f"TTMEmbeddingBagCollection: KeyedJaggedTensor key(s) {extra} are in no table config "
-                f"(features known: {list(self._bounds)}); pass allow_extra_keys=True to ignore them"
-            )
-        bounds = [self._bounds[k][0] if k in self._bounds else -1 for k in keys]
-        self._key_cache[cache_key] = (index, bounds)
-        return index, bounds
-
     def _id_error(self, key: str, values: torch.Tensor, pos: int) -> ValueError:
         num, table = self._bounds[key]
         return ValueError(

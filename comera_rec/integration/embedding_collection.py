@@ -254,7 +254,7 @@ class TTMEmbeddingCollection(TTMTableGroups, EmbeddingCollectionInterface):
             for f in t.feature_names:
                 if f not in self._bounds or t.num_embeddings < self._bounds[f][0]:
                     self._bounds[f] = (t.num_embeddings, t.name)
-        self._key_cache: dict[tuple[str, ...], list[int]] = {}
+        self._key_cache: dict[tuple[str, ...], tuple[dict[str, int], list[int]]] = {}
 
     # ------------------------------------------------------------------ interface
     def embedding_configs(self) -> list[EmbeddingConfig]:
@@ -303,25 +303,7 @@ class TTMEmbeddingCollection(TTMTableGroups, EmbeddingCollectionInterface):
     # ------------------------------------------------------------------ checks
     def _key_bounds(self, keys: Sequence[str]) -> list[int]:
         """Per KJT key, the id bound (-1: read by no table); missing or extra keys raise."""
-        cache_key = tuple(keys)
-        hit = self._key_cache.get(cache_key)
-        if hit is not None:
-            return hit
-        missing = [f for f in self._bounds if f not in keys]
-        if missing:
-            raise ValueError(
-                f"{_NAME}: the input KeyedJaggedTensor lacks feature(s) {missing} read by the tables; "
-                f"its keys are {list(keys)}"
-            )
-        extra = [k for k in keys if k not in self._bounds]
-        if extra and not self._allow_extra_keys:
-            raise ValueError(
-                f"{_NAME}: KeyedJaggedTensor key(s) {extra} are in no table config "
-                f"(features known: {list(self._bounds)}); pass allow_extra_keys=True to ignore them"
-            )
-        bounds = [self._bounds[k][0] if k in self._bounds else -1 for k in keys]
-        self._key_cache[cache_key] = bounds
-        return bounds
+        return self._key_layout(keys)[1]
 
     def _check_features(self, features: KeyedJaggedTensor) -> None:
         """The input's type and keys; with ``validate_inputs``, its layout and ids."""

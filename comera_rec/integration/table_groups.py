@@ -35,12 +35,41 @@ class TTMTableGroups:
     plans: Mapping[str, Any]
     _group_tables: list[list[str]]
     _device: torch.device
+    _bounds: Mapping[str, tuple[int, str]]  # feature -> (id bound, table)
+    _allow_extra_keys: bool
+    _key_cache: dict[tuple[str, ...], tuple[dict[str, int], list[int]]]
 
     def _table_configs(self) -> Sequence[Any]:
         raise NotImplementedError
 
     def _dense_modules(self) -> Mapping[str, nn.Module]:
         raise NotImplementedError
+
+    def _key_layout(self, keys: Sequence[str]) -> tuple[dict[str, int], list[int]]:
+        """Per KJT key order (cached): each key's position, and each key's id bound (-1: read
+        by no table). A feature some table reads that is missing, or a key no table reads
+        (unless ``allow_extra_keys``), raises a ``ValueError`` naming it."""
+        cache_key = tuple(keys)
+        hit = self._key_cache.get(cache_key)
+        if hit is not None:
+            return hit
+        name = type(self).__name__
+        index = {k: i for i, k in enumerate(keys)}
+        missing = [f for f in self._bounds if f not in index]
+        if missing:
+            raise ValueError(
+                f"{name}: the input KeyedJaggedTensor lacks feature(s) {missing} read by the tables; "
+                f"its keys are {list(keys)}"
+            )
+        extra = [k for k in keys if k not in self._bounds]
+        if extra and not self._allow_extra_keys:
+            raise ValueError(
+                f"{name}: KeyedJaggedTensor key(s) {extra} are in no table config "
+                f"(features known: {list(self._bounds)}); pass allow_extra_keys=True to ignore them"
+            )
+        bounds = [self._bounds[k][0] if k in self._bounds else -1 for k in keys]
+        self._key_cache[cache_key] = (index, bounds)
+        return index, bounds
 
     @property
     def device(self) -> torch.device:

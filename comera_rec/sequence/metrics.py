@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from comera_rec.training.dist import is_distributed
+
 
 def target_ranks(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``(N,)`` 0-based rank of each row's target among its scores (ties pessimistic).
@@ -77,7 +79,7 @@ class RankingMetrics:
         """``hit_rate_<k>``, ``ndcg_<k>`` per k, ``mrr``, ``log_loss`` (mean cross-entropy) and
         ``count``, over every process (collective when a process group is up)."""
         sums = self.sums.clone()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if is_distributed():
             dist.all_reduce(sums)
         count = float(sums[0])
         if count == 0:

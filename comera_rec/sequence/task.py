@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -45,17 +44,8 @@ from comera_rec.sequence.data import (
 from comera_rec.sequence.metrics import RankingMetrics
 from comera_rec.sequence.model import MaskedItemModel, item_kjt
 from comera_rec.training import Trainer
+from comera_rec.training.dist import shard
 from comera_rec.utils.logs import setup_logging
-
-
-def _shard() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
 
 class MaskedItemTask:
@@ -94,7 +84,7 @@ class MaskedItemTask:
         return MaskedItemModel(self.model_config, self.splits.num_items, device=self.device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        if _shard()[1] > 1:
+        if shard()[1] > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             return nn.parallel.DistributedDataParallel(model, device_ids=ids)
         return model
@@ -109,7 +99,7 @@ class MaskedItemTask:
             mask_prob=d.mask_prob,
             mask_last_prob=d.mask_last_prob,
             seed=self.seed * 1_000_003 + epoch,
-            shard=_shard(),
+            shard=shard(),
         )
 
     def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -117,7 +107,7 @@ class MaskedItemTask:
 
     def eval_batches(self, seqs: Sequences) -> Iterator[dict[str, torch.Tensor]]:
         """Batches predicting each target of ``seqs`` (the validation or test split)."""
-        return evaluation_batches(seqs, self.data.eval_batch_size, self.model_config.max_len, self.mask_id, _shard())
+        return evaluation_batches(seqs, self.data.eval_batch_size, self.model_config.max_len, self.mask_id, shard())
 
     def step_loss(
         self, wrapped: nn.Module, batch: dict[str, torch.Tensor]

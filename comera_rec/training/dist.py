@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import torch.distributed as dist
+from torch import nn
 
 
 def is_distributed() -> bool:
@@ -30,3 +31,13 @@ def restart_count() -> int:
     """How often torchrun has restarted this run's workers (``TORCHELASTIC_RESTART_COUNT``; 0
     for a first attempt or outside torchrun)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def shard() -> tuple[int, int]:
+    """``(rank, world size)`` of this process: which part of the data it reads."""
+    return process_rank(), world_size()
+
+
+def unwrap_data_parallel(module: nn.Module) -> nn.Module:
+    """The module inside a ``DistributedDataParallel`` wrapper (``module`` itself otherwise)."""
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module

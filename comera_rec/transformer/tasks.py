@@ -19,6 +19,7 @@ from torch import nn
 
 from comera_rec.tensor import tensor_train_modules
 from comera_rec.training import Trainer
+from comera_rec.training.dist import is_distributed, shard, unwrap_data_parallel
 from comera_rec.transformer import baselines
 from comera_rec.transformer.baselines import MethodConfig
 from comera_rec.transformer.config import EncoderConfig
@@ -26,16 +27,6 @@ from comera_rec.transformer.data import PairDataset, mask_tokens
 from comera_rec.transformer.model import MaskedLM, SequenceClassifier
 
 IGNORE = -100
-
-
-def _shard() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
 
 class TokenMetrics:
@@ -73,7 +64,7 @@ class TokenMetrics:
     def compute(self) -> dict[str, float]:
         """``{"accuracy", "log_loss", "perplexity", "count"}`` over every process (collective)."""
         sums = self.sums.clone()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if is_distributed():
             dist.all_reduce(sums)
         loss, correct, count = (float(x) for x in sums)
         if count == 0:
@@ -115,16 +106,16 @@ class _EncoderTask:
         return baselines.prepare_model(model, self.method).to(self.device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        if _shard()[1] > 1:
+        if shard()[1] > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             return nn.parallel.DistributedDataParallel(model, device_ids=ids)
         return model
 
     def optimizer_parameters(self, wrapped: nn.Module) -> list[nn.Parameter]:
-        return baselines.engine_parameters(_unwrap(wrapped), self.method)
+        return baselines.engine_parameters(unwrap_data_parallel(wrapped), self.method)
 
     def extra_optimizers(self, wrapped: nn.Module) -> list[Any]:
-        return baselines.extra_optimizers(_unwrap(wrapped), self.method)
+        return baselines.extra_optimizers(unwrap_data_parallel(wrapped), self.method)
 
     def metrics(self, device: torch.device) -> TokenMetrics:
         return TokenMetrics(device)
@@ -165,10 +156,10 @@ class ClassificationTask(_EncoderTask):
         self.eval_batch_size = eval_batch_size
 
     def train_batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
-        return self.train.batches(self.batch_size, shuffle=True, seed=self.seed + epoch, shard=_shard(), drop_last=True)
+        return self.train.batches(self.batch_size, shuffle=True, seed=self.seed + epoch, shard=shard(), drop_last=True)
 
     def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        return self.val.batches(self.eval_batch_size, shuffle=False, shard=_shard())
+        return self.val.batches(self.eval_batch_size, shuffle=False, shard=shard())
 
     def step_loss(self, wrapped: nn.Module, batch: dict[str, torch.Tensor]):
         b = {k: v.to(self.device) for k, v in batch.items()}
@@ -239,7 +230,7 @@ class MaskedLMTask(_EncoderTask):
         return model
 
     def _blocks(self, blocks: torch.Tensor, batch: int, order: torch.Tensor, seed: int):
-        rank, world = _shard()
+        rank, world = shard()
         order = order[: len(order) - len(order) % world][rank::world]
         for i, start in enumerate(range(0, len(order) - batch + 1 if len(order) >= batch else 1, batch)):
             ids = blocks[order[start : start + batch]]
