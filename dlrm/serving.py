@@ -88,9 +88,9 @@ class ServingSetup:
     variants: tuple[str, ...] = field(default=VARIANTS)
     start_method: str = "spawn"
     """How the preparing and the eager processes start: ``"spawn"`` (fresh interpreters,
-    as servers start) or ``"fork"`` (copies of this one: no second import of torch and
-    TorchRec, for smoke runs; their RSS starts from this process's). The exported variants
-    always run in a fresh torch-only interpreter."""
+    as servers start) or ``"forkserver"``. Not ``"fork"``: a copy of a process whose
+    OpenMP and gloo threads hold locks can hang for ever (it did inside the test suite).
+    The exported variants always run in a fresh torch-only interpreter."""
 
 
 def model_config(kind: str, setup: ServingSetup) -> DLRMConfig:
@@ -488,9 +488,9 @@ def main(argv: Optional[Sequence[str]] = None) -> ServingReport:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="variants to run")
     parser.add_argument(
         "--start-method",
-        choices=["spawn", "fork"],
+        choices=["spawn", "forkserver"],
         default=None,
-        help="how the measuring processes start (default spawn; fork with --quick)",
+        help="how the measuring processes start (default spawn)",
     )
     parser.add_argument("--workdir", default=None, help="keep the model files here (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -500,10 +500,7 @@ def main(argv: Optional[Sequence[str]] = None) -> ServingReport:
             parser.error(f"--{name} must be at least 1, got {value}")
     setup = ServingSetup(rounds=args.rounds, rank=args.rank, threads=args.threads, zipf=args.zipf)
     if args.quick:
-        # forked children: a smoke run should not pay five imports of torch and TorchRec
-        setup = replace(
-            setup, quick=True, batch_sizes=(1, 64, 512), iters=10, warmup=2, distinct=2, start_method="fork"
-        )
+        setup = replace(setup, quick=True, batch_sizes=(1, 64, 512), iters=10, warmup=2, distinct=2)
     setup = replace(
         setup,
         batch_sizes=tuple(args.batches) if args.batches else setup.batch_sizes,

@@ -13,7 +13,7 @@ from comera_rec.dlrm import serving
 def test_quick_run_measures_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
     report = serving.main(["--quick", "--iters", "3", "--warmup", "1"])
     out = capsys.readouterr().out
-    assert report.setup.quick and report.setup.start_method == "fork"
+    assert report.setup.quick and report.setup.start_method == "spawn"
     assert set(report.results) == set(serving.VARIANTS)
     for variant, result in report.results.items():
         assert result["file_bytes"] > 0 and result["load_s"] > 0
