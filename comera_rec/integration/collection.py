@@ -206,13 +206,7 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
                 else:
                     self._slots.append(("dense", next(dense_pos), 0))
 
-        # ---- id bounds per feature (the smallest table that reads it)
-        self._bounds: dict[str, tuple[int, str]] = {}
-        for t in tables:
-            for f in t.feature_names:
-                if f not in self._bounds or t.num_embeddings < self._bounds[f][0]:
-                    self._bounds[f] = (t.num_embeddings, t.name)
-        self._key_cache: dict[tuple[str, ...], tuple[dict[str, int], list[int]]] = {}
+        self._init_key_checks(tables)
 
     # ------------------------------------------------------------------ interface
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:

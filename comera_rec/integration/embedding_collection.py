@@ -248,13 +248,7 @@ class TTMEmbeddingCollection(TTMTableGroups, EmbeddingCollectionInterface):
             )
         self._embedding_names: list[str] = list(itertools.chain(*self._embedding_names_by_table))
 
-        # ---- id bounds per feature (the smallest table that reads it)
-        self._bounds: dict[str, tuple[int, str]] = {}
-        for t in tables:
-            for f in t.feature_names:
-                if f not in self._bounds or t.num_embeddings < self._bounds[f][0]:
-                    self._bounds[f] = (t.num_embeddings, t.name)
-        self._key_cache: dict[tuple[str, ...], tuple[dict[str, int], list[int]]] = {}
+        self._init_key_checks(tables)
 
     # ------------------------------------------------------------------ interface
     def embedding_configs(self) -> list[EmbeddingConfig]:

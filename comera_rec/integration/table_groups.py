@@ -35,7 +35,7 @@ class TTMTableGroups:
     plans: Mapping[str, Any]
     _group_tables: list[list[str]]
     _device: torch.device
-    _bounds: Mapping[str, tuple[int, str]]  # feature -> (id bound, table)
+    _bounds: dict[str, tuple[int, str]]  # feature -> (id bound, table)
     _allow_extra_keys: bool
     _key_cache: dict[tuple[str, ...], tuple[dict[str, int], list[int]]]
 
@@ -44,6 +44,16 @@ class TTMTableGroups:
 
     def _dense_modules(self) -> Mapping[str, nn.Module]:
         raise NotImplementedError
+
+    def _init_key_checks(self, tables: Sequence[Any]) -> None:
+        """Per feature, the id bound of the smallest table that reads it; an empty cache of
+        key layouts (:meth:`_key_layout`)."""
+        self._bounds = {}
+        for t in tables:
+            for f in t.feature_names:
+                if f not in self._bounds or t.num_embeddings < self._bounds[f][0]:
+                    self._bounds[f] = (t.num_embeddings, t.name)
+        self._key_cache = {}
 
     def _key_layout(self, keys: Sequence[str]) -> tuple[dict[str, int], list[int]]:
         """Per KJT key order (cached): each key's position, and each key's id bound (-1: read
