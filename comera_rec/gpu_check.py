@@ -41,6 +41,9 @@ GPU_TESTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
 )
+# test files that import TorchRec: left out (and said so) where it is not installed, so the
+# tensor core's GPU paths can be checked on a bare CUDA torch
+NEEDS_TORCHREC = ("tests/training/test_cuda_graph.py",)
 DISTRIBUTED_TESTS = ("tests/gpu/test_cuda.py::test_nccl_two_process_all_reduce",)
 PACKAGES = ("torch", "triton", "fbgemm-gpu", "fbgemm-gpu-cpu", "torchrec")
 
@@ -95,8 +98,9 @@ def missing_gpu_packages(found: dict[str, str]) -> list[str]:
     return missing
 
 
-def pytest_steps(python: str, n_gpus: int) -> list[Step]:
-    """The pytest commands, as data. The two-process nccl test is selected only with >= 2 GPUs.
+def pytest_steps(python: str, n_gpus: int, torchrec: bool = True) -> list[Step]:
+    """The pytest commands, as data. The two-process nccl test is selected only with >= 2 GPUs;
+    the files that import TorchRec only with ``torchrec``.
 
     Example::
 
@@ -105,6 +109,8 @@ def pytest_steps(python: str, n_gpus: int) -> list[Step]:
     """
     steps = []
     for name, paths in GPU_TESTS:
+        if not torchrec:
+            paths = tuple(p for p in paths if p not in NEEDS_TORCHREC)
         argv = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *paths]
         if n_gpus < 2:
             argv += [a for t in DISTRIBUTED_TESTS if t.split("::")[0].startswith(paths) for a in ("--deselect", t)]
@@ -117,6 +123,13 @@ def bench_step(python: str, steps: int = 50, batch_size: int = 2048, rank: int =
     argv = [python, "-m", "comera_rec.dlrm.bench_device", "--device", "cuda", "--batch-size", str(batch_size)]
     argv += ["--steps", str(steps), "--rank", str(rank), "--variants", "dense", "tt"]
     return Step(f"DLRM Kaggle step, batch {batch_size}, rank {rank}", argv)
+
+
+def tensor_bench_step(python: str, repeats: int = 30) -> Step:
+    """The tensor-core benchmark (``launch/bench_gpu.py``, no TorchRec): TTM lookup steps
+    (Triton, PyTorch path, one CUDA graph) and TT layers against dense torch modules."""
+    argv = [python, "launch/bench_gpu.py", "--repeats", str(repeats)]
+    return Step("tensor core: Kaggle TT tables and MLP layers vs dense torch", argv)
 
 
 def pytest_figures(output: str) -> str:
@@ -132,6 +145,13 @@ def bench_figures(output: str) -> str:
         if not line.startswith("{"):
             continue
         r = json.loads(line)
+        if "bench" in r:  # launch/bench_gpu.py
+            if r["bench"] == "lookup_step":
+                peak = f", {r['peak_bytes'] / 2**30:.2f} GiB peak" if r.get("peak_bytes") else ""
+                parts.append(f"lookup B={r['batch']} {r['variant']} {r['ms']:.3f} ms (x{r['vs_dense']} dense{peak})")
+            continue
+        if "variant" not in r:
+            continue
         peak = f", {r['peak_device_bytes'] / 2**30:.2f} GiB peak" if r.get("peak_device_bytes") else ""
         parts.append(f"{r['variant']} {r['step_ms']:.2f} ms ({r['samples_per_s']:,} samples/s{peak})")
     return "; ".join(parts)
@@ -185,15 +205,20 @@ def main(argv: list[str] | None = None, cuda: bool | None = None) -> int:
     missing = missing_gpu_packages(found)
     if missing:
         print(f"missing from the GPU set: {', '.join(missing)}. Install it with: {INSTALL_HINT}")
-    steps = pytest_steps(sys.executable, len(devices)) + (
-        [] if args.no_bench else [bench_step(sys.executable, args.bench_steps)]
-    )
+    torchrec = found["torchrec"] != "-" and "fbgemm-gpu (CUDA)" not in missing
+    if not torchrec:
+        print("TorchRec or the CUDA fbgemm-gpu is missing: the tensor core alone is checked")
+    steps = pytest_steps(sys.executable, len(devices), torchrec)
+    if not args.no_bench:
+        steps.append(tensor_bench_step(sys.executable))
+        if torchrec:
+            steps.append(bench_step(sys.executable, args.bench_steps))
     if args.dry_run:
         for s in steps:
             print(" ".join(s.argv))
         return 0
     for s in steps:
-        run_step(s, bench_figures if s.argv[2] == "comera_rec.dlrm.bench_device" else pytest_figures)
+        run_step(s, pytest_figures if s.argv[1:3] == ["-m", "pytest"] else bench_figures)
     print("\n" + summary_table(steps))
     return 0 if all(s.passed for s in steps) else 1
 

@@ -102,9 +102,43 @@ def test_missing_gpu_packages() -> None:
     assert gpu_check.missing_gpu_packages(gpu) == []
 
 
+FULL_GPU_SET = {
+    "torch": "2.14.1",
+    "triton": "3.5",
+    "fbgemm-gpu": "1.9.0",
+    "fbgemm-gpu-cpu": "-",
+    "torchrec": "1.9.2",
+    "cuda (torch build)": "12.8",
+}
+
+
 def test_dry_run_on_a_pretend_gpu_runs_nothing(capsys, monkeypatch) -> None:
     monkeypatch.setattr(gpu_check, "gpus", lambda: ["cuda:0 Fake, 80 GiB, sm_90"])
+    monkeypatch.setattr(gpu_check, "versions", lambda: dict(FULL_GPU_SET))
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
     assert gpu_check.main(["--dry-run"], cuda=True) == 0
     out = capsys.readouterr().out
     assert "GPUs: cuda:0 Fake" in out and "-m comera_rec.dlrm.bench_device --device cuda" in out and "--deselect" in out
+
+
+def test_without_torchrec_the_tensor_core_alone_is_checked(capsys, monkeypatch) -> None:
+    """A bare CUDA torch (no TorchRec, no CUDA fbgemm-gpu): the TorchRec test files and the
+    DLRM benchmark are left out, the tensor-core benchmark stays."""
+    monkeypatch.setattr(gpu_check, "gpus", lambda: ["cuda:0 Fake, 80 GiB, sm_90"])
+    monkeypatch.setattr(gpu_check, "versions", lambda: {**FULL_GPU_SET, "torchrec": "-", "fbgemm-gpu": "-"})
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    assert gpu_check.main(["--dry-run"], cuda=True) == 0
+    out = capsys.readouterr().out
+    assert "the tensor core alone is checked" in out and "launch/bench_gpu.py" in out
+    assert "comera_rec.dlrm.bench_device" not in out and "test_cuda_graph.py" not in out
+    assert "tests/tensor/test_static_lookup.py" in out
+
+
+def test_bench_figures_reads_both_benchmarks() -> None:
+    lines = [
+        '{"bench": "lookup_step", "variant": "tt_triton", "batch": 2048, "ms": 1.5, "vs_dense": 2.0, "peak_bytes": 1073741824}',
+        '{"bench": "linear_fwd_bwd", "variant": "tt", "batch": 2048, "ms": 0.1, "vs_dense": 0.5}',
+        '{"variant": "dense", "step_ms": 3.0, "samples_per_s": 1000, "peak_device_bytes": null}',
+    ]
+    figures = gpu_check.bench_figures("\n".join(lines))
+    assert figures == "lookup B=2048 tt_triton 1.500 ms (x2.0 dense, 1.00 GiB peak); dense 3.00 ms (1,000 samples/s)"

@@ -209,6 +209,7 @@ class PairDataset:
         seed: int = 0,
         shard: tuple[int, int] = (0, 1),
         drop_last: bool = False,
+        fixed_width: bool = False,
     ) -> Iterator[dict[str, torch.Tensor]]:
         """Yield ``{"ids", "segments", "mask", "labels"}`` batches, trimmed to their longest row.
 
@@ -218,6 +219,8 @@ class PairDataset:
             seed: permutation seed (e.g. the epoch).
             shard: ``(rank, world)``: this process takes every world-th row.
             drop_last: leave out a last, smaller batch.
+            fixed_width: keep every batch at the full padded width ``L`` instead (a CUDA
+                graph replays one shape).
         """
         n = len(self)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if shuffle else torch.arange(n)
@@ -227,7 +230,7 @@ class PairDataset:
             idx = order[start : start + batch_size]
             if drop_last and len(idx) < batch_size:
                 return
-            width = int(self.mask[idx].sum(dim=1).max())
+            width = self.ids.shape[1] if fixed_width else int(self.mask[idx].sum(dim=1).max())
             yield {
                 "ids": self.ids[idx, :width],
                 "segments": self.segments[idx, :width],

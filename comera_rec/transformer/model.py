@@ -73,6 +73,9 @@ class TTMEmbedding(TTMEmbeddingBag):
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"TTMEmbedding: ids must be int32 or int64, got {ids.dtype}")
         flat = ids.reshape(-1).long()
+        if self.static_shapes:  # capturable (CUDA graphs): no host reads, no de-duplication
+            offsets = torch.arange(flat.numel() + 1, device=flat.device)  # one id per bag
+            return super().forward(flat, offsets).reshape(*ids.shape, self.embedding_dim)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             bad = flat[(flat < 0) | (flat >= self.num_embeddings)][0]
             raise IndexError(f"TTMEmbedding: id {int(bad)} is outside [0, {self.num_embeddings})")

@@ -148,7 +148,14 @@ def run_classification(cfg: ClassificationRun) -> dict[str, Any]:
     tok, train, val = build_pair_datasets(cfg.data, run_dir)
     model_cfg = cfg.model.replace(vocab_size=tok.get_vocab_size(), max_len=max(cfg.model.max_len, cfg.data.max_len))
     task = ClassificationTask(
-        model_cfg, cfg.method, train, val, cfg.data.batch_size, cfg.data.eval_batch_size, seed=cfg.trainer.seed
+        model_cfg,
+        cfg.method,
+        train,
+        val,
+        cfg.data.batch_size,
+        cfg.data.eval_batch_size,
+        seed=cfg.trainer.seed,
+        fixed_width=cfg.trainer.cuda_graphs,  # a captured step replays one shape
     )
     trainer = TransformerTrainer(task, cfg.trainer, _schedule_for(cfg.method, cfg.schedule), cfg.optim, cfg)
     summary = trainer.fit()

@@ -57,9 +57,8 @@ class TokenMetrics:
             raise ValueError(f"TokenMetrics.update: {logits.shape[0]} logit rows for {labels.numel()} labels")
         loss = F.cross_entropy(logits.float(), labels, reduction="sum")
         correct = (logits.argmax(dim=-1) == labels).sum()
-        self.sums += torch.stack(
-            [loss.double(), correct.double(), torch.tensor(float(labels.numel()), dtype=torch.float64)]
-        ).to(self.device)
+        count = torch.tensor(float(labels.numel()), dtype=torch.float64, device=logits.device)
+        self.sums += torch.stack([loss.double(), correct.double(), count]).to(self.device)
 
     def compute(self) -> dict[str, float]:
         """``{"accuracy", "log_loss", "perplexity", "count"}`` over every process (collective)."""
@@ -132,6 +131,8 @@ class ClassificationTask(_EncoderTask):
         batch_size: training rows per process and step.
         eval_batch_size: validation rows per batch.
         seed: shuffling seed (epoch e uses seed + e).
+        fixed_width: training batches keep the full padded width (one shape for every
+            step, which CUDA-graph capture needs); trimmed to their longest row otherwise.
 
     Example::
 
@@ -150,13 +151,22 @@ class ClassificationTask(_EncoderTask):
         batch_size: int,
         eval_batch_size: int = 256,
         seed: int = 0,
+        fixed_width: bool = False,
     ) -> None:
         super().__init__(model_config, method, batch_size, seed)
         self.train, self.val = train, val
         self.eval_batch_size = eval_batch_size
+        self.fixed_width = fixed_width
 
     def train_batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
-        return self.train.batches(self.batch_size, shuffle=True, seed=self.seed + epoch, shard=shard(), drop_last=True)
+        return self.train.batches(
+            self.batch_size,
+            shuffle=True,
+            seed=self.seed + epoch,
+            shard=shard(),
+            drop_last=True,
+            fixed_width=self.fixed_width,
+        )
 
     def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
         return self.val.batches(self.eval_batch_size, shuffle=False, shard=shard())

@@ -107,6 +107,29 @@ def test_ttm_embedding_matches_table_and_checks_ids():
         emb(torch.tensor([100]))
 
 
+def test_ttm_embedding_static_shapes_equal_the_deduplicated_lookup_without_host_syncs():
+    """Under CUDA graphs (``set_static_shapes``) the token embedding must not read ids on the
+    host: the static lookup gives the same rows and gradients, and passes ``forbid_host_syncs``."""
+    from comera_rec.tensor import set_static_shapes
+    from comera_rec.training.cuda_graph import forbid_host_syncs
+
+    torch.manual_seed(0)
+    emb = TTMEmbedding(100, 12, rank=5)
+    ids = torch.tensor([[3, 99, 3, 0], [7, 7, 42, 1]])
+    want = emb(ids)
+    want_grads = torch.autograd.grad(want.square().sum(), list(emb.parameters()))
+    set_static_shapes(emb)
+    with forbid_host_syncs():
+        got = emb(ids)
+        got_grads = torch.autograd.grad(got.square().sum(), list(emb.parameters()))
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+    set_static_shapes(emb, False)
+    with pytest.raises(RuntimeError, match="host"), forbid_host_syncs():
+        emb(ids)
+
+
 # ----------------------------------------------------------------------------- methods
 
 
@@ -370,3 +393,20 @@ def test_two_process_ddp_run_keeps_replicas_equal_through_truncation(tmp_path):
     assert r0["truncations"] >= 1  # ranks were cut and the DDP wrapper rebuilt mid-run
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and 0.0 <= summary["val_accuracy"] <= 1.0
+
+
+def test_fixed_width_batches_keep_one_shape_and_the_same_predictions():
+    """``fixed_width`` (CUDA graphs) keeps every batch at the padded width; the padding is
+    masked, so the classifier's outputs equal those of the trimmed batch."""
+    ds, _, vocab = pair_data(40)
+    trimmed = list(ds.batches(16, shuffle=False))
+    fixed = list(ds.batches(16, shuffle=False, fixed_width=True))
+    assert {b["ids"].shape[1] for b in fixed} == {ds.ids.shape[1]}
+    assert min(b["ids"].shape[1] for b in trimmed) < ds.ids.shape[1]
+    torch.manual_seed(0)
+    model = SequenceClassifier(TINY.replace(vocab_size=vocab, max_len=32, rank=4, embedding_rank=4)).eval()
+    for t, f in zip(trimmed, fixed):
+        assert torch.equal(t["labels"], f["labels"])
+        torch.testing.assert_close(
+            model(f["ids"], f["mask"], f["segments"]), model(t["ids"], t["mask"], t["segments"]), rtol=1e-5, atol=1e-5
+        )
