@@ -204,10 +204,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     args = parser.parse_args()
     sizes = QUICK if args.quick else Sizes()
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratios of medians over {sizes.repeats} "
-        f"interleaved rounds"
-    )
+    from comera_rec.tensor import kernels
+
+    print(f"host: {kernels.host_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"ratios of medians over {sizes.repeats} interleaved rounds")
     bench_linear(1024, 1024, 16, sizes)
     bench_linear(768, 3072, 30, sizes)
     bench_lookup(sizes)

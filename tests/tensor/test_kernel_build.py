@@ -235,3 +235,17 @@ def test_the_install_rule_builds_the_kernels():
     assert install < build < recipe.index("touch $(STAMP)")
     for target in ("demo", "test"):
         assert re.search(rf"^{target}: \$\(STAMP\)", makefile, re.M), target
+
+
+def test_host_description_names_the_isa_the_kernels_target(monkeypatch) -> None:
+    """The benchmarks' first line: the instruction set read from the CPU flags, or the width
+    forced by COMERA_CPU_VECTOR_BYTES, then the CPU model and the usable cores."""
+    monkeypatch.delenv(ttm_cpu.VECTOR_BYTES_ENV, raising=False)
+    monkeypatch.setattr(ttm_cpu.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(ttm_cpu, "_cpu_flags_line", lambda: "flags\t: fpu sse2 avx avx2 fma\n")
+    line = ttm_cpu.host_description()
+    assert line.startswith("AVX2 (32-byte vectors); ") and line.endswith(" cores")
+    monkeypatch.setattr(ttm_cpu, "_cpu_flags_line", lambda: "flags\t: fpu avx2 avx512f\n")
+    assert ttm_cpu.host_description().startswith("AVX-512 (64-byte vectors); ")
+    monkeypatch.setenv(ttm_cpu.VECTOR_BYTES_ENV, "32")
+    assert ttm_cpu.host_description().startswith("32-byte vectors (COMERA_CPU_VECTOR_BYTES=32); ")

@@ -48,6 +48,7 @@ from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup, and the
     cpu_vector_bytes,
     disabled_by_env,
     gather_column_blocks,
+    host_description,
     set_cpu_kernel_enabled,
     ttm_embedding_bag_cpu,
 )
@@ -116,6 +117,7 @@ __all__ = [
     "cpu_kernel_enabled",
     "cpu_vector_bytes",
     "gather_column_blocks",
+    "host_description",
     "set_cpu_kernel_enabled",
     "ttm_embedding_bag_cpu",
     "tt_chains_cpu",

@@ -363,6 +363,26 @@ def cpu_vector_bytes() -> int:
     return int(ext.vector_bytes()) if ext is not None else 0
 
 
+def host_description() -> str:
+    """One line saying where a figure was measured: the instruction set and vector width the
+    CPU kernels target, the CPU model and the cores this process may use.
+
+    Example::
+
+        >>> host_description()  # doctest: +SKIP
+        'AVX2 (32-byte vectors); AMD EPYC 7B13; 2 cores'
+    """
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    parts = [_target_description(_forced_vector_bytes()), model or platform.processor() or platform.machine()]
+    return "; ".join(p for p in parts if p) + f"; {cores} cores"
+
+
 def disabled_by_env(name: str) -> bool:
     """Whether the environment variable ``name`` switches a kernel off: set to anything but
     ``""`` / ``"0"`` / ``"false"`` / ``"no"`` / ``"off"``. Read on every call."""
