@@ -493,6 +493,7 @@ def main(argv: list[str] | None = None) -> None:
         rounds=args.rounds,
         lookup_paths=args.lookup_paths,
     )
+    print(f"host: {kernels.host_description()}; torch {torch.__version__}", flush=True)  # where figures come from
     if args.quick:
         setup = replace(setup, train_steps=10, val_rows=8192, warmup_steps=1, timed_steps=3, rounds=1)
     if args.steps:
