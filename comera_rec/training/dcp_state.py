@@ -225,12 +225,13 @@ def _one_process_quiet() -> Iterator[None]:
         yield
 
 
-def save_shared(folder: Path, flat: dict[str, Any]) -> list[Path]:
+def save_shared(folder: Path, flat: dict[str, Any], group: Any = None) -> list[Path]:
     """Write ``flat`` with DCP into ``folder`` (collective when a group is initialised).
 
     Args:
         folder: the DCP folder (created by rank 0 before the call).
         flat: flat key -> tensor (replicated: the same on every process) or ShardedTensor.
+        group: the process group DCP plans over (None: the default group).
 
     Returns:
         The files this process wrote (``__R_*.distcp``, and ``.metadata`` on rank 0), for
@@ -238,7 +239,8 @@ def save_shared(folder: Path, flat: dict[str, Any]) -> list[Path]:
     """
     grouped = _grouped()
     with _one_process_quiet():
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True), no_dist=not grouped)
+        writer = dcp.FileSystemWriter(str(folder), sync_files=True)
+        dcp.save(flat, storage_writer=writer, process_group=group, no_dist=not grouped)
     rank = dist.get_rank() if grouped else 0
     mine = sorted(folder.glob(f"__{rank}_*.distcp"))
     if rank == 0:

@@ -62,6 +62,7 @@ from comera_rec.tensor.embedding import set_static_shapes
 from comera_rec.tensor.kernels import build_cpu_kernels
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training import faults
+from comera_rec.training.async_save import PendingCheckpoint, Staging, save_checkpoint_async
 from comera_rec.training.checkpoint import (
     SHARED_KEY,
     NonFiniteStateError,
@@ -130,6 +131,9 @@ class TrainerConfig:
     """Complete checkpoints to keep (0 keeps all)."""
     checkpoint_at_end: bool = True
     """Write a checkpoint after the last step."""
+    async_checkpoint: bool = False
+    """Write periodic checkpoints in a background thread (training waits only for a CPU copy
+    of the state; comera_rec.training.async_save); the last one and a stop's are waited for."""
     seed: int = 0
     """Seed of torch, numpy and random (the same on every process, so models start equal)."""
     device: str = "auto"
@@ -373,6 +377,8 @@ class Trainer:
         self.extra: list[Any] = []
         self._stop: Optional[StopSignals] = None  # set by fit(): SIGINT / SIGTERM seen
         self._saved: Optional[tuple[int, Path]] = None  # (step, folder) of the newest checkpoint
+        self._pending: Optional[PendingCheckpoint] = None  # a background save in flight
+        self._staging = Staging()  # CPU buffers the background saves copy into, kept between saves
         self._run_dir: Optional[RunDir] = None  # set by fit(): the locked run directory and run id
 
     # ------------------------------------------------------------------ setup
@@ -654,6 +660,7 @@ class Trainer:
         (collective: every process calls it at the same step)."""
         path: Optional[Path] = None
         note = ""
+        self.wait_for_checkpoint()
         if self._saved is not None and self._saved[0] == self.step:
             path = self._saved[1]
         else:
@@ -700,23 +707,47 @@ class Trainer:
             "rng": _rng_state(self.device),
         }
 
-    def save(self) -> Path:
-        """Checkpoint now (collective: every process calls it)."""
+    def save(self, background: bool = False) -> Path:
+        """Checkpoint now (collective: every process calls it).
+
+        Args:
+            background: write it in a background thread (:mod:`comera_rec.training.async_save`);
+                call :meth:`wait_for_checkpoint` before relying on it. A save in flight is
+                waited for first either way.
+
+        Returns:
+            The checkpoint's folder (complete once a background save finished).
+        """
+        self.wait_for_checkpoint()
         meta = {"ranks": model_ranks(self.model), "time": time.time()}
         if self.run_config is not None:
             meta["config"] = to_dict(self.run_config)
         # pruning only deletes this run's checkpoints
         run_id = self._run_dir.run_id if self._run_dir is not None else None
-        path = save_checkpoint(
-            self.run_dir / "checkpoints",
-            self.step,
-            self._state(),
-            meta,
+        args = (self.run_dir / "checkpoints", self.step, self._state(), meta)
+        kwargs = dict(
             keep=self.config.keep_checkpoints,
             run_id=run_id,
             shared=shared_state(self.model, self.optimizer, self.extra),
         )
+        if background:
+            self._pending = save_checkpoint_async(*args, **kwargs, staging=self._staging)
+            path = self._pending.path
+        else:
+            path = save_checkpoint(*args, **kwargs)
         self._saved = (self.step, path)
+        return path
+
+    def wait_for_checkpoint(self) -> Optional[Path]:
+        """Block until a background save in flight is complete (its folder; None when none
+        was in flight). Raises what the writer raised."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        path = pending.wait()
+        logger.debug(
+            "background checkpoint %s: training held %.3f s, written in %.2f s", path, pending.stall_s, pending.write_s
+        )
         return path
 
     def _check_compatible(self, path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
@@ -1053,7 +1084,7 @@ class Trainer:
                 if log is not None:
                     log.write({"kind": "eval", "step": self.step, **result, "stage": self.schedule.stage})
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self.save()
+                self.save(background=cfg.async_checkpoint)
         bar.close()
         if not (cfg.eval_every and self.step % cfg.eval_every == 0 and self.last_eval):
             result = self.evaluate()
@@ -1061,6 +1092,7 @@ class Trainer:
                 log.write({"kind": "eval", "step": self.step, **result, "stage": self.schedule.stage})
         if cfg.checkpoint_at_end and not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
             self.save()
+        self.wait_for_checkpoint()  # the run ends with its last checkpoint complete
         size = self._size_record()
         summary: dict[str, Any] = {
             "steps": self.step,
@@ -1105,6 +1137,11 @@ class Trainer:
         gloo abort at exit (platform.md). ``destroy_group=False`` (after an error) leaves
         the group to the process exit.
         """
+        if self._pending is not None:  # after an error: let a background save finish, but not raise over it
+            try:
+                self.wait_for_checkpoint()
+            except Exception as e:
+                logger.error("the background checkpoint failed: %s", e)
         self._graphs = None  # frees the graphs' memory pools
         self.wrapped = None
         self.optimizer = None

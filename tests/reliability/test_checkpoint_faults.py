@@ -53,6 +53,21 @@ def test_kill_during_checkpoint_write_keeps_previous_and_resume_matches(tmp_path
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_kill_during_a_background_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> None:
+    """trainer.async_checkpoint: the process dies while the background thread writes step 6;
+    step 3 (also written in the background) stays complete and loadable."""
+    run = tmp_path / "run"
+    args = COMMON + [f"trainer.run_dir={run}", "trainer.async_checkpoint=true"]
+    proc = run_train(tmp_path, args, COMERA_FAULT_KILL_IN_CHECKPOINT="6")
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    root = run / "checkpoints"
+    assert (root / ".tmp-step_000000006" / "rank0.pt").is_file()
+    assert not (root / ".tmp-step_000000006" / "meta.json").exists()
+    assert [p.name for p in list_checkpoints(root)] == ["step_000000003"]
+    state, meta = load_checkpoint(latest_checkpoint(root))
+    assert meta["step"] == 3 and state["trainer"]["step"] == 3
+
+
 def _state(v: float) -> dict:
     return {"model": {"w": torch.full((64,), v)}, "trainer": {"step": int(v)}}
 

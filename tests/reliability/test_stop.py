@@ -89,11 +89,20 @@ def assert_same_params(a: Path, b: Path) -> None:
         assert torch.equal(pa[k], pb[k]), k
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The toy run without a stop (one launch for both signals' comparisons)."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    run(tmp, tmp / "ref", ["--steps", str(STEPS)])
+    return tmp / "ref"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_stops_with_a_checkpoint_and_resume_matches(tmp_path: Path, sig: int, code: int) -> None:
-    ref, split = tmp_path / "ref", tmp_path / "split"
-    run(tmp_path, ref, ["--steps", str(STEPS)])
+def test_signal_stops_with_a_checkpoint_and_resume_matches(
+    tmp_path: Path, uninterrupted: Path, sig: int, code: int
+) -> None:
+    ref, split = uninterrupted, tmp_path / "split"
     rc, stderr = interrupt(tmp_path, split, sig)
     assert rc == code, stderr[-3000:]
     done = max(train_losses(split))
