@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -305,19 +305,40 @@ class RankSchedule:
         """S in bytes."""
         return self.size(model) * size_element_bytes(model)
 
-    def surrogate(self, model: nn.Module) -> torch.Tensor:
-        """S^: L1 norm of the live controller entries (mean or sum, see the config)."""
+    def surrogate(self, model: nn.Module, on_device: bool = False) -> torch.Tensor:
+        """S^: L1 norm of the live controller entries (mean or sum, see the config).
+
+        Args:
+            model: the unwrapped model.
+            on_device: keep the live-entry count a device tensor (no host synchronisation,
+                capturable in a CUDA graph); the value is the same.
+        """
         total: Optional[torch.Tensor] = None
-        count = 0
+        count: Any = None
         for _, m in tensor_train_modules(model):
-            s, n = m.size_surrogate(self.config.threshold)
+            s, n = m.size_surrogate(self.config.threshold, count_as_tensor=on_device)
             total = s if total is None else total + s.to(total.device)
-            count += n
+            count = n if count is None else count + (n.to(count.device) if on_device else n)
         if total is None:
             return torch.zeros(())
         if self.config.surrogate == "mean":
-            return total / max(1, count)
+            return total / (count.clamp_min(1) if on_device else max(1, count))
         return total
+
+    def early_objective(
+        self, model: nn.Module, task_loss: torch.Tensor, on_device: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The early stage's loss ``L + gamma * S^ (+ beta * ||G||^2)`` and ``S^``.
+
+        ``on_device`` computes it without host synchronisation (the CUDA-graph step,
+        ``comera_rec.training.cuda_graph.capturable_objective``); the values are the same.
+        """
+        c = self.config
+        s_hat = self.surrogate(model, on_device).to(task_loss.device)
+        loss = task_loss + c.gamma * s_hat
+        if c.beta > 0:
+            loss = loss + c.beta * self.core_norm(model).to(task_loss.device)
+        return loss, s_hat
 
     def core_norm(self, model: nn.Module) -> torch.Tensor:
         """||G||^2: squared L2 norm of all TT cores."""
@@ -419,14 +440,12 @@ class RankSchedule:
         self.maybe_switch(step, model)
         if self.budget:  # the size is steered by cuts, not by a term of the loss
             return ObjectiveTerms(task_loss, float(task_loss.detach()), 0.0, self.size(model), self.stage)
-        s_hat = self.surrogate(model).to(task_loss.device)
         size = self.size(model)
         if self.stage == "early":
-            loss = task_loss + c.gamma * s_hat
-            if c.beta > 0:
-                loss = loss + c.beta * self.core_norm(model).to(task_loss.device)
+            loss, s_hat = self.early_objective(model, task_loss)
             self.last_choice = None
             return ObjectiveTerms(loss, float(task_loss.detach()), float(s_hat.detach()), size, "early")
+        s_hat = self.surrogate(model).to(task_loss.device)
         l_value = global_task_loss if global_task_loss is not None else _global_mean(task_loss)
         choice = self.late_choice(l_value, size)
         self.last_choice = choice

@@ -190,20 +190,27 @@ class TensorTrainModule(InitOnMaterialize):
             for k in range(len(ranks))
         ]
 
-    def size_surrogate(self, threshold: float = 0.0) -> tuple[torch.Tensor, int]:
+    def size_surrogate(
+        self, threshold: float = 0.0, count_as_tensor: bool = False
+    ) -> tuple[torch.Tensor, int | torch.Tensor]:
         """Differentiable size surrogate: the L1 norm of the live controller entries.
+
+        Args:
+            threshold: entries with ``|D|`` below it are dead and left out.
+            count_as_tensor: return the count as a device tensor instead of an int (no host
+                synchronisation: capturable in a CUDA graph).
 
         Returns:
             (sum of |D| over live entries, number of live entries); divide to get the
             reference's mean.
         """
         total = self.controllers[0].new_zeros(())
-        count = 0
+        count = self.controllers[0].new_zeros(())
         for d in self.controllers:
             live = (d.detach().abs() >= threshold).to(d.dtype)
             total = total + (d.abs() * live).sum()
-            count += int(live.sum())
-        return total, count
+            count = count + live.sum()
+        return total, (count if count_as_tensor else int(count))
 
     def _extra_num_parameters(self) -> int:
         """Parameters stored beside the train (bias); subclasses override."""
