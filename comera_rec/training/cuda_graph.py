@@ -56,8 +56,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from comera_rec.tensor.train import tensor_train_modules
-
 logger = logging.getLogger(__name__)
 
 CUDA_WARMUP_STEPS = 3  # eager steps on a side stream before a capture (PyTorch's docs use 3)
@@ -570,29 +568,8 @@ def capturable_objective(schedule: Any, model: nn.Module, task_loss: torch.Tenso
             f"capturable_objective: the {schedule.stage!r} stage decides on the host each step; "
             f"only the early stage can be captured"
         )
-    total: Optional[torch.Tensor] = None
-    count: Optional[torch.Tensor] = None
-    for _, module in tensor_train_modules(model):
-        # as TensorTrainModule.size_surrogate, the count of live entries a tensor, not an int
-        s = module.controllers[0].new_zeros(())
-        n = module.controllers[0].new_zeros(())
-        for d in module.controllers:
-            live = (d.detach().abs() >= c.threshold).to(d.dtype)
-            s = s + (d.abs() * live).sum()
-            n = n + live.sum()
-        total = s if total is None else total + s.to(total.device)
-        count = n if count is None else count + n.to(count.device)
-    if total is None or count is None:
-        s_hat = task_loss.new_zeros(())
-    elif c.surrogate == "mean":
-        s_hat = total / count.clamp_min(1)
-    else:
-        s_hat = total
-    s_hat = s_hat.to(task_loss.device)
-    loss = task_loss + c.gamma * s_hat
-    if c.beta > 0:
-        loss = loss + c.beta * schedule.core_norm(model).to(task_loss.device)
-    return loss, s_hat
+    # the schedule's own early objective, its live-entry count kept a device tensor
+    return schedule.early_objective(model, task_loss, on_device=True)
 
 
 def _takes_tensor_lr(optimizer: Any) -> bool:
