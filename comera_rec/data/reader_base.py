@@ -1,0 +1,186 @@
+"""What the Criteo readers share: :class:`CriteoReaderConfig`, :class:`ReaderStats`,
+:class:`BadInputError` and the split / shard / batching base class (re-exported by
+:mod:`comera_rec.data.readers`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+from torchrec.datasets.utils import Batch
+
+from comera_rec.data.criteo import BatchBuffer, make_batch, shard_range, split_row_range
+from comera_rec.data.transforms import CategoricalTransform
+
+logger = logging.getLogger("comera_rec.data.readers")  # the readers' logger name before the split into modules
+
+# (labels float32 [n], dense float32 [n, 13], cat raw int64 [n, 26], cat missing bool [n, 26])
+Chunk = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+# (labels float32 [n], dense raw int64 [n, 13] (missing = 0), dense missing bool [n, 13],
+#  cat raw int64 [n, 26] (missing = 0), cat missing bool [n, 26])
+RawChunk = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+class BadInputError(ValueError):
+    """Malformed Criteo input under ``bad_input="strict"`` (message names file and line)."""
+
+    __module__ = "comera_rec.data.readers"  # its public home (re-exported there): tracebacks and pickles name it
+
+
+@dataclass
+class CriteoReaderConfig:
+    """Options shared by the TSV, Parquet and npy readers.
+
+    Example::
+
+        cfg = CriteoReaderConfig(paths=["train.txt.gz"], batch_size=4096, split="train",
+                                 holdout="kaggle", num_embeddings_per_feature=KAGGLE_NUM_EMBEDDINGS)
+    """
+
+    paths: List[str] = field(default_factory=list)
+    """Input files read as one concatenated row sequence (npy: the ``*_dense.npy`` files)."""
+    batch_size: int = 2048
+    """Rows per batch."""
+    rank: int = 0
+    """This process's rank; it reads part ``rank`` of the split."""
+    world_size: int = 1
+    """Number of ranks the split is cut into."""
+    split: str = "all"
+    """"train", "val", "test" or "all" (see criteo.split_row_range)."""
+    holdout: str = "none"
+    """"kaggle" (last seventh held out), "last_file" (Terabyte day_23) or "none"."""
+    num_embeddings_per_feature: Optional[List[int]] = None
+    """26 table sizes: ids are taken modulo these (hashing). None: ids passed through."""
+    vocab_dir: Optional[str] = None
+    """Folder with ``vocab/`` and ``table_sizes.json``: contiguous remap (wins over hashing)."""
+    bad_input: str = "skip"
+    """"skip" (drop, count, log) or "strict" (raise BadInputError with file and line)."""
+    drop_last: bool = False
+    """Yield only full batches, the same number on every rank (floor(smallest part / B))."""
+    has_label: Optional[bool] = None
+    """TSV: whether the first column is the label (False for Kaggle test.txt); None = detect."""
+    rows_per_file: Optional[List[int]] = None
+    """TSV: known line counts per file, to skip counting lines when sharding or splitting."""
+    chunk_bytes: int = 8 << 20
+    """TSV: bytes parsed per step (bounds memory)."""
+    chunk_rows: int = 1 << 16
+    """Parquet / npy: rows read per step (bounds memory)."""
+    dense_is_transformed: bool = True
+    """npy: dense arrays already hold TorchRec's log transform (its tsv_to_npys output)."""
+
+
+@dataclass
+class ReaderStats:
+    """What a reader has seen (per process; DataLoader workers keep their own copy)."""
+
+    rows: int = 0
+    """Good rows yielded."""
+    bad_lines: int = 0
+    """Lines skipped under bad_input="skip"."""
+    empty_files: int = 0
+    """Files with no rows."""
+    bad_by_reason: Dict[str, int] = field(default_factory=dict)
+    """Skipped lines per reason ("fields", "int", "hex", "label", "utf8", "cr")."""
+    damaged_files: int = 0
+    """Files whose gzip stream broke off (truncated / corrupt); read up to the damage."""
+    damaged_row_groups: int = 0
+    """Parquet row groups that could not be decoded (corrupt pages), skipped."""
+
+
+class _CriteoReader(IterableDataset):
+    """Shared split / shard / transform / batching logic; subclasses read row ranges."""
+
+    def __init__(self, config: CriteoReaderConfig) -> None:
+        super().__init__()
+        if not config.paths:
+            raise ValueError("CriteoReaderConfig.paths is empty")
+        if config.bad_input not in ("skip", "strict"):
+            raise ValueError(f"bad_input must be 'skip' or 'strict', got {config.bad_input!r}")
+        if not 0 <= config.rank < config.world_size:
+            raise ValueError(f"rank must be in [0, world_size={config.world_size}), got {config.rank}")
+        self.config = config
+        self.paths = [Path(p) for p in config.paths]
+        for p in self._all_paths():
+            if not p.is_file():
+                raise FileNotFoundError(f"Criteo input file not found: {p}")
+        if config.vocab_dir is not None:
+            self.cat_transform = CategoricalTransform.from_vocab_dir(config.vocab_dir)
+        elif config.num_embeddings_per_feature is not None:
+            self.cat_transform = CategoricalTransform.hashing(config.num_embeddings_per_feature)
+        else:
+            self.cat_transform = CategoricalTransform()
+        self.stats = ReaderStats()
+        self._file_rows_cache: Optional[List[int]] = None
+
+    # -- to implement -------------------------------------------------------------------
+    def _all_paths(self) -> List[Path]:
+        return self.paths
+
+    def _count_file_rows(self) -> List[int]:
+        raise NotImplementedError
+
+    def _read_range(self, file_idx: int, lo: int, hi: Optional[int]) -> Iterator[Chunk]:
+        """Chunks of rows [lo, hi) of file ``file_idx`` (hi=None: to the end)."""
+        raise NotImplementedError
+
+    # -- shared -------------------------------------------------------------------------
+    def file_rows(self) -> List[int]:
+        """Rows (TSV: physical lines) per input file; computed once."""
+        if self._file_rows_cache is None:
+            rows = self._count_file_rows()
+            for p, n in zip(self.paths, rows):
+                if n == 0:
+                    self._empty_file(p)
+            self._file_rows_cache = rows
+        return self._file_rows_cache
+
+    def _empty_file(self, path: Path) -> None:
+        if self.config.bad_input == "strict":
+            raise BadInputError(f"{path}: empty file (no rows)")
+        self.stats.empty_files += 1
+        logger.warning("skipping empty file %s", path)
+
+    def _shard(self) -> Tuple[int, int]:
+        info = get_worker_info()
+        workers, wid = (info.num_workers, info.id) if info is not None else (1, 0)
+        return self.config.rank * workers + wid, self.config.world_size * workers
+
+    def _plan(self) -> Tuple[List[Tuple[int, int, Optional[int]]], Optional[int]]:
+        """Per-file row ranges this shard reads, and the batch cap for drop_last."""
+        cfg = self.config
+        shard, num_shards = self._shard()
+        if num_shards == 1 and cfg.split == "all" and not cfg.drop_last and self._file_rows_cache is None:
+            return [(i, 0, None) for i in range(len(self.paths))], None  # no counting needed
+        rows = self.file_rows()
+        start, stop = split_row_range(sum(rows), rows, cfg.split, cfg.holdout)
+        lo, hi = shard_range(start, stop, shard, num_shards)
+        max_batches = (stop - start) // num_shards // cfg.batch_size if cfg.drop_last else None
+        plan, base = [], 0
+        for i, n in enumerate(rows):
+            a, b = max(lo, base), min(hi, base + n)
+            if a < b:
+                plan.append((i, a - base, b - base))
+            base += n
+        return plan, max_batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        plan, max_batches = self._plan()
+        buf = BatchBuffer(self.config.batch_size)
+        emitted = 0
+        for file_idx, lo, hi in plan:
+            for labels, dense, cat_raw, cat_missing in self._read_range(file_idx, lo, hi):
+                self.stats.rows += len(labels)
+                ids = self.cat_transform(cat_raw, cat_missing)
+                for d, s, y in buf.add(dense, ids, labels):
+                    if max_batches is not None and emitted >= max_batches:
+                        return
+                    emitted += 1
+                    yield make_batch(d, s, y)
+        if self.config.drop_last:
+            return
+        for d, s, y in buf.flush():
+            yield make_batch(d, s, y)
