@@ -1,7 +1,7 @@
 """``decompress``: the inverse of ``compress``; every compressed module back to TorchRec's dense one.
 
 A decompressed model holds only stock modules (``EmbeddingBagCollection``,
-``LowRankCrossNet``, ``nn.Linear``, ``nn.EmbeddingBag``), so its ``state_dict`` loads
+``EmbeddingCollection``, ``LowRankCrossNet``, ``nn.Linear``, ``nn.EmbeddingBag``), so its ``state_dict`` loads
 (``strict=True``) into a TorchRec model of the same config built without comera-rec,
 and it serves with any TorchRec inference stack. The weights are the compressed
 modules' reconstructions (each TT / TTM train multiplied out once, controllers
@@ -17,12 +17,13 @@ import torch
 from torch import nn
 from torchrec.distributed.types import ShardedModule
 from torchrec.modules.crossnet import LowRankCrossNet
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.mlp import Perceptron
 
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
 from comera_rec.integration.compress import ModuleReport
+from comera_rec.integration.embedding_collection import TTMEmbeddingCollection
 from comera_rec.integration.mlp import TTLowRankCrossNet
 from comera_rec.integration.torchrec_internals import (
     perceptron_activation,
@@ -33,7 +34,14 @@ from comera_rec.tensor.embedding import TTMEmbeddingBag
 from comera_rec.tensor.linear import NarrowLinear, TTLinear
 
 # the modules decompress() replaces (a model that *is* one of them has no parent to replace it in)
-_REPLACED = (TTMEmbeddingBagCollection, TTLowRankCrossNet, TTLinear, NarrowLinear, TTMEmbeddingBag)
+_REPLACED = (
+    TTMEmbeddingBagCollection,
+    TTMEmbeddingCollection,
+    TTLowRankCrossNet,
+    TTLinear,
+    NarrowLinear,
+    TTMEmbeddingBag,
+)
 
 
 @dataclass
@@ -139,6 +147,24 @@ def _embedding_bag_collection(module: TTMEmbeddingBagCollection) -> EmbeddingBag
     return ebc
 
 
+def _embedding_collection(module: TTMEmbeddingCollection) -> EmbeddingCollection:
+    """TorchRec's (unpooled) collection with the same configs and every table formed whole."""
+    if isinstance(module.dense, ShardedModule):
+        raise ValueError(
+            "decompress: the collection's dense tables are sharded by DistributedModelParallel; "
+            "decompress the unwrapped model (e.g. one loaded from a checkpoint)"
+        )
+    configs: list[EmbeddingConfig] = [
+        dataclasses.replace(t, feature_names=list(t.feature_names)) for t in module.embedding_configs()
+    ]
+    device = next(module.parameters()).device
+    ec = EmbeddingCollection(configs, device=device, need_indices=module.need_indices())
+    for t in configs:
+        target = ec.embeddings[t.name].weight
+        target.detach().copy_(module.table_weight(t.name).detach().to(target.dtype))
+    return ec
+
+
 def _crossnet(module: TTLowRankCrossNet) -> LowRankCrossNet:
     """TorchRec's ``LowRankCrossNet`` with the projections' dense weights."""
     num_layers = len(module.V)
@@ -176,6 +202,8 @@ def decompress(model: nn.Module) -> DecompressionReport:
 
     * :class:`TTMEmbeddingBagCollection` -> ``EmbeddingBagCollection`` (same configs,
       TTM tables reconstructed, dense tables copied);
+    * :class:`TTMEmbeddingCollection` -> ``EmbeddingCollection`` (the same, unpooled, with
+      its ``need_indices``);
     * :class:`TTLowRankCrossNet` -> ``LowRankCrossNet``;
     * ``TTLinear`` and ``NarrowLinear`` -> ``nn.Linear`` (a fused ReLU goes back to the
       ``Perceptron``'s activation);
@@ -221,6 +249,8 @@ def decompress(model: nn.Module) -> DecompressionReport:
         replacement: nn.Module
         if isinstance(module, TTMEmbeddingBagCollection):
             replacement = _embedding_bag_collection(module)
+        elif isinstance(module, TTMEmbeddingCollection):
+            replacement = _embedding_collection(module)
         elif isinstance(module, TTLowRankCrossNet):
             replacement = _crossnet(module)
         elif isinstance(module, (TTLinear, NarrowLinear)):

@@ -508,3 +508,32 @@ def test_two_process_dmp_matches_one_process(tmp_path: Path) -> None:
     name, _, shard = shards[0]
     torch.testing.assert_close(shard, expected[name], rtol=1e-5, atol=1e-6)
     assert not torch.equal(shard, initial[name])
+
+
+@pytest.mark.parametrize("need_indices", [False, True])
+def test_decompress_gives_torchrec_collection_with_the_same_outputs(need_indices: bool) -> None:
+    """decompress() turns the collection (after a rank cut) back into TorchRec's own
+    EmbeddingCollection: the same sequences, and a state dict a stock collection loads."""
+    from comera_rec.integration import decompress
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"ec": TTMEmbeddingCollection(ec_tables(), ec_policy(), need_indices=need_indices)})
+    group = next(m for _, m in tensor_train_modules(model))
+    with torch.no_grad():
+        group.controllers[0][..., 1:] = 0.0
+    assert truncate_model(model, 1e-3).changed
+    kjt = seq_kjt()
+    with torch.no_grad():
+        before = model["ec"](kjt)
+        report = decompress(model)
+        after = model["ec"](kjt)
+    assert type(model["ec"]) is EmbeddingCollection and [m.kind for m in report.modules] == ["EmbeddingCollection"]
+    assert report.params_after > report.params_before
+    assert set(after) == set(before)
+    for key, jt in before.items():
+        torch.testing.assert_close(after[key].values(), jt.values(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(after[key].lengths(), jt.lengths())
+        if need_indices:
+            assert torch.equal(after[key].weights(), jt.weights())
+    stock = EmbeddingCollection(ec_tables(), need_indices=need_indices)
+    stock.load_state_dict(model["ec"].state_dict())  # strict: same keys and shapes
