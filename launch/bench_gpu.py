@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from typing import Callable
 
 import torch
@@ -35,6 +34,7 @@ from torch import nn
 
 from comera_rec.tensor import TTLinear, TTMEmbeddingBag, kernels, set_static_shapes
 from comera_rec.training.cuda_graph import CudaGraphCapture, GraphedTrainStep
+from comera_rec.utils.benchmark import time_interleaved
 
 EMBEDDING_DIM = 16
 # The Kaggle tables DLRMConfig.kaggle() compresses (rows * 16 >= min_params_to_compress), in
@@ -51,22 +51,14 @@ def _sync(device: torch.device) -> None:
 def time_interleaved_device(
     variants: dict[str, Callable[[], object]], device: torch.device, repeats: int, warmup: int = 5
 ) -> dict[str, float]:
-    """Median milliseconds per call of each variant, run in turn (device-synchronised)."""
-    import time
+    """Median milliseconds per call of each variant, run in turn: :func:`time_interleaved`
+    with a device synchronisation ending each call, so the GPU work is counted."""
 
-    for _ in range(warmup):
-        for fn in variants.values():
-            fn()
-    _sync(device)
-    samples: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    def synced(fn: Callable[[], object]) -> Callable[[], None]:
+        return lambda: (fn(), _sync(device))
+
+    seconds = time_interleaved({k: synced(fn) for k, fn in variants.items()}, repeats, warmup)
+    return {k: v * 1e3 for k, v in seconds.items()}
 
 
 class LookupModel(nn.Module):

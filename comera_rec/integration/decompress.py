@@ -11,6 +11,7 @@ included), so the outputs are those of the compressed model up to float rounding
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -128,40 +129,42 @@ def _linear(module: TTLinear | NarrowLinear, parent: nn.Module, child: str) -> n
     return NarrowLinear.from_linear(layer, relu=True)
 
 
-def _embedding_bag_collection(module: TTMEmbeddingBagCollection) -> EmbeddingBagCollection:
-    """TorchRec's collection with the same configs and every table formed whole."""
+def _check_unsharded(module: TTMEmbeddingBagCollection | TTMEmbeddingCollection) -> None:
     if isinstance(module.dense, ShardedModule):
         raise ValueError(
             "decompress: the collection's dense tables are sharded by DistributedModelParallel; "
             "decompress the unwrapped model (e.g. one loaded from a checkpoint)"
         )
+
+
+def _fill_tables(module: TTMEmbeddingBagCollection | TTMEmbeddingCollection, tables: Mapping[str, nn.Module]) -> None:
+    """Copy every table of ``module``, formed whole, into the stock collection's ``tables``."""
+    for name, table in tables.items():
+        table.weight.detach().copy_(module.table_weight(name).detach().to(table.weight.dtype))
+
+
+def _embedding_bag_collection(module: TTMEmbeddingBagCollection) -> EmbeddingBagCollection:
+    """TorchRec's collection with the same configs and every table formed whole."""
+    _check_unsharded(module)
     # copies: the new collection must not share (and so mutate) the compressed one's configs
     configs: list[EmbeddingBagConfig] = [
         dataclasses.replace(t, feature_names=list(t.feature_names)) for t in module.embedding_bag_configs()
     ]
     device = next(module.parameters()).device
     ebc = EmbeddingBagCollection(configs, is_weighted=module.is_weighted(), device=device)
-    for t in configs:
-        target = ebc.embedding_bags[t.name].weight
-        target.detach().copy_(module.table_weight(t.name).detach().to(target.dtype))
+    _fill_tables(module, ebc.embedding_bags)
     return ebc
 
 
 def _embedding_collection(module: TTMEmbeddingCollection) -> EmbeddingCollection:
     """TorchRec's (unpooled) collection with the same configs and every table formed whole."""
-    if isinstance(module.dense, ShardedModule):
-        raise ValueError(
-            "decompress: the collection's dense tables are sharded by DistributedModelParallel; "
-            "decompress the unwrapped model (e.g. one loaded from a checkpoint)"
-        )
+    _check_unsharded(module)
     configs: list[EmbeddingConfig] = [
         dataclasses.replace(t, feature_names=list(t.feature_names)) for t in module.embedding_configs()
     ]
     device = next(module.parameters()).device
     ec = EmbeddingCollection(configs, device=device, need_indices=module.need_indices())
-    for t in configs:
-        target = ec.embeddings[t.name].weight
-        target.detach().copy_(module.table_weight(t.name).detach().to(target.dtype))
+    _fill_tables(module, ec.embeddings)
     return ec
 
 
