@@ -9,7 +9,7 @@ gives the features' gradient: with
 ``U`` the upstream gradient on the upper triangle, the gradient of ``<U, E E^T>`` is
 ``(U + U^T) E``, and the grid filled in both triangles is ``U + U^T``. Same values forward
 (bit for bit), gradients equal up to rounding. On CPU a fused kernel
-(``comera_rec/tensor/kernels/interaction_cpu.cpp``) does the whole of it, the
+(``dlrm/interaction_cpu.cpp``, :mod:`comera_rec.dlrm.interaction_kernel`) does the whole of it, the
 concatenations included, per sample in one pass (values and gradients equal up to
 rounding).
 
@@ -23,8 +23,8 @@ from torch import nn
 from torchrec.models.dlrm import SparseArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from comera_rec.dlrm.interaction_kernel import pairwise_dots_cpu, pairwise_kernel_applies
 from comera_rec.integration.fused_tables import fused_tables_lookup, single_lookup
-from comera_rec.tensor import kernels
 
 
 class _PairwiseDots(torch.autograd.Function):
@@ -102,8 +102,8 @@ class PairwiseDotInteraction(nn.Module):
                 f"PairwiseDotInteraction: expected sparse features (B, {self.num_sparse_features}, D), "
                 f"got {tuple(sparse_features.shape)}"
             )
-        if kernels.pairwise_kernel_applies(dense_features, sparse_features):
-            return kernels.pairwise_dots_cpu(dense_features, sparse_features)
+        if pairwise_kernel_applies(dense_features, sparse_features):
+            return pairwise_dots_cpu(dense_features, sparse_features)
         combined = torch.cat([dense_features.unsqueeze(1), sparse_features], dim=1)  # (B, n, D)
         upper, pair_of_cell = self._positions_on(combined.device)
         pairs = _PairwiseDots.apply(combined, upper, pair_of_cell)  # (B, n (n - 1) / 2)

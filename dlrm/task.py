@@ -26,7 +26,7 @@ from comera_rec.integration.distributed import (
     wrap_model,
 )
 from comera_rec.rank import RankScheduleConfig
-from comera_rec.training import OptimConfig, TrainerConfig
+from comera_rec.training import OptimConfig, Task, TrainerConfig
 
 
 @dataclass
@@ -117,7 +117,7 @@ def check_run_config(config: DLRMRunConfig) -> None:
         )
 
 
-class DLRMTask:
+class DLRMTask(Task):
     """The engine's view of a DLRM run.
 
     Args:

@@ -4,27 +4,23 @@ Large tables are tensor-train matrices (TTM); tables of one TT shape are stacked
 looked up in one call. Small tables stay dense in a TorchRec ``EmbeddingBagCollection``
 submodule (``dense``), so TorchRec's sharders and planner treat them exactly as in any
 other model: under ``DistributedModelParallel`` they become FBGEMM table-batched
-kernels with a fused optimizer, sharded across ranks.
+kernels with a fused optimizer, sharded across ranks. The collection's output layout and
+the checks of its input are in :mod:`~comera_rec.integration.collection_layout`.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import torch
 from torch import nn
 from torchrec.distributed.types import ShardedModule
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import (
-    EmbeddingBagCollection,
-    EmbeddingBagCollectionInterface,
-    get_embedding_names_by_table,
-)
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from comera_rec.integration.collection_layout import BagOutputLayout, check_input_kind, check_jagged_batch
 from comera_rec.integration.fused_tables import fused_tables_lookup, single_lookup
 from comera_rec.integration.in_backward import carry_in_backward_optimizers
 from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tables
@@ -189,22 +185,7 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
             )
 
         # ---- where each output key comes from, in TorchRec's order
-        self._embedding_names: list[str] = list(itertools.chain(*get_embedding_names_by_table(tables)))
-        self._lengths_per_embedding: list[int] = [t.embedding_dim for t in tables for _ in t.feature_names]
-        self._uniform_dim = len(set(self._lengths_per_embedding)) == 1
-        dense_pos = itertools.count()
-        stream_pos: dict[tuple[str, str], tuple[int, int]] = {}
-        for g, streams in enumerate(self._group_streams):
-            for s, (f, i, _) in enumerate(streams):
-                stream_pos[(self._group_tables[g][i], f)] = (g, s)
-        self._slots: list[tuple[str, int, int]] = []
-        for t in tables:
-            for f in t.feature_names:
-                if self.plans[t.name].compressed:
-                    g, s = stream_pos[(t.name, f)]
-                    self._slots.append(("tt", g, s))
-                else:
-                    self._slots.append(("dense", next(dense_pos), 0))
+        self._layout = BagOutputLayout.from_tables(tables, self.plans, self._group_tables, self._group_streams)
 
         self._init_key_checks(tables)
 
@@ -234,106 +215,6 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         return f"compressed={self.compressed_tables()}, dense={self.dense_tables()}, is_weighted={self._is_weighted}"
 
     # ------------------------------------------------------------------ forward
-    def _id_error(self, key: str, values: torch.Tensor, pos: int) -> ValueError:
-        num, table = self._bounds[key]
-        return ValueError(
-            f"TTMEmbeddingBagCollection: feature {key!r} has id {int(values[pos])} out of range "
-            f"[0, {num}) of table {table!r}"
-        )
-
-    def _check_batch(
-        self,
-        features: KeyedJaggedTensor,
-        keys: Sequence[str],
-        values: torch.Tensor,
-        lengths: torch.Tensor,
-        bounds: list[int],
-    ) -> None:
-        """Integer ids and lengths, lengths / offsets / values that agree, ids in range
-        (errors name the feature). On CPU with the kernels built, one C++ pass
-        (``kernels.check_jagged``) does what the tensor checks do in several."""
-        name = "TTMEmbeddingBagCollection"
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise TypeError(f"{name}: KeyedJaggedTensor values (ids) must be an integer tensor, got {values.dtype}")
-        if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
-            raise TypeError(f"{name}: KeyedJaggedTensor lengths must be an integer tensor, got {lengths.dtype}")
-        batch = features.stride()
-        if values.dim() != 1 or lengths.dim() != 1:
-            raise ValueError(
-                f"{name}: KeyedJaggedTensor values and lengths must be 1-D, got shapes "
-                f"{tuple(values.shape)} and {tuple(lengths.shape)}"
-            )
-        if lengths.numel() != len(keys) * batch:
-            raise ValueError(
-                f"{name}: KeyedJaggedTensor has {lengths.numel()} lengths, expected "
-                f"{len(keys)} keys x batch {batch} = {len(keys) * batch}"
-            )
-
-        def where(pos: int) -> str:
-            return f"feature {keys[pos // batch]!r}, sample {pos % batch}" if batch else f"position {pos}"
-
-        def negative_length(pos: int) -> ValueError:
-            return ValueError(f"{name}: negative bag length {int(lengths[pos])} at {where(pos)}")
-
-        def wrong_total(total: int) -> ValueError:
-            return ValueError(
-                f"{name}: KeyedJaggedTensor lengths sum to {total} but it holds {values.numel()} "
-                f"values (ids); lengths and values disagree"
-            )
-
-        def offsets_differ(pos: int) -> ValueError:
-            return ValueError(
-                f"{name}: KeyedJaggedTensor offsets and lengths disagree at {where(pos)}: "
-                f"offsets give {int(offsets[pos + 1] - offsets[pos])}, lengths {int(lengths[pos])}"
-            )
-
-        offsets = features.offsets_or_none() if features.lengths_or_none() is not None else None
-        if offsets is not None and (
-            offsets.numel() != lengths.numel() + 1 or (offsets.numel() and int(offsets[0]) != 0)
-        ):
-            raise ValueError(
-                f"{name}: KeyedJaggedTensor offsets (length {offsets.numel()}, first "
-                f"{int(offsets[0]) if offsets.numel() else None}) do not match its "
-                f"{lengths.numel()} lengths (need {lengths.numel() + 1} offsets starting at 0)"
-            )
-        weights = features.weights_or_none()
-        if weights is not None and weights.numel() != values.numel():
-            raise ValueError(f"{name}: KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values")
-        one_pass = values.dtype in (torch.int32, torch.int64) and values.device.type == "cpu"
-        if one_pass and lengths.device.type == "cpu" and kernels.cpu_kernel_enabled():
-            code, pos, total, key = kernels.check_jagged(values, lengths, offsets, batch, bounds)
-            if code == 1:
-                raise negative_length(pos)
-            if total != values.numel():
-                raise wrong_total(total)
-            if code == 2:
-                raise offsets_differ(pos)
-            if code == 3:
-                raise self._id_error(keys[key], values, pos)
-            return
-        if lengths.numel():
-            negative = (lengths < 0).nonzero()
-            if negative.numel():
-                raise negative_length(int(negative[0]))
-        total = int(lengths.sum()) if lengths.numel() else 0
-        if total != values.numel():
-            raise wrong_total(total)
-        if offsets is not None:
-            differ = (offsets[1:] - offsets[:-1] != lengths).nonzero()
-            if differ.numel():
-                raise offsets_differ(int(differ[0]))
-        if values.numel() == 0:
-            return
-        length_per_key = features.length_per_key()
-        limit = torch.repeat_interleave(
-            torch.tensor(bounds, device=values.device), torch.tensor(length_per_key, device=values.device)
-        )
-        bad = (values < 0) | ((values >= limit) & (limit >= 0))
-        if bool(bad.any()):
-            pos = int(bad.nonzero()[0])
-            starts = list(itertools.accumulate([0] + length_per_key[:-1]))
-            raise self._id_error(keys[bisect.bisect_right(starts, pos) - 1], values, pos)
-
     def _direct_dense_lookup(self) -> nn.Module | None:
         """The dense tables' one table-batched lookup, when it can be called directly.
 
@@ -390,23 +271,14 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
 
     def _check_features(self, features: KeyedJaggedTensor) -> None:
         """The input's type, layout and (if ``validate_inputs``) ids; see :meth:`forward`."""
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"TTMEmbeddingBagCollection: expected a KeyedJaggedTensor, got {type(features).__name__}")
-        if features.variable_stride_per_key():
-            raise ValueError("TTMEmbeddingBagCollection: variable batch sizes per feature are not supported")
-        if getattr(self.dense, "_free_features_storage_early", False):
-            raise RuntimeError(
-                "TTMEmbeddingBagCollection: the train pipeline's free_features_storage_early=True frees the "
-                "batch's KeyedJaggedTensor after the dense tables' input distribution, but the TTM tables "
-                "read it later in the forward; leave free_features_storage_early off"
-            )
+        check_input_kind(features, self.dense)
         keys = features.keys()
         _, bounds = self._key_layout(keys)
         values = features.values()
         lengths = features.lengths()
         validate = self._validate and not self.static_shapes  # validation reads ids on the host
         if validate:
-            self._check_batch(features, keys, values, lengths, bounds)
+            check_jagged_batch(features, keys, values, lengths, bounds, self._bounds)
 
     def _pool(self, features: KeyedJaggedTensor, dense_out: object) -> KeyedTensor:
         """:meth:`forward` after the checks; ``dense_out`` is the sharded ``dense`` child's
@@ -431,7 +303,8 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         # On CPU with the fused kernel, every part comes as (B, streams * D) and one pass
         # gathers the output's blocks from them (gather_column_blocks); otherwise the
         # parts are split per stream and concatenated.
-        by_blocks = self._uniform_dim and values.device.type == "cpu" and kernels.cpu_kernel_enabled()
+        layout = self._layout
+        by_blocks = layout.uniform_dim and values.device.type == "cpu" and kernels.cpu_kernel_enabled()
         pooled_tt: list[tuple[torch.Tensor, ...]] = []  # per group: F_g tensors (B, D)
         sources: list[torch.Tensor] = []  # by_blocks: dense values (if any), then each group's (B, F_g * D)
         for g, (group, streams) in enumerate(zip(self.groups, self._group_streams)):
@@ -498,17 +371,17 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
                 dense_parts = list(dense_values.split(self._dense_lengths, dim=1))
 
         if by_blocks:
-            dim = self._lengths_per_embedding[0]
-            first_group = 1 if self.dense is not None else 0
-            blocks = [(first_group + a, b * dim) if kind == "tt" else (0, a * dim) for kind, a, b in self._slots]
-            out_values = kernels.gather_column_blocks([v.float() for v in sources], blocks, dim)
+            blocks = layout.column_blocks(self.dense is not None)
+            out_values = kernels.gather_column_blocks(
+                [v.float() for v in sources], blocks, layout.lengths_per_embedding[0]
+            )
         else:
-            pieces = [pooled_tt[a][b] if kind == "tt" else dense_parts[a] for kind, a, b in self._slots]
+            pieces = [pooled_tt[a][b] if kind == "tt" else dense_parts[a] for kind, a, b in layout.slots]
             out_values = torch.cat(pieces, dim=1).float()
         return KeyedTensor(
-            keys=self._embedding_names,
+            keys=list(layout.embedding_names),
             values=out_values,
-            length_per_key=self._lengths_per_embedding,
+            length_per_key=list(layout.lengths_per_embedding),
         )
 
     # ------------------------------------------------------------------ conversion

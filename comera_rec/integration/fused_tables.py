@@ -5,7 +5,7 @@ embedding (TBE) whose backward applies exact row-wise Adagrad. When that TBE is 
 one (host memory, float32, sum pooling, row-wise Adagrad with no weight decay, clipping
 or norm limits) the lookup here reads the same weight buffer and its backward updates the
 same weight and momentum buffers in place with the same rule
-(:mod:`comera_rec.tensor.kernels.rowwise_bag_cpu`), so checkpoints, the fused optimizer's
+(:mod:`comera_rec.integration.rowwise_bag_kernel`), so checkpoints, the fused optimizer's
 state and sharding plans are those of the TBE. Anything else goes through FBGEMM.
 """
 
@@ -20,9 +20,13 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
+from comera_rec.integration.rowwise_bag_kernel import (
+    RowwiseTables,
+    rowwise_adagrad_bag,
+    rowwise_bag_kernel_applies,
+    rowwise_bag_kernel_enabled,
+)
 from comera_rec.integration.torchrec_internals import fused_lookup_tables, fused_lookups, lookup_tbe
-from comera_rec.tensor import kernels
-from comera_rec.tensor.kernels.rowwise_bag_cpu import RowwiseTables
 
 # The TBE optimizer arguments the kernel implements (FusedEmbeddingBagCollection's
 # defaults for row-wise Adagrad); any other value leaves the lookup to FBGEMM.
@@ -102,13 +106,13 @@ def fused_tables_lookup(
         weights: per-id weights or ``None``.
         batch: samples per feature.
     """
-    tbe = _plain_tbe(lookup) if kernels.cpu_kernel_enabled() else None
-    if tbe is not None and kernels.rowwise_bag_kernel_applies(tbe.weights_host, tbe.momentum1_host, ids):
+    tbe = _plain_tbe(lookup) if rowwise_bag_kernel_enabled() else None
+    if tbe is not None and rowwise_bag_kernel_applies(tbe.weights_host, tbe.momentum1_host, ids):
         tables = _layouts.get(tbe)
         if tables is None:
             tables = _layouts[tbe] = _tables_of(tbe)
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.long())
-        out = kernels.rowwise_adagrad_bag(
+        out = rowwise_adagrad_bag(
             tbe.weights_host,
             tbe.momentum1_host,
             tables,

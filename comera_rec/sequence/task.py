@@ -1,11 +1,11 @@
 """The masked-item model as an engine task, the run driver and the command line.
 
-:class:`MaskedItemTask` implements the engine's task protocol
-(``comera_rec.training.engine.Task``): cloze batches for training, one masked last
-position per user for validation, and ranking metrics (:class:`RankingMetrics`) instead
-of the engine's binary ones. :func:`run_seq` loads the data, trains with the engine,
-tests on the leave-one-out test items and adds the reference figures (random ranking and,
-for the synthetic chain, the best achievable) to the summary.
+:class:`MaskedItemTask` is an engine task (a :class:`comera_rec.training.Task`): cloze
+batches for training, one masked last position per user for validation, and ranking
+metrics (:class:`RankingMetrics`) instead of the engine's binary ones. :func:`run_seq`
+loads the data, trains with the engine, tests on the leave-one-out test items and adds
+the reference figures (random ranking and, for the synthetic chain, the best achievable)
+to the summary.
 
     python launch/train_seq.py --config configs/seq_synthetic.yaml
     python launch/train_seq.py --config configs/seq_synthetic.yaml model.compressed=false
@@ -43,12 +43,12 @@ from comera_rec.sequence.data import (
 )
 from comera_rec.sequence.metrics import RankingMetrics
 from comera_rec.sequence.model import MaskedItemModel, item_kjt
-from comera_rec.training import Trainer
+from comera_rec.training import Task, Trainer
 from comera_rec.training.dist import shard
 from comera_rec.utils.logs import setup_logging
 
 
-class MaskedItemTask:
+class MaskedItemTask(Task):
     """The engine's view of a masked-item run.
 
     Args:

@@ -13,6 +13,7 @@ from comera_rec.training.engine import IncompatibleCheckpointError, Task, Traine
 from comera_rec.training.metrics import BinaryMetrics
 from comera_rec.training.optim import OptimConfig, build_optimizer, rebuild_optimizer
 from comera_rec.training.report import JsonlLog, plot_run, read_jsonl, summary_table
+from comera_rec.training.trainer_config import task_hook
 
 __all__ = [
     "BinaryMetrics",
@@ -34,4 +35,5 @@ __all__ = [
     "rebuild_optimizer",
     "save_checkpoint",
     "summary_table",
+    "task_hook",
 ]

@@ -5,7 +5,8 @@ rank truncation and the rebuild it forces, validation metrics over all processes
 checkpoints and resume, and the reports. It knows nothing of the model's kind: a *task*
 supplies the model, the wrapper, the batches and the loss.
 
-Task protocol (see :class:`Task`)::
+Task hooks (see :class:`Task`, whose defaults give the optional ones; a task need not
+subclass it: the engine looks the optional hooks up with :func:`task_hook`)::
 
     build_model(device) -> nn.Module            # the unwrapped model, same on every process
     wrap(model) -> nn.Module                    # DDP / DMP / identity; called again after truncation
@@ -14,6 +15,7 @@ Task protocol (see :class:`Task`)::
     step_loss(wrapped, batch) -> (loss, logits, labels)
     extra_optimizers(wrapped) -> list           # optional: e.g. TorchRec fused optimisers
     optimizer_parameters(wrapped) -> Iterable   # optional: what the torch optimiser updates
+    metrics(device) -> TaskMetrics              # optional: validation metrics (binary by default)
     checkpoint_config_keys() -> list[str]       # optional: config key prefixes a resume may not change
 
 Batches must be deterministic given the epoch (so a resumed run can skip the consumed
@@ -71,13 +73,13 @@ from comera_rec.training.engine_graphs import TrainerGraphs
 from comera_rec.training.engine_report import TrainerReports
 from comera_rec.training.engine_setup import TrainerSetup
 from comera_rec.training.engine_steps import TrainerSteps
-from comera_rec.training.metrics import BinaryMetrics
-from comera_rec.training.optim import OptimConfig, build_optimizer, lr_factor, set_lr_factor
+from comera_rec.training.optim import OptimConfig, build_optimizer
 from comera_rec.training.process_state import _rng_state, _set_rng_state, peak_memory_mb  # noqa: F401
 from comera_rec.training.report import JsonlLog
 from comera_rec.training.rundir import RunDir, open_run_dir
+from comera_rec.training.step import EagerStep, GraphedStep
 from comera_rec.training.stop import StopSignals, TrainingStopped
-from comera_rec.training.trainer_config import Task, TrainerConfig
+from comera_rec.training.trainer_config import Task, TrainerConfig, task_hook
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -154,15 +156,14 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerGraphs, TrainerSteps, Tra
 
     def _build_optimizers(self, truncation: Any = None) -> None:
         if self.optimizer is None:
-            include = None
-            if hasattr(self.task, "optimizer_parameters"):
-                include = list(self.task.optimizer_parameters(self.wrapped))
+            params = task_hook(self.task, "optimizer_parameters")(self.wrapped)
+            include = None if params is None else list(params)  # None: all of the model's
             self.optimizer = build_optimizer(self.model, self.optim_config, include, self._capturable)
         elif truncation is not None:
             # the path RankAdapter users take: the same optimiser, pointed at the cut
             # parameters with its state sliced (comera_rec/rank/optim_state.py)
             retarget_optimizer(self.optimizers, truncation)
-        self.extra = list(self.task.extra_optimizers(self.wrapped)) if hasattr(self.task, "extra_optimizers") else []
+        self.extra = list(task_hook(self.task, "extra_optimizers")(self.wrapped))
 
     def _zero_grad(self) -> None:
         if self._graphs is not None and self._graphs.holds_grads:
@@ -187,8 +188,8 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerGraphs, TrainerSteps, Tra
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Validation metrics over all processes (collective): the task's own
-        ``metrics(device)`` when it has one, else AUC, accuracy and log loss."""
-        metrics = self.task.metrics(self.device) if hasattr(self.task, "metrics") else BinaryMetrics(self.device)
+        ``metrics(device)`` (by default AUC, accuracy and log loss)."""
+        metrics = task_hook(self.task, "metrics")(self.device)
         self.wrapped.eval()
         try:
             batches = self.task.val_batches()
@@ -203,17 +204,6 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerGraphs, TrainerSteps, Tra
         self.last_eval = result
         self.schedule.observe_validation(self.step, result["log_loss"], self.model)
         return result
-
-    def _clip_and_schedule(self, total_steps: Optional[int]) -> None:
-        """Clip the gradient norm (gradients are already all-reduced, so every process
-        clips alike) and set this step's learning rates (warm-up / decay)."""
-        oc = self.optim_config
-        if oc.clip_grad_norm > 0:
-            grads = [p for p in self.model.parameters() if p.grad is not None]
-            if grads:
-                torch.nn.utils.clip_grad_norm_(grads, oc.clip_grad_norm)
-        if oc.warmup_steps or oc.decay != "none":
-            set_lr_factor(self.optimizers, lr_factor(oc, self.step, total_steps))
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, Any]:
@@ -368,34 +358,21 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerGraphs, TrainerSteps, Tra
             truncated)``, or None when the batch was skipped as non-finite.
         """
         cfg = self.config
-        graphed = self._graphs is not None and self._graphs_usable()
-        if graphed:  # replays (after warm-up) forward, objective and backward
-            loss, labels, objective, surrogate = self._graphs.forward_backward(batch)
-        else:
-            loss, _, labels = self.task.step_loss(self.wrapped, batch)
+        # graphed: replays (after warm-up) of forward + objective + backward, then of clip +
+        # optimiser steps; eager otherwise (comera_rec/training/step.py)
+        step = GraphedStep(self) if self._graphs is not None and self._graphs_usable() else EagerStep(self)
+        loss, labels = step.forward(batch)
         global_loss, finite = self._reduce_loss(loss)
         self.batch_in_epoch += 1
         if not finite:
             self._skip_nonfinite("loss")
             return None
-        if graphed:  # size S is not read by the loop: not computed (a host sync per module)
-            terms = ObjectiveTerms(objective, float(loss), float(surrogate), 0, self.schedule.stage)
-        else:
-            terms = self.schedule.objective(self.model, loss, self.step, global_task_loss=global_loss)
-            terms.loss.backward()
+        terms = step.backward(loss, global_loss)
         if cfg.check_grads and not self._grads_finite():
             self._skip_nonfinite("gradients")
             return None
         self.schedule.observe_gradients(self.model)  # slice costs for the budget's cuts
-        if graphed:  # the rates on the host, then the captured clip and optimiser steps
-            oc = self.optim_config
-            if oc.warmup_steps or oc.decay != "none":
-                set_lr_factor(self.optimizers, lr_factor(oc, self.step, total))
-            self._graphs.update(self.optimizers)
-        else:
-            self._clip_and_schedule(total)
-            for opt in self.optimizers:
-                opt.step()
+        step.update(total)
         self._zero_grad()
         self.step += 1
         faults.maybe_kill(faults.KILL_AT_STEP, self.step, self.process_rank, self.run_dir)

@@ -29,7 +29,7 @@ from comera_rec.training.dcp_state import restore_shared, shared_model_shapes, s
 from comera_rec.training.dist import process_rank, restart_count, world_size
 from comera_rec.training.process_state import _rng_state
 from comera_rec.training.rundir import RunDir
-from comera_rec.training.trainer_config import Task, TrainerConfig
+from comera_rec.training.trainer_config import Task, TrainerConfig, task_hook
 
 # the Trainer's records keep the engine's logger name
 logger = logging.getLogger("comera_rec.training.engine")
@@ -167,7 +167,7 @@ class TrainerCheckpoints:
         problems = state_dict_mismatches(self.model, state["model"])
         diffs = config_differences(meta.get("config"), to_dict(self.run_config)) if self.run_config is not None else []
         # config sections that define the model (the task says which): any change there is fatal
-        fixed = tuple(self.task.checkpoint_config_keys()) if hasattr(self.task, "checkpoint_config_keys") else ()
+        fixed = tuple(task_hook(self.task, "checkpoint_config_keys")())
         problems += [f"config {d}" for d in diffs if fixed and d.startswith(fixed)]
         if problems:
             shown = problems[:12] + ([f"... {len(problems) - 12} more"] if len(problems) > 12 else [])

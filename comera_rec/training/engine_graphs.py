@@ -16,6 +16,7 @@ from comera_rec.tensor.embedding import set_static_shapes
 from comera_rec.training.cuda_graph import CaptureBackend, CudaGraphCapture, StepGraphs, capturable_objective
 from comera_rec.training.dist import is_distributed, world_size
 from comera_rec.training.optim import OptimConfig
+from comera_rec.training.step import captured_update
 from comera_rec.training.trainer_config import Task, TrainerConfig
 
 # the Trainer's records keep the engine's logger name
@@ -96,12 +97,6 @@ class TrainerGraphs:
         return loss.detach(), labels.detach(), objective.detach(), surrogate.detach()
 
     def _graph_update(self) -> None:
-        """Captured part 2: the clip of ``_clip_and_schedule`` and the optimiser steps (the
-        rates are set on the host before, see ``StepGraphs``)."""
-        oc = self.optim_config
-        if getattr(oc, "clip_grad_norm", 0) > 0:
-            grads = [p for p in self.model.parameters() if p.grad is not None]
-            if grads:
-                torch.nn.utils.clip_grad_norm_(grads, oc.clip_grad_norm)
-        for opt in self.optimizers:
-            opt.step()
+        """Captured part 2: the clip and the optimiser steps (the rates are set on the host
+        before each replay, see :class:`~comera_rec.training.step.GraphedStep`)."""
+        captured_update(self.model, self.optimizers, self.optim_config)

@@ -1,38 +1,222 @@
 """The training loop's settings (:class:`TrainerConfig`) and what the engine needs from a
-model kind (:class:`Task`); see :mod:`comera_rec.training.engine`."""
+model kind (:class:`Task`, with :func:`task_hook` to look its hooks up); see
+:mod:`comera_rec.training.engine`."""
 
 from __future__ import annotations
 
+from abc import ABCMeta
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol, runtime_checkable
+from types import MethodType
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
 
+from comera_rec.training.metrics import BinaryMetrics
 
-@runtime_checkable
-class Task(Protocol):
-    """What the engine needs from a model kind (DLRM, transformer, a test toy)."""
 
-    def build_model(self, device: torch.device) -> nn.Module:
-        """Build the unwrapped model on ``device`` (called once, after seeding)."""
+class TaskMetrics(Protocol):
+    """What :meth:`Task.metrics` returns: validation metrics gathered over all processes."""
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """Add one validation batch (the logits and labels :meth:`Task.step_loss` returned)."""
         ...
+
+    def compute(self) -> dict[str, float]:
+        """The metrics over every process (collective); must include ``"log_loss"``."""
+        ...
+
+
+REQUIRED_HOOKS: tuple[str, ...] = ("build_model", "wrap", "train_batches", "val_batches", "step_loss")
+"""The hooks every task must define."""
+OPTIONAL_HOOKS: tuple[str, ...] = ("optimizer_parameters", "extra_optimizers", "metrics", "checkpoint_config_keys")
+"""The hooks :class:`Task` gives a default to; the engine looks them up with :func:`task_hook`."""
+
+
+class Task(metaclass=ABCMeta):
+    """What the engine needs from a model kind (DLRM, transformer, a test toy).
+
+    Subclass it and define the five required hooks; the optional ones have defaults that
+    fit a binary click model trained by the engine's own optimiser alone. The engine
+    also accepts objects that do not subclass :class:`Task` (it looks the optional hooks
+    up with :func:`task_hook`), and ``isinstance(obj, Task)`` holds for any object with
+    the required hooks, as when ``Task`` was a runtime-checkable ``Protocol``.
+
+    Required hooks (the defaults here raise ``NotImplementedError``):
+
+    * ``build_model(device) -> nn.Module``: the unwrapped model on ``device``, the same on
+      every process; called once per ``fit()``, after seeding.
+    * ``wrap(model) -> nn.Module``: the distributed wrapper (DDP, DMP) sharing ``model``'s
+      parameters, or ``model`` itself; called after ``build_model``, again after every
+      rank truncation, and after a resume's restore.
+    * ``train_batches(epoch) -> Iterable``: this process's training batches of ``epoch``,
+      the same sequence on every call (a resumed run skips the consumed ones); called at
+      the start of each epoch (and once with epoch 0 for ``len()`` when the run is
+      ``epochs`` long).
+    * ``val_batches() -> Iterable``: this process's validation batches (from a private
+      generator, not the global RNG); called at each validation.
+    * ``step_loss(wrapped, batch) -> (loss, logits, labels)``: forward one batch: the mean
+      loss to back-propagate and the logits and labels the metrics take; called every
+      training step and on every validation batch (with ``wrapped`` in eval mode).
+
+    Optional hooks (defaults below):
+
+    * ``optimizer_parameters(wrapped)``: the parameters the engine's torch optimiser
+      updates, or ``None`` for all of the model's; called when that optimiser is built.
+    * ``extra_optimizers(wrapped) -> list``: further optimisers the engine steps, zeroes
+      and checkpoints (e.g. TorchRec's fused one); called after every (re)wrap.
+    * ``metrics(device) -> TaskMetrics``: fresh validation metrics; called at each validation.
+    * ``checkpoint_config_keys() -> Sequence[str]``: run-config key prefixes a resume may
+      not change; called when a checkpoint is restored.
+
+    Example::
+
+        >>> class Clicks(Task):
+        ...     def build_model(self, device):
+        ...         return nn.Linear(4, 1).to(device)
+        ...     def wrap(self, model):
+        ...         return model
+        ...     def train_batches(self, epoch):
+        ...         gen = torch.Generator().manual_seed(epoch)
+        ...         return [(torch.randn(8, 4, generator=gen), torch.randint(0, 2, (8,), generator=gen).float())]
+        ...     def val_batches(self):
+        ...         return self.train_batches(-1)
+        ...     def step_loss(self, wrapped, batch):
+        ...         logits = wrapped(batch[0]).squeeze(-1)
+        ...         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch[1])
+        ...         return loss, logits, batch[1]
+        >>> Clicks().checkpoint_config_keys()
+        ()
+        >>> Trainer(Clicks(), TrainerConfig(run_dir="runs/clicks", max_steps=10)).fit()  # doctest: +SKIP
+    """
+
+    @classmethod
+    def __subclasshook__(cls, other: type) -> Any:
+        # keep the structural isinstance() of the former runtime-checkable Protocol
+        if cls is Task:
+            return all(callable(getattr(other, name, None)) for name in REQUIRED_HOOKS) or NotImplemented
+        return NotImplemented
+
+    # ------------------------------------------------------------------ required
+    def build_model(self, device: torch.device) -> nn.Module:
+        """Build the unwrapped model on ``device`` (called once, after seeding).
+
+        Args:
+            device: where the model's parameters go.
+        """
+        raise NotImplementedError(_missing(self, "build_model"))
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Wrap for distributed training (DDP, DMP) or return ``model`` itself."""
-        ...
+        """Wrap for distributed training (DDP, DMP) or return ``model`` itself.
+
+        Args:
+            model: the model :meth:`build_model` returned (after a truncation: cut).
+        """
+        raise NotImplementedError(_missing(self, "wrap"))
 
     def train_batches(self, epoch: int) -> Iterable[Any]:
-        """This process's training batches of ``epoch``; the same sequence every call."""
-        ...
+        """This process's training batches of ``epoch``; the same sequence every call.
+
+        Args:
+            epoch: the 0-based epoch.
+        """
+        raise NotImplementedError(_missing(self, "train_batches"))
 
     def val_batches(self) -> Iterable[Any]:
         """This process's validation batches (use a private generator, not the global RNG)."""
-        ...
+        raise NotImplementedError(_missing(self, "val_batches"))
 
     def step_loss(self, wrapped: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Forward one batch: ``(mean loss, logits (B,), labels (B,))``."""
-        ...
+        """Forward one batch: ``(mean loss, logits, labels)``.
+
+        Args:
+            wrapped: the model :meth:`wrap` returned.
+            batch: one item of :meth:`train_batches` or :meth:`val_batches`.
+        """
+        raise NotImplementedError(_missing(self, "step_loss"))
+
+    # ------------------------------------------------------------------ optional
+    def optimizer_parameters(self, wrapped: nn.Module) -> Optional[Iterable[nn.Parameter]]:
+        """The parameters the engine's torch optimiser updates.
+
+        Args:
+            wrapped: the model :meth:`wrap` returned.
+
+        Returns:
+            ``None`` (the default): every trainable parameter of the model; override to
+            leave some out (e.g. tables an extra optimiser updates).
+        """
+        return None
+
+    def extra_optimizers(self, wrapped: nn.Module) -> list[Any]:
+        """Optimisers the engine steps, zeroes and checkpoints besides its torch one.
+
+        Args:
+            wrapped: the model :meth:`wrap` returned (asked again after every rewrap).
+
+        Returns:
+            Objects with ``step``, ``zero_grad``, ``state_dict``; none by default.
+        """
+        return []
+
+    def metrics(self, device: torch.device) -> TaskMetrics:
+        """Fresh validation metrics (one object per validation).
+
+        Args:
+            device: the training device (where the logits are).
+
+        Returns:
+            :class:`~comera_rec.training.metrics.BinaryMetrics` by default: AUC, accuracy
+            and log loss.
+        """
+        return BinaryMetrics(device)
+
+    def checkpoint_config_keys(self) -> Sequence[str]:
+        """Run-config key prefixes (e.g. ``"model."``) a resumed run must share with its
+        checkpoint; a difference under one of them is an ``IncompatibleCheckpointError``.
+
+        Returns:
+            ``()`` by default: config changes are only logged.
+        """
+        return ()
+
+
+def _missing(task: object, name: str) -> str:
+    return (
+        f"{type(task).__name__} defines no {name}(); every task must define "
+        f"{', '.join(REQUIRED_HOOKS)} (see comera_rec.training.trainer_config.Task)"
+    )
+
+
+_ABSENT = object()  # getattr's default: tells a missing hook from one set to None
+
+
+def task_hook(task: object, name: str) -> Callable[..., Any]:
+    """The hook ``name`` of ``task``: its own method, else :class:`Task`'s default bound to it.
+
+    Lets the engine take task objects that do not subclass :class:`Task`.
+
+    Args:
+        task: any task object.
+        name: a hook of :class:`Task` (see ``REQUIRED_HOOKS`` and ``OPTIONAL_HOOKS``).
+
+    Raises:
+        AttributeError: ``name`` is no hook of :class:`Task`.
+
+    Example::
+
+        >>> task_hook(object(), "extra_optimizers")(None)
+        []
+    """
+    if name not in REQUIRED_HOOKS and name not in OPTIONAL_HOOKS:
+        raise AttributeError(
+            f"task_hook: {name!r} is no Task hook; hooks: {', '.join(REQUIRED_HOOKS + OPTIONAL_HOOKS)}"
+        )
+    own = getattr(task, name, _ABSENT)
+    if own is not _ABSENT:
+        return own
+    # bound to the task, so a default may use the task's attributes like an inherited one
+    return MethodType(getattr(Task, name), task)
 
 
 @dataclass

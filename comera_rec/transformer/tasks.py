@@ -1,7 +1,7 @@
 """Engine tasks for the transformer backbones, their metrics, and the phase-2 rank cut.
 
-:class:`ClassificationTask` (sentence pairs) and :class:`MaskedLMTask` (code) implement
-the engine's task protocol (``comera_rec.training.engine.Task``) for every method of
+:class:`ClassificationTask` (sentence pairs) and :class:`MaskedLMTask` (code) are
+engine tasks (subclasses of :class:`comera_rec.training.Task`) for every method of
 :mod:`comera_rec.transformer.baselines`. The engine's own validation reports binary
 metrics; :class:`TransformerTrainer` is the engine with one change: it validates with the
 task's :meth:`metrics` (accuracy, cross-entropy and perplexity).
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_rec.tensor import tensor_train_modules
-from comera_rec.training import Trainer
+from comera_rec.training import Task, Trainer
 from comera_rec.training.dist import is_distributed, shard, unwrap_data_parallel
 from comera_rec.transformer import baselines
 from comera_rec.transformer.baselines import MethodConfig
@@ -85,7 +85,7 @@ class TransformerTrainer(Trainer):
     """
 
 
-class _EncoderTask:
+class _EncoderTask(Task):
     """Shared part of the tasks: building the method's model, wrapping, optimisers."""
 
     model_class: type[nn.Module] = SequenceClassifier
@@ -111,12 +111,15 @@ class _EncoderTask:
         return model
 
     def optimizer_parameters(self, wrapped: nn.Module) -> list[nn.Parameter]:
+        """What the method's engine optimiser updates (GaLore / LTE bring their own for the rest)."""
         return baselines.engine_parameters(unwrap_data_parallel(wrapped), self.method)
 
     def extra_optimizers(self, wrapped: nn.Module) -> list[Any]:
+        """The method's own optimisers (GaLore, LTE), if any."""
         return baselines.extra_optimizers(unwrap_data_parallel(wrapped), self.method)
 
     def metrics(self, device: torch.device) -> TokenMetrics:
+        """Accuracy, cross-entropy and perplexity instead of the default binary metrics."""
         return TokenMetrics(device)
 
 

@@ -13,7 +13,8 @@ from torchrec.models.dlrm import InteractionArch, SparseArch
 
 from comera_rec.dlrm import DLRMConfig, build_dlrm, build_dlrm_train
 from comera_rec.dlrm.interaction import FlatSparseArch, PairwiseDotInteraction
-from comera_rec.tensor import NarrowLinear, kernels
+from comera_rec.dlrm.interaction_kernel import pairwise_dots_cpu, pairwise_kernel_applies
+from comera_rec.tensor import NarrowLinear
 from tests.dlrm.test_dlrm import _batch, _config
 from tests.threads import assert_bit_identical, at_thread_counts
 
@@ -45,11 +46,11 @@ def test_kernel_packs_every_pair_count(features: int, dim: int, batch: int) -> N
     g = torch.Generator().manual_seed(features * 100 + dim)
     dense = torch.randn(batch, dim, generator=g, dtype=torch.float64)
     sparse = torch.randn(batch, features, dim, generator=g, dtype=torch.float64)
-    assert kernels.pairwise_kernel_applies(dense, sparse)
+    assert pairwise_kernel_applies(dense, sparse)
     rows = torch.cat([dense[:, None], sparse], dim=1)
     i, j = torch.triu_indices(features + 1, features + 1, offset=1)
     want = torch.cat([dense, (rows[:, i] * rows[:, j]).sum(-1)], dim=1)  # pairs by index lists
-    torch.testing.assert_close(kernels.pairwise_dots_cpu(dense, sparse), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(pairwise_dots_cpu(dense, sparse), want, rtol=1e-12, atol=1e-12)
 
 
 def test_gradcheck(lookup_path: str) -> None:
@@ -65,10 +66,10 @@ def test_kernel_in_float32_and_across_thread_counts() -> None:
     sparse = torch.randn(300, 26, 16, generator=g, requires_grad=True)
     grad = torch.randn(300, 16 + 27 * 26 // 2, generator=g)
     want = InteractionArch(26)(dense.double(), sparse.double())
-    assert kernels.pairwise_kernel_applies(dense, sparse)
+    assert pairwise_kernel_applies(dense, sparse)
 
     def run():  # every sample is done by one thread: the same bits for any count
-        out = kernels.pairwise_dots_cpu(dense, sparse)
+        out = pairwise_dots_cpu(dense, sparse)
         return [out, *torch.autograd.grad(out, [dense, sparse], grad)]
 
     results = at_thread_counts(run, (1, 2, 3))

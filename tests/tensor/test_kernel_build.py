@@ -118,6 +118,7 @@ def fake_build(monkeypatch, tmp_path):
     monkeypatch.delenv(ttm_cpu.VECTOR_BYTES_ENV, raising=False)
     monkeypatch.setattr(ttm_cpu, "_enabled", True)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    monkeypatch.setattr(ttm_cpu, "_registered", [])  # the tensor core's build alone (others registered at import)
     ttm_cpu.extension.cache_clear()
     ttm_cpu.cpu_vector_bytes.cache_clear()
     yield calls
@@ -158,6 +159,23 @@ def test_a_source_newer_than_the_build_is_a_build(fake_build, tmp_path):
     os.utime(library, (old, old))
     assert ttm_cpu._needs_build(name, build_dir)
     assert ttm_cpu._needs_build(name, tmp_path / "nothing here")
+
+
+def test_registered_extensions_are_built_after_the_tensor_core_s(fake_build, monkeypatch, capsys, tmp_path):
+    # the layers above register theirs (DLRM's interaction, the row-wise tables): the tensor core imports none
+    source = tmp_path / "other_cpu.cpp"
+    source.write_text("")
+    other = ttm_cpu.CpuExtension("comera_other_cpu", [source], "the other kernels", "the PyTorch path is used")
+    assert kernels.register_cpu_extension(other) is other and kernels.register_cpu_extension(other) is other
+    assert ttm_cpu.registered_cpu_extensions() == (other,)
+    assert command.main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [name.split("_")[1] for name in fake_build] == ["cpu", "other"] and len(lines) == 4, lines
+    assert lines[1].startswith("built the fused CPU kernels in ")
+    assert lines[2].startswith("building the other kernels in ") and lines[3].startswith("built the other kernels in ")
+    assert other.enabled() and len(fake_build) == 2  # loaded: the first use builds nothing
+    monkeypatch.setattr(ttm_cpu, "_enabled", False)  # one switch for all the CPU kernels
+    assert not other.enabled()
 
 
 @pytest.mark.parametrize("switch", ["env", "call"])

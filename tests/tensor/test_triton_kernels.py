@@ -291,7 +291,8 @@ def test_dispatch_can_be_disabled(monkeypatch: pytest.MonkeyPatch, how: str) -> 
 
 def test_static_segments_are_the_same_work_items() -> None:
     """``_segments_static`` (one slot per id, empty ones skipped) cuts the same items as ``_segments``."""
-    from comera_rec.tensor.kernels.ttm_triton import _segments, _segments_static
+    from comera_rec.tensor.kernels.ttm_triton_launch import segments as _segments
+    from comera_rec.tensor.kernels.ttm_triton_launch import segments_static as _segments_static
 
     g = torch.Generator().manual_seed(0)
     keys = torch.cat([torch.full((7,), 3), torch.randint(0, 6, (20,), generator=g)])  # a hot key
@@ -331,17 +332,17 @@ def test_kernels_compile_for_gpu(tmp_path, monkeypatch: pytest.MonkeyPatch, capa
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from comera_rec.tensor.kernels import ttm_triton
+    from comera_rec.tensor.kernels import ttm_triton_kernels
 
-    if ttm_triton._interpreting():
+    if ttm_triton_kernels.interpreting():
         pytest.skip("TRITON_INTERPRET is set in this process")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # the default; set to silence its warning
     kernels_and_blocks = [
-        (ttm_triton._ttm_bag_fwd_kernel, dict(HAS_WEIGHTS=True, MEAN=True, BLOCK_D=16, BLOCK_R=32)),
-        (ttm_triton._ttm_bag_bwd_prefix_kernel, dict(BLOCK_ML=4, BLOCK_MR=4, BLOCK_R=32)),
-        (ttm_triton._ttm_bag_bwd_suffix_kernel, dict(BLOCK_ML=4, BLOCK_MR=4, BLOCK_R=32)),
-        (ttm_triton._ttm_bag_bwd_weights_kernel, dict(BLOCK_D=16, BLOCK_R=32)),
+        (ttm_triton_kernels.ttm_bag_fwd_kernel, dict(HAS_WEIGHTS=True, MEAN=True, BLOCK_D=16, BLOCK_R=32)),
+        (ttm_triton_kernels.ttm_bag_bwd_prefix_kernel, dict(BLOCK_ML=4, BLOCK_MR=4, BLOCK_R=32)),
+        (ttm_triton_kernels.ttm_bag_bwd_suffix_kernel, dict(BLOCK_ML=4, BLOCK_MR=4, BLOCK_R=32)),
+        (ttm_triton_kernels.ttm_bag_bwd_weights_kernel, dict(BLOCK_D=16, BLOCK_R=32)),
     ]
     for fn, constants in kernels_and_blocks:
         jitted = triton.jit(fn)

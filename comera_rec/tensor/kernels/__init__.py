@@ -10,10 +10,13 @@ only, so the CPU path pays nothing. The fused Triton lookup is used when
 
 See ``docs/gpu.md`` for the design. On CPU, C++ kernels (one extension, built at set-up by
 :func:`build_cpu_kernels` / ``python -m comera_rec.tensor.kernels``, else on first use:
-:mod:`.ttm_cpu`) take the TTM lookup, the TT linear with its ReLU and DLRM's
-pairwise-dot interaction, unless ``COMERA_DISABLE_CPU_KERNEL=1`` or
-:func:`set_cpu_kernel_enabled(False) <set_cpu_kernel_enabled>`; each ``*_applies``
-function says whether its kernel takes a call.
+:mod:`.ttm_cpu`) take the TTM lookup and the TT linear with its ReLU, unless
+``COMERA_DISABLE_CPU_KERNEL=1`` or :func:`set_cpu_kernel_enabled(False) <set_cpu_kernel_enabled>`;
+each ``*_applies`` function says whether its kernel takes a call. The layers above keep
+their own CPU kernels (DLRM's pairwise-dot interaction: ``comera_rec.dlrm.interaction_kernel``;
+the row-wise Adagrad tables: ``comera_rec.integration.rowwise_bag_kernel``), small extensions
+built the same way (:class:`CpuExtension`) and registered with :func:`register_cpu_extension`,
+so that :func:`build_cpu_kernels` builds them too, under the same switch.
 """
 
 from __future__ import annotations
@@ -24,15 +27,6 @@ from typing import Sequence
 
 import torch
 
-from comera_rec.tensor.kernels.interaction_cpu import (  # DLRM's dot interaction
-    pairwise_dots_cpu,
-    pairwise_kernel_applies,
-)
-from comera_rec.tensor.kernels.rowwise_bag_cpu import (  # uncompressed tables, row-wise Adagrad in backward
-    RowwiseTables,
-    rowwise_adagrad_bag,
-    rowwise_bag_kernel_applies,
-)
 from comera_rec.tensor.kernels.tt_linear_cpu import (  # the fused CPU TT linear and its chains
     tt_chains_cpu,
     tt_chains_kernel_applies,
@@ -40,6 +34,7 @@ from comera_rec.tensor.kernels.tt_linear_cpu import (  # the fused CPU TT linear
     tt_linear_kernel_applies,
 )
 from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup, and the build of all the CPU kernels
+    CpuExtension,
     KernelBuild,
     build_cpu_kernels,
     check_jagged,
@@ -49,6 +44,7 @@ from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup, and the
     disabled_by_env,
     gather_column_blocks,
     host_description,
+    register_cpu_extension,
     set_cpu_kernel_enabled,
     ttm_embedding_bag_cpu,
 )
@@ -111,6 +107,7 @@ def ttm_embedding_bag_triton(
 __all__ = [
     "build_cpu_kernels",
     "check_jagged",
+    "CpuExtension",
     "KernelBuild",
     "DISABLE_ENV",
     "cpu_kernel_applies",
@@ -124,11 +121,7 @@ __all__ = [
     "tt_chains_kernel_applies",
     "tt_linear_cpu",
     "tt_linear_kernel_applies",
-    "pairwise_dots_cpu",
-    "pairwise_kernel_applies",
-    "RowwiseTables",
-    "rowwise_adagrad_bag",
-    "rowwise_bag_kernel_applies",
+    "register_cpu_extension",
     "set_triton_enabled",
     "triton_available",
     "triton_enabled",

@@ -821,20 +821,9 @@ std::vector<torch::Tensor> tt_chains_backward(torch::Tensor grad_left, torch::Te
                                               std::vector<torch::Tensor> controllers, std::vector<torch::Tensor> saved,
                                               int64_t d);
 
-// interaction_cpu.cpp: the fused pairwise-dot interaction
-torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse);
-std::vector<torch::Tensor> pairwise_dots_backward(torch::Tensor grad, torch::Tensor dense, torch::Tensor sparse);
 // checks_cpu.cpp: input checks of a jagged batch
 std::vector<int64_t> check_jagged(torch::Tensor values, torch::Tensor lengths, torch::Tensor offsets, int64_t batch,
                                   std::vector<int64_t> bounds);
-// rowwise_bag_cpu.cpp: uncompressed tables with the row-wise Adagrad update in backward
-torch::Tensor rowwise_bag_forward(torch::Tensor buffer, torch::Tensor table_offset, torch::Tensor dim_offset,
-                                  torch::Tensor rows, torch::Tensor ids, torch::Tensor offsets, torch::Tensor weights,
-                                  int64_t batch);
-void rowwise_bag_backward_adagrad(torch::Tensor grad, torch::Tensor buffer, torch::Tensor momentum,
-                                  torch::Tensor table_offset, torch::Tensor momentum_offset, torch::Tensor dim_offset,
-                                  torch::Tensor rows, torch::Tensor feature_table, torch::Tensor ids,
-                                  torch::Tensor offsets, torch::Tensor weights, int64_t batch, double lr, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_bytes", [] { return comera::kVectorBytes; }, "the vector width this build's kernels use");
@@ -846,10 +835,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tt_linear_backward", &tt_linear_backward, "fused TT linear (+ ReLU): backward");
   m.def("tt_chains_forward", &tt_chains_forward, "a TT weight's cores and controllers merged into its two chains");
   m.def("tt_chains_backward", &tt_chains_backward, "the gradient of tt_chains_forward");
-  m.def("pairwise_dots_forward", &pairwise_dots_forward, "fused pairwise-dot interaction: forward");
-  m.def("pairwise_dots_backward", &pairwise_dots_backward, "fused pairwise-dot interaction: backward");
   m.def("check_jagged", &check_jagged, "input checks of a jagged batch in one pass");
-  m.def("rowwise_bag_forward", &rowwise_bag_forward, "pooled lookup of uncompressed tables");
-  m.def("rowwise_bag_backward_adagrad", &rowwise_bag_backward_adagrad,
-        "row-wise Adagrad update of uncompressed tables from the pooled gradient");
 }

@@ -24,11 +24,16 @@ registers with AVX-512 and 16 otherwise. ``COMERA_CPU_VECTOR_BYTES=16|32|64`` bu
 build of its own, the code of a machine with that widest vector (its width and its tiles):
 the tests check the other machine's code this way; a width wider than the hardware's is
 correct but slow.
+
+The layers above the tensor core keep their own CPU kernels (DLRM's pairwise-dot
+interaction in ``dlrm/``, the row-wise Adagrad tables in ``comera_rec/integration/``), each
+a small extension of its own built the same way (:class:`CpuExtension`), registered at
+import (:func:`register_cpu_extension`) so that :func:`build_cpu_kernels` builds them too:
+this package never imports them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
@@ -37,25 +42,31 @@ import platform
 import shutil
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from comera_rec.tensor.bags import divide_bags
+from comera_rec.tensor.kernels.build_support import (  # the build's helpers (importable from here too)
+    KernelBuild,
+    build_root,
+    disabled_by_env,
+    exclusive_build,
+    pinned_ninja_on_path,
+)
 
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "COMERA_DISABLE_CPU_KERNEL"
 VECTOR_BYTES_ENV = "COMERA_CPU_VECTOR_BYTES"
 _VECTOR_BYTES_CHOICES = ("16", "32", "64")
-_SOURCES = [
-    Path(__file__).with_name(name)
-    for name in ("ttm_cpu.cpp", "tt_linear_cpu.cpp", "interaction_cpu.cpp", "checks_cpu.cpp", "rowwise_bag_cpu.cpp")
-]
-_HEADERS = [Path(__file__).with_name("simd.h")]
-BUILD_TIME = "1-3 min"  # a build of the five sources: 150 s on 2 cores, less with more (ninja runs one per core)
+KERNELS_DIR = Path(__file__).parent  # simd.h: on the include path of every build (CpuExtension's too)
+_SOURCES = [KERNELS_DIR / name for name in ("ttm_cpu.cpp", "tt_linear_cpu.cpp", "checks_cpu.cpp")]
+_HEADERS = [KERNELS_DIR / "simd.h"]
+_PREFIX = "comera_cpu"  # the tensor core's extension: comera_cpu_<host>_<sources>[_v<width>]
+BUILD_TIME = "1-3 min"  # a build of the three sources: about 2 min on 2 cores, less with more (ninja runs one per core)
+_registered: list["CpuExtension"] = []  # the other layers' extensions (register_cpu_extension)
 _enabled = True
 _build_lock = threading.Lock()
 _quiet_build = False  # build_cpu_kernels says its own lines around the build
@@ -93,7 +104,7 @@ def _target_description(width: str) -> str:
     return f"{machine} (this CPU's widest vectors)"
 
 
-def _source_tag() -> str:
+def _source_tag(sources: Sequence[Path] | None = None) -> str:
     """A short hash of where the sources are and of the headers they include.
 
     ``cpp_extension`` rebuilds when a source changes but does not see the headers, so a
@@ -101,7 +112,7 @@ def _source_tag() -> str:
     copy) get build folders of their own instead of rewriting one folder's build file with
     their paths, where one process could load a library the other is rebuilding.
     """
-    parts = [str(_SOURCES[0].parent.resolve()).encode()] + [p.read_bytes() for p in _HEADERS]
+    parts = [str(Path((sources or _SOURCES)[0]).parent.resolve()).encode()] + [p.read_bytes() for p in _HEADERS]
     return hashlib.sha1(b"\0".join(parts)).hexdigest()[:8]
 
 
@@ -113,177 +124,180 @@ def _forced_vector_bytes() -> str:
     return value
 
 
-@contextlib.contextmanager
-def exclusive_build(build_dir: Path) -> Iterator[None]:
-    """Hold an operating-system lock on ``build_dir`` while an extension builds or loads there.
-
-    ``cpp_extension`` guards a build with a ``lock`` file, which a killed build leaves
-    behind (SIGKILL, or the SIGTERM torchrun sends every rank when one fails during the
-    first build); every later process then waits on that file forever, silently. An
-    ``fcntl`` lock ends with the process that holds it: while we hold it no other process
-    of ours is building here, so a ``lock`` file found is stale and is removed.
-
-    Args:
-        build_dir: the extension's build folder (created if missing).
-
-    Example::
-
-        with exclusive_build(Path("~/.cache/torch_extensions/comera_rec/name").expanduser()):
-            module = torch.utils.cpp_extension.load(name="name", sources=[...], build_directory=...)
-    """
-    build_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: cpp_extension's own lock file only
-        yield
-        return
-    with open(build_dir / "comera.flock", "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("waiting for another process loading or building the fused CPU kernels in %s", build_dir)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            stale = build_dir / "lock"
-            if stale.exists():
-                logger.warning("removing %s, left by an interrupted build of the fused CPU kernels", stale)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def pinned_ninja_on_path() -> Iterator[None]:
-    """Put the ``ninja`` of the project's Python environment first on ``PATH`` while a build runs.
-
-    ``cpp_extension`` runs whichever ``ninja`` ``PATH`` finds. A process started as
-    ``.venv/bin/python`` (as ``make`` does) does not have ``.venv/bin`` on ``PATH``, so it
-    found the system's ninja (or none: then no fused kernels at all), while an activated
-    shell found the pinned one; the two write build logs in different formats, and each
-    discarded the other's and rebuilt every kernel (about a minute) on the first step of
-    the next run. Restored on exit.
-
-    Example::
-
-        with pinned_ninja_on_path():
-            assert shutil.which("ninja").startswith(ninja.BIN_DIR)
-    """
-    try:
-        import ninja
-
-        ninja_dir = ninja.BIN_DIR
-    except (ImportError, AttributeError):  # no ninja package: the interpreter's scripts folder
-        import sysconfig
-
-        ninja_dir = sysconfig.get_path("scripts")
-    saved = os.environ.get("PATH")
-    os.environ["PATH"] = os.pathsep.join([ninja_dir] + ([saved] if saved else []))
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("PATH", None)
-        else:
-            os.environ["PATH"] = saved
-
-
-def _build_root() -> Path:
-    """Where the builds go: ``TORCH_EXTENSIONS_DIR``, else cpp_extension's default root,
-    in a ``comera_rec`` folder."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "comera_rec"
-
-
-def _build_spec() -> tuple[str, Path, list[str]]:
+def _build_spec(prefix: str = _PREFIX, sources: Sequence[Path] | None = None) -> tuple[str, Path, list[str]]:
     """``(name, build folder, compiler flags)`` of this machine's build (and of
-    ``COMERA_CPU_VECTOR_BYTES``, which makes a build of its own)."""
+    ``COMERA_CPU_VECTOR_BYTES``, which makes a build of its own): of the tensor core's
+    extension, or of the extension ``prefix`` of ``sources`` (:class:`CpuExtension`)."""
     width = _forced_vector_bytes()
     flags = ["-O3", "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
     if width:  # the vectors and register tiles of a machine whose widest vectors are these
         flags += [f"-DCOMERA_VECTOR_BYTES={width}", f"-DCOMERA_VECTOR_REGISTERS={32 if width == '64' else 16}"]
-    name = f"comera_cpu_{_host_tag()}_{_source_tag()}" + (f"_v{width}" if width else "")
-    return name, _build_root() / name, flags
+    name = f"{prefix}_{_host_tag()}_{_source_tag(sources)}" + (f"_v{width}" if width else "")
+    return name, build_root() / name, flags
 
 
-def _needs_build(name: str, build_dir: Path) -> bool:
+def _needs_build(name: str, build_dir: Path, sources: Sequence[Path] | None = None) -> bool:
     """Whether loading will compile: no library yet, or a source newer than it (a changed
     header makes a new name, :func:`_source_tag`). Else loading is a check, under a second."""
     try:
         built = (build_dir / f"{name}.so").stat().st_mtime
     except OSError:
         return True
-    return any(p.stat().st_mtime > built for p in _SOURCES)
+    return any(Path(p).stat().st_mtime > built for p in (sources or _SOURCES))
 
 
-@functools.lru_cache(maxsize=None)
-def extension():
-    """The compiled module of all the CPU kernels (the ``.cpp`` sources of this package), or
-    ``None`` when it cannot be built (logged once). The one loader: the other kernel
-    modules call it too.
-
-    Built here when nothing built before (:func:`build_cpu_kernels` at set-up): the call
-    that first needs a kernel waits for the build, and the log says how long it may take.
-    """
-    global _build_error
+def _load(
+    prefix: str, sources: Sequence[Path], what: str, fallback: str, ahead: str, quiet: bool
+) -> tuple[object | None, str | None]:
+    """Build (when needed) and load the extension ``prefix`` of ``sources``: ``(module,
+    None)``, or ``(None, why)`` when it cannot be built (logged). ``what`` names it in the
+    log, ``fallback`` says what runs instead, ``ahead`` the command that builds it at set-up;
+    ``quiet``: the caller says its own lines around a build."""
     _forced_vector_bytes()  # a bad value is the caller's error, not a failed build
     with _build_lock:
         try:
             from torch.utils.cpp_extension import load
 
-            name, build_dir, flags = _build_spec()
-            building = _needs_build(name, build_dir)
-            if building and not _quiet_build:
+            name, build_dir, flags = _build_spec(prefix, sources)
+            building = _needs_build(name, build_dir, sources)
+            if building and not quiet:
                 logger.info(
-                    "building the fused CPU kernels for %s in %s: once per machine and source version, "
-                    "%s, and this call waits for it (`python -m comera_rec.tensor.kernels` builds them "
+                    "building %s for %s in %s: once per machine and source version, "
+                    "%s, and this call waits for it (%s builds them "
                     "ahead, as `make`'s set-up does)",
+                    what,
                     _target_description(_forced_vector_bytes()),
                     build_dir,
                     BUILD_TIME,
+                    ahead,
                 )
             start = time.perf_counter()
             with exclusive_build(build_dir), pinned_ninja_on_path():
                 module = load(
                     name=name,
-                    sources=[str(p) for p in _SOURCES],
+                    sources=[str(p) for p in sources],
                     build_directory=str(build_dir),
                     extra_cflags=flags,
                     extra_ldflags=["-fopenmp"],
+                    extra_include_paths=[str(KERNELS_DIR)],
                     verbose=False,
                 )
-            if building and not _quiet_build:
-                logger.info(
-                    "built the fused CPU kernels in %.0f s (cached in %s)", time.perf_counter() - start, build_dir
-                )
-            _build_error = None
-            return module
+            if building and not quiet:
+                logger.info("built %s in %.0f s (cached in %s)", what, time.perf_counter() - start, build_dir)
+            return module, None
         except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch path still works
-            _build_error = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            logger.warning("fused CPU kernels unavailable (%s); lookups and TT layers use the PyTorch path", exc)
-            return None
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            logger.warning("%s unavailable (%s); %s", what, exc, fallback)
+            return None, why
 
 
-@dataclass(frozen=True)
-class KernelBuild:
-    """What :func:`build_cpu_kernels` found or did.
+@functools.lru_cache(maxsize=None)
+def extension():
+    """The compiled module of the tensor core's CPU kernels (the ``.cpp`` sources of this
+    package), or ``None`` when it cannot be built (logged once). The one loader: the other
+    kernel modules call it too.
 
-    Attributes:
-        ready: the kernels are loaded: CPU calls take them (unless switched off later).
-        built: they were compiled by this call (``False``: found built, disabled or failed).
-        seconds: how long the call took.
-        build_dir: where they are cached (``None`` when disabled).
-        vector_bytes: the build's vector width (0 when not ready).
-        message: the last line said: what happened, for a person.
+    Built here when nothing built before (:func:`build_cpu_kernels` at set-up): the call
+    that first needs a kernel waits for the build, and the log says how long it may take.
+    """
+    global _build_error
+    module, _build_error = _load(
+        _PREFIX,
+        _SOURCES,
+        "the fused CPU kernels",
+        "lookups and TT layers use the PyTorch path",
+        "`python -m comera_rec.tensor.kernels`",
+        _quiet_build,
+    )
+    return module
+
+
+class CpuExtension:
+    """A C++ extension of another layer's fused CPU kernels, built as the tensor core's is.
+
+    The same compiler flags and vector width (``COMERA_CPU_VECTOR_BYTES`` included), build
+    cache, lock and ``ninja``; ``simd.h`` of this package is on the include path. Switched
+    on and off with the tensor core's kernels (:func:`set_cpu_kernel_enabled`,
+    ``COMERA_DISABLE_CPU_KERNEL``). Its sources bind their own functions
+    (``PYBIND11_MODULE``), so no name is shared with another extension. The layer that owns
+    the sources makes one at import and registers it (:func:`register_cpu_extension`), so
+    that :func:`build_cpu_kernels` builds it too; else it builds on first use.
+
+    Args:
+        prefix: the build's name before the host and source tags (one per extension).
+        sources: the ``.cpp`` files (one folder).
+        what: how the log names it, e.g. ``"DLRM's fused CPU interaction kernel"``.
+        fallback: what runs when it cannot be built, for the log.
+
+    Example::
+
+        EXT = register_cpu_extension(
+            CpuExtension("comera_dlrm_cpu", [Path(__file__).with_name("interaction_cpu.cpp")], "...", "...")
+        )
+        module = EXT.load()  # None when it cannot be built
     """
 
-    ready: bool
-    built: bool
-    seconds: float
-    build_dir: Path | None
-    vector_bytes: int
-    message: str
+    def __init__(self, prefix: str, sources: Sequence[Path], what: str, fallback: str) -> None:
+        self.prefix = prefix
+        self.sources = [Path(p) for p in sources]
+        self.what = what
+        self.fallback = fallback
+        self.error: str | None = None  # why the last build failed
+        self.quiet = False  # build_cpu_kernels says its own lines around the build
+        self.load = functools.lru_cache(maxsize=None)(self._load)
+
+    def _load(self):
+        """The compiled module, or ``None`` when it cannot be built (logged once); cached
+        (``load.cache_clear()`` loads again)."""
+        module, self.error = _load(
+            self.prefix,
+            self.sources,
+            self.what,
+            self.fallback,
+            "`python -m comera_rec.tensor.kernels <its module>`",
+            self.quiet,
+        )
+        return module
+
+    def spec(self) -> tuple[str, Path, list[str]]:
+        """``(name, build folder, compiler flags)`` of this machine's build."""
+        return _build_spec(self.prefix, self.sources)
+
+    def enabled(self) -> bool:
+        """Whether its kernels take calls: the CPU kernels not switched off, and it builds."""
+        return cpu_kernels_switched_on() and self.load() is not None
+
+    def build(self, say: Callable[[str], None]) -> bool:
+        """Build (or find built) and load it now, saying a line before and after a build or
+        after a failure; whether it is loaded."""
+        name, build_dir, _ = self.spec()
+        building = self.load.cache_info().currsize == 0 and _needs_build(name, build_dir, self.sources)
+        if building:
+            say(f"building {self.what} in {build_dir}, once per machine and source version")
+        start = time.perf_counter()
+        self.quiet = True
+        try:
+            module = self.load()
+        finally:
+            self.quiet = False
+        if module is None:
+            say(f"{self.what} could not be built ({self.error}): {self.fallback}")
+        elif building:
+            say(f"built {self.what} in {time.perf_counter() - start:.0f} s, cached in {build_dir}")
+        return module is not None
+
+
+def register_cpu_extension(ext: CpuExtension) -> CpuExtension:
+    """Have :func:`build_cpu_kernels` build ``ext`` after the tensor core's kernels (once per
+    extension); returns it. The layers above the tensor core register theirs at import."""
+    if all(e is not ext for e in _registered):
+        _registered.append(ext)
+    return ext
+
+
+def registered_cpu_extensions() -> tuple[CpuExtension, ...]:
+    """The extensions :func:`build_cpu_kernels` builds besides the tensor core's."""
+    return tuple(_registered)
 
 
 def _compiler_found() -> bool:
@@ -292,7 +306,9 @@ def _compiler_found() -> bool:
 
 
 def build_cpu_kernels(say: Callable[[str], None] | None = None) -> KernelBuild:
-    """Build (or find built) the fused CPU kernels now, not in the first call that needs them.
+    """Build (or find built) the fused CPU kernels now, not in the first call that needs them:
+    the tensor core's, then those registered by the modules imported so far
+    (:func:`register_cpu_extension`: DLRM's interaction, the row-wise Adagrad tables).
 
     Runs the loader the kernels use (:func:`extension`: same build folder, lock and
     ``ninja``), saying one line before a build (the target, the folder, how long) and one
@@ -305,7 +321,8 @@ def build_cpu_kernels(say: Callable[[str], None] | None = None) -> KernelBuild:
         say: where the lines go (default: this module's logger at INFO).
 
     Returns:
-        A :class:`KernelBuild`.
+        A :class:`KernelBuild` of the tensor core's kernels, its message their line (a
+        registered extension says its own lines after it, only when it builds or fails).
 
     Example::
 
@@ -352,6 +369,8 @@ def build_cpu_kernels(say: Callable[[str], None] | None = None) -> KernelBuild:
     else:
         message = f"the fused CPU kernels are built: {what}, cached in {build_dir} (checked in {seconds:.1f} s)"
     say(message)
+    for other in _registered:  # the other layers' kernels, a line each when built or failed
+        other.build(say)
     return KernelBuild(True, building, seconds, build_dir, width, message)
 
 
@@ -383,16 +402,16 @@ def host_description() -> str:
     return "; ".join(p for p in parts if p) + f"; {cores} cores"
 
 
-def disabled_by_env(name: str) -> bool:
-    """Whether the environment variable ``name`` switches a kernel off: set to anything but
-    ``""`` / ``"0"`` / ``"false"`` / ``"no"`` / ``"off"``. Read on every call."""
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
 def set_cpu_kernel_enabled(enabled: bool) -> None:
     """Turn the fused CPU lookup on or off for this process (the environment switch still wins)."""
     global _enabled
     _enabled = bool(enabled)
+
+
+def cpu_kernels_switched_on() -> bool:
+    """Whether the CPU kernels are on: neither ``COMERA_DISABLE_CPU_KERNEL`` nor
+    :func:`set_cpu_kernel_enabled(False) <set_cpu_kernel_enabled>` (built or not)."""
+    return not disabled_by_env(DISABLE_ENV) and _enabled
 
 
 def cpu_kernel_enabled() -> bool:
@@ -401,20 +420,26 @@ def cpu_kernel_enabled() -> bool:
     ``COMERA_DISABLE_CPU_KERNEL`` set to anything but ``""`` / ``"0"`` / ``"false"``
     disables it; it is read on every call.
     """
-    return not disabled_by_env(DISABLE_ENV) and _enabled and extension() is not None
+    return cpu_kernels_switched_on() and extension() is not None
 
 
-def cpu_float_tensors_apply(*tensors: torch.Tensor) -> bool:
-    """Whether the CPU kernels may take these operands: real CPU float32 / float64 tensors
-    of one dtype, outside tracing and ``torch.compile``, kernels enabled (each kernel's
-    ``*_applies`` adds its own shape limits)."""
+def cpu_float_operands(*tensors: torch.Tensor) -> bool:
+    """Whether these are operands a CPU kernel may take: real CPU float32 / float64 tensors
+    of one dtype, outside tracing and ``torch.compile`` (whether the kernel is built and
+    on is the caller's check)."""
     return (
         all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in tensors)
         and len({t.dtype for t in tensors}) == 1
         and not torch.jit.is_tracing()
         and not torch.compiler.is_compiling()
-        and cpu_kernel_enabled()
     )
+
+
+def cpu_float_tensors_apply(*tensors: torch.Tensor) -> bool:
+    """Whether the tensor core's CPU kernels may take these operands: real CPU float32 /
+    float64 tensors of one dtype, outside tracing and ``torch.compile``, kernels enabled
+    (each kernel's ``*_applies`` adds its own shape limits)."""
+    return cpu_float_operands(*tensors) and cpu_kernel_enabled()
 
 
 def cpu_kernel_applies(cores: Sequence[torch.Tensor], ids: torch.Tensor) -> bool:

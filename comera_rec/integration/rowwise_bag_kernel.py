@@ -5,17 +5,37 @@ The tables lie one after the other in a flat float32 buffer (a table-batched emb
 layout); the forward pools bags into a ``(batch, total_dim)`` matrix, the backward finds
 each table's distinct rows (a hash per table, one thread per table), sums their gradients
 and applies ``m += mean(g^2); row -= lr / (sqrt(m) + eps) * g`` in place: the update of
-FBGEMM's exact row-wise Adagrad, with no gradient tensor in between. Built with the other
-CPU kernels (see :mod:`.ttm_cpu`) and switched on and off with them.
+FBGEMM's exact row-wise Adagrad, with no gradient tensor in between. A small extension of
+its own, built as the tensor core's CPU kernels are
+(:class:`~comera_rec.tensor.kernels.ttm_cpu.CpuExtension`: same flags, cache and vector
+width, ``simd.h`` of ``comera_rec/tensor/kernels``), registered at import so that
+:func:`~comera_rec.tensor.kernels.build_cpu_kernels` builds it too, and switched on and
+off with them. Imports no TorchRec: :mod:`comera_rec.integration.fused_tables` hands it a
+``FusedEmbeddingBagCollection``'s buffers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import EMPTY, cpu_kernel_enabled, extension
+from comera_rec.tensor.kernels.ttm_cpu import EMPTY, CpuExtension, register_cpu_extension
+
+EXTENSION = register_cpu_extension(
+    CpuExtension(
+        "comera_rowwise_cpu",
+        [Path(__file__).with_name("rowwise_bag_cpu.cpp")],
+        "the fused CPU row-wise Adagrad kernel",
+        "fused collections use FBGEMM",
+    )
+)
+
+
+def rowwise_bag_kernel_enabled() -> bool:
+    """Whether the kernel takes calls: the CPU kernels not switched off, and it builds."""
+    return EXTENSION.enabled()
 
 
 @dataclass(frozen=True)
@@ -52,15 +72,14 @@ def rowwise_bag_kernel_applies(weights: torch.Tensor, momentum: torch.Tensor, id
         and ids.device.type == "cpu"
         and not torch.jit.is_tracing()
         and not torch.compiler.is_compiling()
-        and cpu_kernel_enabled()
+        and EXTENSION.enabled()
     )
 
 
 class _RowwiseAdagradBag(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weights, momentum, tables, ids, offsets, per_sample_weights, batch, lr, eps):
-        ext = extension()
-        out = ext.rowwise_bag_forward(
+        out = EXTENSION.load().rowwise_bag_forward(
             weights.detach(),
             tables.table_offset,
             tables.dim_offset,
@@ -80,7 +99,7 @@ class _RowwiseAdagradBag(torch.autograd.Function):
     def backward(ctx, grad):
         weights, momentum = ctx.buffers
         tables, ids, offsets, per_sample_weights, batch, lr, eps = ctx.args
-        extension().rowwise_bag_backward_adagrad(
+        EXTENSION.load().rowwise_bag_backward_adagrad(
             grad,
             weights,
             momentum,

@@ -1,5 +1,5 @@
 """The fused CPU lookup of uncompressed tables with row-wise Adagrad in backward
-(kernels/rowwise_bag_cpu.cpp) against a float64 reference written with plain torch ops."""
+(comera_rec/integration/rowwise_bag_cpu.cpp) against a float64 reference written with plain torch ops."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from comera_rec.integration.rowwise_bag_kernel import RowwiseTables, rowwise_adagrad_bag, rowwise_bag_kernel_applies
 from comera_rec.tensor import kernels
-from comera_rec.tensor.kernels import RowwiseTables, rowwise_adagrad_bag
 from tests.threads import assert_bit_identical, at_thread_counts
 
 pytestmark = pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
@@ -201,11 +201,11 @@ def test_inconsistent_layout_is_named() -> None:
 
 def test_applies_only_to_cpu_float32_with_kernels_on() -> None:
     w, m, ids = torch.zeros(8), torch.zeros(2), torch.zeros(1, dtype=torch.long)
-    assert kernels.rowwise_bag_kernel_applies(w, m, ids)
-    assert not kernels.rowwise_bag_kernel_applies(w.double(), m, ids)
-    assert not kernels.rowwise_bag_kernel_applies(w, m.half(), ids)
+    assert rowwise_bag_kernel_applies(w, m, ids)
+    assert not rowwise_bag_kernel_applies(w.double(), m, ids)
+    assert not rowwise_bag_kernel_applies(w, m.half(), ids)
     kernels.set_cpu_kernel_enabled(False)
-    assert not kernels.rowwise_bag_kernel_applies(w, m, ids)
+    assert not rowwise_bag_kernel_applies(w, m, ids)
 
 
 @given(

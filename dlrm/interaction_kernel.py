@@ -2,34 +2,48 @@
 
 ``[dense, <e_i, e_j> for i < j]`` over ``e = [dense, sparse_1 .. sparse_F]`` per sample,
 forward and backward each in one pass over the batch (no ``(B, n, n)`` grid, no
-concatenations). Built with the other CPU kernels, in one extension (see :mod:`.ttm_cpu`),
-and switched on and off with them.
+concatenations). A small extension of its own, built as the tensor core's CPU kernels are
+(:class:`~comera_rec.tensor.kernels.ttm_cpu.CpuExtension`: same flags, cache and vector
+width, ``simd.h`` of ``comera_rec/tensor/kernels``), registered at import so that
+:func:`~comera_rec.tensor.kernels.build_cpu_kernels` builds it too, and switched on and
+off with them.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import cpu_float_tensors_apply, extension
+from comera_rec.tensor.kernels.ttm_cpu import CpuExtension, cpu_float_operands, register_cpu_extension
+
+EXTENSION = register_cpu_extension(
+    CpuExtension(
+        "comera_dlrm_cpu",
+        [Path(__file__).with_name("interaction_cpu.cpp")],
+        "DLRM's fused CPU interaction kernel",
+        "the interaction uses the PyTorch path",
+    )
+)
 
 
 def pairwise_kernel_applies(dense: torch.Tensor, sparse: torch.Tensor) -> bool:
     """Whether the interaction is the fused CPU kernel's to do: real CPU float32 / float64
     tensors of one dtype, outside tracing and ``torch.compile``, kernel enabled."""
-    return cpu_float_tensors_apply(dense, sparse)
+    return cpu_float_operands(dense, sparse) and EXTENSION.enabled()
 
 
 class _FusedPairwiseDots(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dense, sparse):
         ctx.save_for_backward(dense, sparse)
-        return extension().pairwise_dots_forward(dense, sparse)
+        return EXTENSION.load().pairwise_dots_forward(dense, sparse)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         dense, sparse = ctx.saved_tensors
-        return tuple(extension().pairwise_dots_backward(grad, dense, sparse))
+        return tuple(EXTENSION.load().pairwise_dots_backward(grad, dense, sparse))
 
 
 def pairwise_dots_cpu(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:

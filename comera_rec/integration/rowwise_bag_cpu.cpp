@@ -239,3 +239,11 @@ void rowwise_bag_backward_adagrad(torch::Tensor grad, torch::Tensor buffer, torc
     });
   });
 }
+
+// An extension of its own (built by comera_rec.integration.rowwise_bag_kernel with the
+// tensor core's build, simd.h from comera_rec/tensor/kernels on the include path).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rowwise_bag_forward", &rowwise_bag_forward, "pooled lookup of uncompressed tables");
+  m.def("rowwise_bag_backward_adagrad", &rowwise_bag_backward_adagrad,
+        "row-wise Adagrad update of uncompressed tables from the pooled gradient");
+}
