@@ -152,6 +152,8 @@ def test_schedule_module_floors_follow_the_target_and_round_trip():
     assert RankSchedule(RankScheduleConfig(module_floor=0.0)).module_floors() == {}  # 0: no floor
     with pytest.raises(ValueError, match="module_floor"):
         RankScheduleConfig(module_floor=-1.0)
+    with pytest.raises(ValueError, match="module_floor must be at most 1"):
+        RankScheduleConfig(module_floor=1.5)  # the floors would add up to more than the target
 
 
 def test_select_keeps_one_slice_per_bond_when_the_target_is_unreachable():
