@@ -537,3 +537,43 @@ def test_decompress_gives_torchrec_collection_with_the_same_outputs(need_indices
             assert torch.equal(after[key].weights(), jt.weights())
     stock = EmbeddingCollection(ec_tables(), need_indices=need_indices)
     stock.load_state_dict(model["ec"].state_dict())  # strict: same keys and shapes
+
+
+def test_collection_trained_under_stock_dmp_decompresses_from_its_dcp_checkpoint(gloo, tmp_path: Path) -> None:
+    """The way a TorchRec user gets there: train under DistributedModelParallel in their own
+    loop, save ``wrapped.state_dict()`` with ``torch.distributed.checkpoint``, read it back whole
+    into the model built without DMP, and decompress: the stock collection then gives the
+    sequences the trained, sharded one gave."""
+    import torch.distributed.checkpoint as dcp
+
+    from comera_rec.integration import decompress
+    from comera_rec.training.dcp_io import load_whole
+
+    torch.manual_seed(5)
+    model = _Tower("meta")
+    wrapped = DistributedModelParallel(
+        module=model, device=torch.device("cpu"), sharders=[EmbeddingCollectionSharder()]
+    )
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.5)
+    features = seq_kjt(batch=4, seed=8)
+    with torch.no_grad():
+        initial = {k: jt.values().clone() for k, jt in model.ec(features).items()}
+    for _ in range(3):
+        wrapped(features).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        trained = {k: jt.values().clone() for k, jt in model.ec(features).items()}
+    dcp.save(wrapped.state_dict(), checkpoint_id=str(tmp_path / "ckpt"))
+
+    state = load_whole(tmp_path / "ckpt")  # sharded tables come back whole, plain tensors
+    fresh = _Tower("cpu")
+    fresh.load_state_dict(state)  # strict: every key of the DMP state dict is the plain model's
+    report = decompress(fresh)
+    assert type(fresh.ec) is EmbeddingCollection and [m.kind for m in report.modules] == ["EmbeddingCollection"]
+    with torch.no_grad():
+        out = fresh.ec(features)
+    assert set(out) == set(trained)
+    for key, values in trained.items():
+        torch.testing.assert_close(out[key].values(), values, rtol=1e-5, atol=1e-6, msg=key)
+    assert all(not torch.equal(trained[k], initial[k]) for k in ("f0@a", "f0@c", "f3"))  # TT and dense tables trained
