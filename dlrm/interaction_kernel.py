@@ -3,7 +3,7 @@
 ``[dense, <e_i, e_j> for i < j]`` over ``e = [dense, sparse_1 .. sparse_F]`` per sample,
 forward and backward each in one pass over the batch (no ``(B, n, n)`` grid, no
 concatenations). A small extension of its own, built as the tensor core's CPU kernels are
-(:class:`~comera_rec.tensor.kernels.ttm_cpu.CpuExtension`: same flags, cache and vector
+(:class:`~comera_rec.tensor.kernels.cpu_extension.CpuExtension`: same flags, cache and vector
 width, ``simd.h`` of ``comera_rec/tensor/kernels``), registered at import so that
 :func:`~comera_rec.tensor.kernels.build_cpu_kernels` builds it too, and switched on and
 off with them.
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import CpuExtension, cpu_float_operands, register_cpu_extension
+from comera_rec.tensor.kernels.cpu_extension import CpuExtension, register_cpu_extension
+from comera_rec.tensor.kernels.ttm_cpu import cpu_float_operands
 
 EXTENSION = register_cpu_extension(
     CpuExtension(

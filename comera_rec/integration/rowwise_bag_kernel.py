@@ -7,7 +7,7 @@ each table's distinct rows (a hash per table, one thread per table), sums their 
 and applies ``m += mean(g^2); row -= lr / (sqrt(m) + eps) * g`` in place: the update of
 FBGEMM's exact row-wise Adagrad, with no gradient tensor in between. A small extension of
 its own, built as the tensor core's CPU kernels are
-(:class:`~comera_rec.tensor.kernels.ttm_cpu.CpuExtension`: same flags, cache and vector
+(:class:`~comera_rec.tensor.kernels.cpu_extension.CpuExtension`: same flags, cache and vector
 width, ``simd.h`` of ``comera_rec/tensor/kernels``), registered at import so that
 :func:`~comera_rec.tensor.kernels.build_cpu_kernels` builds it too, and switched on and
 off with them. Imports no TorchRec: :mod:`comera_rec.integration.fused_tables` hands it a
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import EMPTY, CpuExtension, register_cpu_extension
+from comera_rec.tensor.kernels.cpu_extension import CpuExtension, register_cpu_extension
+from comera_rec.tensor.kernels.ttm_cpu import EMPTY
 
 EXTENSION = register_cpu_extension(
     CpuExtension(

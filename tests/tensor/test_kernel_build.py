@@ -1,4 +1,4 @@
-"""The fused CPU kernels' build (kernels/ttm_cpu.py): the lock around it (exclusive_build), the
+"""The fused CPU kernels' build (kernels/cpu_extension.py): the lock around it (exclusive_build), the
 ninja it runs (pinned_ninja_on_path), and the build at set-up (build_cpu_kernels, run by
 ``python -m comera_rec.tensor.kernels`` in the Makefile's install step) instead of inside the
 first training step. Nothing here compiles: ``cpp_extension.load`` is replaced by a fake."""
@@ -16,8 +16,8 @@ import torch.utils.cpp_extension
 
 from comera_rec.tensor import kernels
 from comera_rec.tensor.kernels import __main__ as command
-from comera_rec.tensor.kernels import ttm_cpu
-from comera_rec.tensor.kernels.ttm_cpu import exclusive_build, pinned_ninja_on_path
+from comera_rec.tensor.kernels import cpu_extension
+from comera_rec.tensor.kernels.build_support import exclusive_build, pinned_ninja_on_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,22 +114,22 @@ def fake_build(monkeypatch, tmp_path):
         return _Built()
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.delenv(ttm_cpu.DISABLE_ENV, raising=False)
-    monkeypatch.delenv(ttm_cpu.VECTOR_BYTES_ENV, raising=False)
-    monkeypatch.setattr(ttm_cpu, "_enabled", True)
+    monkeypatch.delenv(cpu_extension.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(cpu_extension.VECTOR_BYTES_ENV, raising=False)
+    monkeypatch.setattr(cpu_extension, "_enabled", True)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
-    monkeypatch.setattr(ttm_cpu, "_registered", [])  # the tensor core's build alone (others registered at import)
-    ttm_cpu.extension.cache_clear()
-    ttm_cpu.cpu_vector_bytes.cache_clear()
+    monkeypatch.setattr(cpu_extension, "_registered", [])  # the tensor core's build alone (others registered at import)
+    cpu_extension.extension.cache_clear()
+    cpu_extension.cpu_vector_bytes.cache_clear()
     yield calls
-    ttm_cpu.extension.cache_clear()
-    ttm_cpu.cpu_vector_bytes.cache_clear()
+    cpu_extension.extension.cache_clear()
+    cpu_extension.cpu_vector_bytes.cache_clear()
 
 
 def test_the_command_builds_once_with_a_line_before_and_after(fake_build, capsys):
     assert command.main([]) == 0
     lines = capsys.readouterr().out.splitlines()
-    build_dir = ttm_cpu._build_spec()[1]
+    build_dir = cpu_extension._build_spec()[1]
     assert len(fake_build) == 1 and len(lines) == 2, lines
     assert lines[0].startswith("building the fused CPU kernels for ")
     assert "1-3 min" in lines[0] and "once per machine" in lines[0] and str(build_dir) in lines[0]
@@ -139,7 +139,7 @@ def test_the_command_builds_once_with_a_line_before_and_after(fake_build, capsys
 
 
 def test_built_kernels_are_checked_not_rebuilt(fake_build, capsys):
-    name, build_dir, _ = ttm_cpu._build_spec()
+    name, build_dir, _ = cpu_extension._build_spec()
     build_dir.mkdir(parents=True)
     (build_dir / f"{name}.so").write_bytes(b"")  # newer than the sources
     result = kernels.build_cpu_kernels(print)
@@ -150,40 +150,40 @@ def test_built_kernels_are_checked_not_rebuilt(fake_build, capsys):
 
 
 def test_a_source_newer_than_the_build_is_a_build(fake_build, tmp_path):
-    name, build_dir, _ = ttm_cpu._build_spec()
+    name, build_dir, _ = cpu_extension._build_spec()
     build_dir.mkdir(parents=True)
     library = build_dir / f"{name}.so"
     library.write_bytes(b"")
-    assert not ttm_cpu._needs_build(name, build_dir)
-    old = ttm_cpu._SOURCES[0].stat().st_mtime - 10
+    assert not cpu_extension._needs_build(name, build_dir)
+    old = cpu_extension._SOURCES[0].stat().st_mtime - 10
     os.utime(library, (old, old))
-    assert ttm_cpu._needs_build(name, build_dir)
-    assert ttm_cpu._needs_build(name, tmp_path / "nothing here")
+    assert cpu_extension._needs_build(name, build_dir)
+    assert cpu_extension._needs_build(name, tmp_path / "nothing here")
 
 
 def test_registered_extensions_are_built_after_the_tensor_core_s(fake_build, monkeypatch, capsys, tmp_path):
     # the layers above register theirs (DLRM's interaction, the row-wise tables): the tensor core imports none
     source = tmp_path / "other_cpu.cpp"
     source.write_text("")
-    other = ttm_cpu.CpuExtension("comera_other_cpu", [source], "the other kernels", "the PyTorch path is used")
+    other = cpu_extension.CpuExtension("comera_other_cpu", [source], "the other kernels", "the PyTorch path is used")
     assert kernels.register_cpu_extension(other) is other and kernels.register_cpu_extension(other) is other
-    assert ttm_cpu.registered_cpu_extensions() == (other,)
+    assert cpu_extension.registered_cpu_extensions() == (other,)
     assert command.main([]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [name.split("_")[1] for name in fake_build] == ["cpu", "other"] and len(lines) == 4, lines
     assert lines[1].startswith("built the fused CPU kernels in ")
     assert lines[2].startswith("building the other kernels in ") and lines[3].startswith("built the other kernels in ")
     assert other.enabled() and len(fake_build) == 2  # loaded: the first use builds nothing
-    monkeypatch.setattr(ttm_cpu, "_enabled", False)  # one switch for all the CPU kernels
+    monkeypatch.setattr(cpu_extension, "_enabled", False)  # one switch for all the CPU kernels
     assert not other.enabled()
 
 
 @pytest.mark.parametrize("switch", ["env", "call"])
 def test_disabled_kernels_exit_0_with_their_line_and_build_nothing(fake_build, monkeypatch, capsys, switch):
     if switch == "env":
-        monkeypatch.setenv(ttm_cpu.DISABLE_ENV, "1")
+        monkeypatch.setenv(cpu_extension.DISABLE_ENV, "1")
     else:
-        monkeypatch.setattr(ttm_cpu, "_enabled", False)
+        monkeypatch.setattr(cpu_extension, "_enabled", False)
     assert command.main([]) == 0
     out = capsys.readouterr().out
     assert out.startswith("the fused CPU kernels are disabled (") and "PyTorch path" in out
@@ -198,7 +198,7 @@ def test_no_compiler_exits_0_with_its_line(fake_build, monkeypatch, capsys, capl
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
     monkeypatch.setenv("CXX", "comera-no-such-compiler")
-    with caplog.at_level(logging.WARNING, logger=ttm_cpu.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_extension.__name__):
         assert command.main([]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("building the fused CPU kernels")
@@ -213,7 +213,7 @@ def test_a_failed_build_with_a_compiler_names_the_error(fake_build, monkeypatch,
         raise RuntimeError("Error building extension 'x'\nttm_cpu.cpp:1: error: ...")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
-    monkeypatch.setattr(ttm_cpu, "_compiler_found", lambda: True)
+    monkeypatch.setattr(cpu_extension, "_compiler_found", lambda: True)
     result = kernels.build_cpu_kernels(print)
     assert not result.ready
     assert "could not be built (Error building extension 'x')" in capsys.readouterr().out
@@ -221,7 +221,7 @@ def test_a_failed_build_with_a_compiler_names_the_error(fake_build, monkeypatch,
 
 def test_a_build_at_first_use_logs_how_long_it_may_take(fake_build, caplog):
     # no build at set-up (a source changed since): the call that needs the kernels builds them
-    with caplog.at_level(logging.INFO, logger=ttm_cpu.__name__):
+    with caplog.at_level(logging.INFO, logger=cpu_extension.__name__):
         assert kernels.cpu_kernel_enabled()
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2, messages
@@ -231,15 +231,15 @@ def test_a_build_at_first_use_logs_how_long_it_may_take(fake_build, caplog):
 
 
 def test_the_build_target_is_named(monkeypatch):
-    monkeypatch.setattr(ttm_cpu.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_extension.platform, "machine", lambda: "x86_64")
     for flags, expected in (
         ("fpu sse2 avx avx2 avx512f", "AVX-512 (64-byte vectors)"),
         ("fpu sse2 avx avx2", "AVX2 (32-byte vectors)"),
         ("fpu sse2", "SSE2 (16-byte vectors)"),
     ):
-        monkeypatch.setattr(ttm_cpu, "_cpu_flags_line", lambda flags=flags: f"flags\t\t: {flags}\n")
-        assert ttm_cpu._target_description("") == expected
-    assert ttm_cpu._target_description("64") == f"64-byte vectors ({ttm_cpu.VECTOR_BYTES_ENV}=64)"
+        monkeypatch.setattr(cpu_extension, "_cpu_flags_line", lambda flags=flags: f"flags\t\t: {flags}\n")
+        assert cpu_extension._target_description("") == expected
+    assert cpu_extension._target_description("64") == f"64-byte vectors ({cpu_extension.VECTOR_BYTES_ENV}=64)"
 
 
 def test_the_install_rule_builds_the_kernels():
@@ -258,12 +258,12 @@ def test_the_install_rule_builds_the_kernels():
 def test_host_description_names_the_isa_the_kernels_target(monkeypatch) -> None:
     """The benchmarks' first line: the instruction set read from the CPU flags, or the width
     forced by COMERA_CPU_VECTOR_BYTES, then the CPU model and the usable cores."""
-    monkeypatch.delenv(ttm_cpu.VECTOR_BYTES_ENV, raising=False)
-    monkeypatch.setattr(ttm_cpu.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(ttm_cpu, "_cpu_flags_line", lambda: "flags\t: fpu sse2 avx avx2 fma\n")
-    line = ttm_cpu.host_description()
+    monkeypatch.delenv(cpu_extension.VECTOR_BYTES_ENV, raising=False)
+    monkeypatch.setattr(cpu_extension.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_extension, "_cpu_flags_line", lambda: "flags\t: fpu sse2 avx avx2 fma\n")
+    line = cpu_extension.host_description()
     assert line.startswith("AVX2 (32-byte vectors); ") and line.endswith(" cores")
-    monkeypatch.setattr(ttm_cpu, "_cpu_flags_line", lambda: "flags\t: fpu avx2 avx512f\n")
-    assert ttm_cpu.host_description().startswith("AVX-512 (64-byte vectors); ")
-    monkeypatch.setenv(ttm_cpu.VECTOR_BYTES_ENV, "32")
-    assert ttm_cpu.host_description().startswith("32-byte vectors (COMERA_CPU_VECTOR_BYTES=32); ")
+    monkeypatch.setattr(cpu_extension, "_cpu_flags_line", lambda: "flags\t: fpu avx2 avx512f\n")
+    assert cpu_extension.host_description().startswith("AVX-512 (64-byte vectors); ")
+    monkeypatch.setenv(cpu_extension.VECTOR_BYTES_ENV, "32")
+    assert cpu_extension.host_description().startswith("32-byte vectors (COMERA_CPU_VECTOR_BYTES=32); ")

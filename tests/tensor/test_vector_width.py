@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from comera_rec.tensor import kernels
-from comera_rec.tensor.kernels import ttm_cpu
+from comera_rec.tensor.kernels import cpu_extension
 from comera_rec.tensor.kernels.tt_linear_cpu import max_fused_rank
 
 pytestmark = pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
@@ -42,14 +42,14 @@ def host_vector_bytes() -> int:
     reason="reads x86 flags from /proc/cpuinfo",
 )
 def test_build_uses_the_host_width_or_the_forced_one() -> None:
-    forced = os.environ.get(ttm_cpu.VECTOR_BYTES_ENV)
+    forced = os.environ.get(cpu_extension.VECTOR_BYTES_ENV)
     assert kernels.cpu_vector_bytes() == (int(forced) if forced else host_vector_bytes())
 
 
 def test_bad_forced_width_is_named(monkeypatch) -> None:
-    monkeypatch.setenv(ttm_cpu.VECTOR_BYTES_ENV, "48")
-    with pytest.raises(ValueError, match=f"{ttm_cpu.VECTOR_BYTES_ENV}='48'.*16, 32, 64"):
-        ttm_cpu._forced_vector_bytes()
+    monkeypatch.setenv(cpu_extension.VECTOR_BYTES_ENV, "48")
+    with pytest.raises(ValueError, match=f"{cpu_extension.VECTOR_BYTES_ENV}='48'.*16, 32, 64"):
+        cpu_extension._forced_vector_bytes()
 
 
 def test_fused_rank_limit_is_256_bytes_of_rank() -> None:
@@ -63,12 +63,12 @@ def test_fused_rank_limit_is_256_bytes_of_rank() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(bool(os.environ.get(ttm_cpu.VECTOR_BYTES_ENV)), reason="already a forced-width run")
+@pytest.mark.skipif(bool(os.environ.get(cpu_extension.VECTOR_BYTES_ENV)), reason="already a forced-width run")
 def test_kernel_tests_pass_at_another_width(tmp_path) -> None:
     # 64-byte vectors on a host without AVX-512 are emulated by the compiler: slow, but the
     # same code and the same results; 32-byte vectors run natively on an AVX-512 host
     other = "32" if kernels.cpu_vector_bytes() == 64 else "64"
-    env = {**os.environ, ttm_cpu.VECTOR_BYTES_ENV: other}
+    env = {**os.environ, cpu_extension.VECTOR_BYTES_ENV: other}
     run = subprocess.run(
         [
             sys.executable,

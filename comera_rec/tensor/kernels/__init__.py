@@ -10,8 +10,8 @@ only, so the CPU path pays nothing. The fused Triton lookup is used when
 
 See ``docs/gpu.md`` for the design. On CPU, C++ kernels (one extension, built at set-up by
 :func:`build_cpu_kernels` / ``python -m comera_rec.tensor.kernels``, else on first use:
-:mod:`.ttm_cpu`) take the TTM lookup and the TT linear with its ReLU, unless
-``COMERA_DISABLE_CPU_KERNEL=1`` or :func:`set_cpu_kernel_enabled(False) <set_cpu_kernel_enabled>`;
+:mod:`.cpu_extension`; the lookup: :mod:`.ttm_cpu`) take the TTM lookup and the TT linear
+with its ReLU, unless ``COMERA_DISABLE_CPU_KERNEL=1`` or :func:`set_cpu_kernel_enabled(False) <set_cpu_kernel_enabled>`;
 each ``*_applies`` function says whether its kernel takes a call. The layers above keep
 their own CPU kernels (DLRM's pairwise-dot interaction: ``comera_rec.dlrm.interaction_kernel``;
 the row-wise Adagrad tables: ``comera_rec.integration.rowwise_bag_kernel``), small extensions
@@ -27,25 +27,26 @@ from typing import Sequence
 
 import torch
 
+from comera_rec.tensor.kernels.build_support import KernelBuild, disabled_by_env
+from comera_rec.tensor.kernels.cpu_extension import (  # the build of all the CPU kernels, and their switch
+    CpuExtension,
+    build_cpu_kernels,
+    cpu_kernel_enabled,
+    cpu_vector_bytes,
+    host_description,
+    register_cpu_extension,
+    set_cpu_kernel_enabled,
+)
 from comera_rec.tensor.kernels.tt_linear_cpu import (  # the fused CPU TT linear and its chains
     tt_chains_cpu,
     tt_chains_kernel_applies,
     tt_linear_cpu,
     tt_linear_kernel_applies,
 )
-from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup, and the build of all the CPU kernels
-    CpuExtension,
-    KernelBuild,
-    build_cpu_kernels,
+from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup
     check_jagged,
     cpu_kernel_applies,
-    cpu_kernel_enabled,
-    cpu_vector_bytes,
-    disabled_by_env,
     gather_column_blocks,
-    host_description,
-    register_cpu_extension,
-    set_cpu_kernel_enabled,
     ttm_embedding_bag_cpu,
 )
 

@@ -16,7 +16,7 @@ import argparse
 import importlib
 import sys
 
-from comera_rec.tensor.kernels.ttm_cpu import build_cpu_kernels
+from comera_rec.tensor.kernels.cpu_extension import build_cpu_kernels
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,9 @@
-"""The parts of the CPU kernels' build (:mod:`.ttm_cpu`) that know nothing of the kernels.
+"""The parts of the CPU kernels' build (:mod:`.cpu_extension`) that know nothing of the kernels.
 
 :func:`exclusive_build` locks a build folder against other processes (and clears what a
 killed build left), :func:`pinned_ninja_on_path` makes ``cpp_extension`` run the project's
 ``ninja``, :func:`build_root` says where builds go, :class:`KernelBuild` is what
-:func:`~comera_rec.tensor.kernels.ttm_cpu.build_cpu_kernels` reports, and
+:func:`~comera_rec.tensor.kernels.cpu_extension.build_cpu_kernels` reports, and
 :func:`disabled_by_env` reads a kernel's off switch from the environment.
 """
 
@@ -104,7 +104,7 @@ def build_root() -> Path:
 
 @dataclass(frozen=True)
 class KernelBuild:
-    """What :func:`~comera_rec.tensor.kernels.ttm_cpu.build_cpu_kernels` found or did.
+    """What :func:`~comera_rec.tensor.kernels.cpu_extension.build_cpu_kernels` found or did.
 
     Attributes:
         ready: the kernels are loaded: CPU calls take them (unless switched off later).

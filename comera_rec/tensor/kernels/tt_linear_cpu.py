@@ -5,7 +5,7 @@ the merged chains of a TT weight, forward and backward each in one pass over the
 in tiles of rows, the bias and the ReLU (and its mask) applied on the way: the BLAS path
 (:class:`comera_rec.tensor.contract.TTLinearFunction`) makes six skinny GEMMs and passes
 of their own for the bias, the ReLU and its backward, each over a ``(B, N)`` activation.
-Built with the fused lookup, in one extension (see :mod:`.ttm_cpu`), and switched on
+Built with the fused lookup, in one extension (see :mod:`.cpu_extension`), and switched on
 and off with it.
 """
 
@@ -15,7 +15,8 @@ from typing import Sequence
 
 import torch
 
-from comera_rec.tensor.kernels.ttm_cpu import cpu_float_tensors_apply, cpu_vector_bytes, extension
+from comera_rec.tensor.kernels.cpu_extension import cpu_vector_bytes, extension
+from comera_rec.tensor.kernels.ttm_cpu import cpu_float_tensors_apply
 
 _MAX_RANK_BYTES = 256  # the kernel keeps a row's rank vectors in registers: r <= 64 float32
 _MAX_RANK_VECTORS = 8  # ... in at most 8 vectors (the widths the kernel is built for)

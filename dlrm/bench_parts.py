@@ -1,0 +1,117 @@
+"""Where the DLRM benchmark's step goes (:mod:`comera_rec.dlrm.bench`, ``--parts``): each
+part's forward + backward timed, variants interleaved, and its matrix-multiply FLOPs against
+this machine's sgemm throughput."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from comera_rec.dlrm.bench_setup import Setup, build, train_batches, train_step, use_lookup_path, variants
+from comera_rec.tensor import kernels
+from comera_rec.utils.benchmark import time_interleaved
+from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
+
+
+def _dlrm(wrapped: nn.Module) -> nn.Module:
+    """TorchRec's ``DLRM`` inside ``DLRMTrain`` (single process: not wrapped further)."""
+    return getattr(wrapped, "module", wrapped).model
+
+
+def part_times(wrapped: nn.Module, batch, count_flops: bool = False) -> dict[str, float]:
+    """Seconds (or, with ``count_flops``, matrix-multiply FLOPs) of forward + backward of
+    each part of one step, run one after the other on the batch (the sparse arch includes
+    the fused table update in its backward)."""
+    dlrm, state, out = _dlrm(wrapped), {}, {}
+
+    def lookups() -> None:
+        emb = dlrm.sparse_arch(batch.sparse_features)  # (B, F, D)
+        emb.backward(torch.ones_like(emb))
+        state["emb"] = emb.detach().requires_grad_()
+
+    def bottom() -> None:
+        dense = dlrm.dense_arch(batch.dense_features)  # (B, D)
+        dense.backward(torch.ones_like(dense))
+        state["dense"] = dense.detach().requires_grad_()
+
+    def interaction() -> None:
+        inter = dlrm.inter_arch(dense_features=state["dense"], sparse_features=state["emb"])  # (B, D + F(F+1)/2)
+        inter.backward(torch.ones_like(inter))
+        state["inter"] = inter.detach().requires_grad_()
+
+    def top() -> None:
+        logits = dlrm.over_arch(state["inter"])
+        logits.backward(torch.ones_like(logits))
+
+    for name, run in (("lookups", lookups), ("bottom MLP", bottom), ("interaction", interaction), ("top MLP", top)):
+        if count_flops:
+            with FlopCounterMode(display=False) as counter:
+                run()
+            out[name] = float(counter.get_total_flops())
+        else:
+            t = time.perf_counter()
+            run()
+            out[name] = time.perf_counter() - t
+    wrapped.zero_grad(set_to_none=True)
+    return out
+
+
+def sgemm_flops_per_second(n: int = 2048, repeats: int = 10) -> float:
+    """This machine's matrix throughput: the median of ``repeats`` ``n^3`` float32 GEMMs."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / time_interleaved({"sgemm": lambda: a @ b}, repeats=repeats, warmup=1)["sgemm"]
+
+
+def parts(setup: Setup, repeats: int = 20) -> None:
+    """Where the step goes: each part's forward + backward, variants interleaved; then each
+    part's matrix-multiply FLOPs against the time a 2048^3 sgemm's throughput allows."""
+    if setup.keep_freed_memory:
+        keep_freed_memory()
+    names_ = variants(setup)
+    models = {v: build(v, setup, mlperf=False) for v in names_}
+    data = train_batches(setup, False, repeats + 2)
+    freeze_live_objects()
+    samples: dict[str, dict[str, list[float]]] = {v: {} for v in names_}
+    for i in range(repeats + 2):
+        for v in names_:
+            use_lookup_path(v)
+            times = part_times(models[v][0], data[i % len(data)])
+            t = time.perf_counter()
+            train_step(*models[v], data[i % len(data)])
+            times["whole step"] = time.perf_counter() - t
+            if i >= 2:  # warm-up
+                for k, sec in times.items():
+                    samples[v].setdefault(k, []).append(sec)
+    names = list(samples["dense"])
+    median = {v: {n: statistics.median_high(samples[v][n]) for n in names} for v in names_}
+    print(f"forward + backward per part, median of {repeats} interleaved rounds (ms), batch {setup.batch_size}")
+    print(f"{'variant':14s}" + "".join(f"{n:>13s}" for n in names))
+    for v in names_:
+        print(f"{v:14s}" + "".join(f"{median[v][n] * 1e3:13.1f}" for n in names))
+
+    rate = sgemm_flops_per_second()
+    flops = {}
+    for v in names_:
+        # counted on the PyTorch path: the counter sees ATen ops only, not inside the C++
+        # kernels, and the kernels do the same products
+        kernels.set_cpu_kernel_enabled(False)
+        flops[v] = part_times(models[v][0], data[0], count_flops=True)
+    kernels.set_cpu_kernel_enabled(True)
+    print(
+        f"\nmatrix-multiply FLOPs per part (forward + backward, torch.utils.flop_counter, counted on the "
+        f"PyTorch path; lookups: the TTM contractions only, FBGEMM's row reads count 0) against a 2048^3 "
+        f"sgemm at {rate / 1e9:.0f} GFLOP/s:"
+        f"\nGFLOP / time those FLOPs need at that rate (ms) / measured time over it"
+    )
+    print(f"{'variant':14s}" + "".join(f"{n:>22s}" for n in names[:-1]))
+    for v in names_:
+        cells = []
+        for n in names[:-1]:
+            ideal = flops[v][n] / rate
+            over = f"{median[v][n] / ideal:6.1f}x" if ideal > 0 else "      -"
+            cells.append(f"{flops[v][n] / 1e9:7.3f} / {ideal * 1e3:5.2f} / {over}")
+        print(f"{v:14s}" + "".join(f"{c:>22s}" for c in cells))

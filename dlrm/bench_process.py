@@ -1,0 +1,91 @@
+"""The DLRM benchmark's own processes (:mod:`comera_rec.dlrm.bench`): each variant trained
+alone in a fresh process, as it would train, for its step time, peak RSS and page faults."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+from comera_rec.dlrm.bench_setup import Setup, build, train_batches, train_step, use_lookup_path
+from comera_rec.utils.benchmark import current_rss_bytes, peak_rss_bytes
+from comera_rec.utils.host import freeze_live_objects, keep_freed_memory, minor_page_faults
+from comera_rec.utils.logs import quiet_foreign_notices
+
+
+def process_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # runs in a fresh process
+    """Build one variant and train it alone, as a training process would: peak RSS, the
+    median step time after a warm-up, and minor page faults per step."""
+    quiet_foreign_notices()
+    if setup.keep_freed_memory:
+        keep_freed_memory()
+    use_lookup_path(variant)
+    data = train_batches(setup, mlperf, setup.warmup_steps + setup.timed_steps)
+    base = current_rss_bytes()
+    wrapped, optimizer = build(variant, setup, mlperf)
+    freeze_live_objects()  # as the trainer does (trainer.freeze_gc), every variant alike
+    times = []
+    faults_at_start = minor_page_faults()  # read again when the timed steps begin
+    for step in range(setup.warmup_steps + setup.timed_steps):
+        if step == setup.warmup_steps:
+            faults_at_start = minor_page_faults()
+        start = time.perf_counter()
+        train_step(wrapped, optimizer, data[step % len(data)])
+        times.append(time.perf_counter() - start)
+    faults = (minor_page_faults() - faults_at_start) / setup.timed_steps
+    queue.put(
+        {
+            "base": base,
+            "peak": peak_rss_bytes(),
+            "step_s": statistics.median_high(times[setup.warmup_steps :]),
+            "faults": faults,
+        }
+    )
+    queue.close()
+    queue.join_thread()  # the result is in the pipe
+    exit_now()
+
+
+def exit_now() -> None:
+    """Leave without the interpreter's teardown. Triton (which torch imports for TorchRec)
+    prints a hundred lines of nanobind leak warnings at a normal exit, in every process."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_in_process(variant: str, setup: Setup, mlperf: bool) -> dict:
+    """:func:`process_child` in a fresh (spawned) process; its result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=process_child, args=(variant, setup, mlperf, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+def own_process_rounds(names: tuple[str, ...], setup: Setup, mlperf: bool) -> dict[str, dict]:
+    """Each variant in its own fresh process, ``setup.rounds`` times, the variants
+    alternating (A, B, C, A, B, C, ...) so that the machine's drift hits all alike.
+
+    Returns, per variant: the median over rounds of the per-process median step time, of
+    the page faults per step, and the largest peak RSS.
+    """
+    runs: dict[str, list[dict]] = {v: [] for v in names}
+    for _ in range(setup.rounds):
+        for v in names:
+            runs[v].append(run_in_process(v, setup, mlperf))
+    median = statistics.median_high
+    return {
+        v: {
+            "step_s": median([r["step_s"] for r in rs]),
+            "faults": median([r["faults"] for r in rs]),
+            "peak": max(r["peak"] for r in rs),
+            "base": rs[0]["base"],
+            "steps": [r["step_s"] for r in rs],
+        }
+        for v, rs in runs.items()
+    }

@@ -1,0 +1,117 @@
+"""The dense parts of a DLRM's inference form (:mod:`comera_rec.dlrm.export`): linear and
+TT layers with their chains merged, the pairwise-dot interaction without its kernel, and
+:func:`serving_dense_part`, which swaps them into a copy of a dense arch."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comera_rec.dlrm.interaction import PairwiseDotInteraction
+from comera_rec.tensor.contract import merge_input_chain, merge_output_chain
+from comera_rec.tensor.linear import NarrowLinear, TTLinear
+from comera_rec.tensor.train import TensorTrainModule
+
+
+class ExportError(RuntimeError):
+    """A part of the model has no inference form or does not export; the message names it."""
+
+    __module__ = "comera_rec.dlrm.export"  # its public home (re-exported there): exported programs and pickles name it
+
+
+class ServingLinear(nn.Module):
+    """``relu?(x @ W^T + b)``: the inference form of ``nn.Linear`` / ``NarrowLinear``.
+
+    Args:
+        linear: the layer to copy (weights detached).
+        relu: apply a ReLU (a ``NarrowLinear`` with its ReLU fused in).
+    """
+
+    __module__ = "comera_rec.dlrm.export"  # its public home (re-exported there): exported programs and pickles name it
+
+    def __init__(self, linear: nn.Linear, relu: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
+        self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False) if linear.bias is not None else None
+        self.relu = relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return torch.relu(y) if self.relu else y
+
+
+class ServingTTLinear(nn.Module):
+    """A ``TTLinear`` with its chains merged: ``relu?((x @ left) @ right + bias)``.
+
+    Args:
+        layer: the TT layer (controllers are folded into its cores first).
+    """
+
+    __module__ = "comera_rec.dlrm.export"  # its public home (re-exported there): exported programs and pickles name it
+
+    def __init__(self, layer: TTLinear) -> None:
+        super().__init__()
+        with torch.no_grad():
+            inputs, outputs = layer._split()
+            left = merge_input_chain(inputs)[: layer.in_features]  # (in, r)
+            right = merge_output_chain(outputs)[:, : layer.out_features]  # (r, out)
+        # clones: a slice keeps its whole storage, which the saved program would hold too
+        self.left = nn.Parameter(left.detach().clone(), requires_grad=False)
+        self.right = nn.Parameter(right.detach().clone(), requires_grad=False)
+        self.bias = nn.Parameter(layer.bias.detach().clone(), requires_grad=False) if layer.bias is not None else None
+        self.relu = layer.relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        t = rows @ self.left  # (B, r)
+        y = t @ self.right if self.bias is None else torch.addmm(self.bias, t, self.right)
+        if self.relu:
+            y = torch.relu(y)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class ServingPairwiseDot(nn.Module):
+    """``PairwiseDotInteraction`` without its kernel: ``[dense, dots of pairs i < j]``.
+
+    Args:
+        num_sparse_features: F.
+    """
+
+    __module__ = "comera_rec.dlrm.export"  # its public home (re-exported there): exported programs and pickles name it
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__()
+        n = num_sparse_features + 1
+        rows, cols = torch.triu_indices(n, n, offset=1)
+        self.register_buffer("upper", rows * n + cols)  # flat (i, j), i < j, in output order
+        self.n = n
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        combined = torch.cat([dense_features.unsqueeze(1), sparse_features], dim=1)  # (B, n, D)
+        grid = torch.bmm(combined, combined.transpose(1, 2))  # (B, n, n)
+        pairs = grid.reshape(-1, self.n * self.n).index_select(1, self.upper)
+        return torch.cat([dense_features, pairs], dim=1)
+
+
+def serving_dense_part(module: nn.Module, where: str) -> nn.Module:
+    """A copy of ``module`` with every compressed or fused layer in its inference form.
+
+    Raises:
+        ExportError: a TT module other than ``TTLinear`` (named by its path) is inside.
+    """
+    if isinstance(module, TTLinear):
+        return ServingTTLinear(module)
+    if isinstance(module, NarrowLinear):
+        return ServingLinear(module, relu=module.relu)
+    if isinstance(module, PairwiseDotInteraction):
+        return ServingPairwiseDot(module.num_sparse_features)
+    if isinstance(module, TensorTrainModule):
+        raise ExportError(f"{where} ({type(module).__name__}): no inference form for this tensor-train module")
+    out = copy.copy(module)  # shallow: children are replaced below, parameters shared (not written)
+    out._modules = type(module._modules)()
+    for name, child in module._modules.items():
+        out._modules[name] = None if child is None else serving_dense_part(child, f"{where}.{name}")
+    return out
