@@ -387,3 +387,37 @@ def run_config_from_args(
         print(yaml.safe_dump(to_dict(config), sort_keys=False))
         return None
     return config
+
+
+# ---------------------------------------------------------------- differences
+def flatten_config(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as ``{"a.b.c": value}`` (keys joined with dots)."""
+    if isinstance(config, dict):
+        out: dict[str, Any] = {}
+        for k, v in config.items():
+            out.update(flatten_config(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: config}
+
+
+def short_repr(value: Any, width: int = 80) -> str:
+    """``repr(value)``, cut to ``width`` characters with ``...``."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def config_differences(saved: Any, current: Any, ignore: tuple[str, ...] = ("trainer.",)) -> list[str]:
+    """``key (checkpoint X, now Y)`` for every config key whose value differs.
+
+    Args:
+        saved: the config dict stored in a checkpoint's meta.json.
+        current: this run's config dict.
+        ignore: key prefixes that may change between a run and its resumption.
+    """
+    a, b = flatten_config(saved or {}), flatten_config(current or {})
+    keys = sorted(set(a) | set(b))
+    return [
+        f"{k} (checkpoint {short_repr(a.get(k, '<absent>'))}, now {short_repr(b.get(k, '<absent>'))})"
+        for k in keys
+        if not k.startswith(ignore) and a.get(k, "<absent>") != b.get(k, "<absent>")
+    ]

@@ -75,15 +75,41 @@ def imports_in(
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module
+            target = from_target(node, package)
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 found.append((sub if sub in modules else target, node.lineno))
+    return found
+
+
+def from_target(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module of ``from X import ...`` in a module of ``package`` (``X`` may be relative)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def private_names_imported(
+    source: str, name: str, is_package: bool, filename: str = "<source>"
+) -> list[tuple[str, str, int]]:
+    """``(comera_rec module, name, line)`` of every private name (``_x``; dunders such as
+    ``__version__`` are not private) that the source of module ``name`` imports from a
+    comera_rec module with ``from ... import``, absolute or relative, at any depth."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        target = from_target(node, package)
+        if target != PACKAGE and not target.startswith(PACKAGE + "."):
+            continue
+        found += [
+            (target, alias.name, node.lineno)
+            for alias in node.names
+            if alias.name.startswith("_") and not alias.name.startswith("__")
+        ]
     return found
 
 
@@ -212,3 +238,22 @@ def test_no_forbidden_third_party_import(layer: str) -> None:
             if target.split(".")[0] in forbidden:
                 bad.append(f"{path.relative_to(ROOT)}:{line}: imports {target}")
     assert not bad, f"imports of {', '.join(forbidden)}:\n" + "\n".join(bad)
+
+
+def test_no_private_name_imported_across_modules() -> None:
+    """A module's private names (``_x``) are its own: what another module uses gets a public
+    name in the module that defines it (lazy imports count too)."""
+    source = "from comera_rec.a import _x, y, __version__\nfrom .b import _z\ndef f():\n    from .. import _w\n"
+    assert private_names_imported(source, "comera_rec.p.m", False) == [
+        ("comera_rec.a", "_x", 1),
+        ("comera_rec.p.b", "_z", 2),
+        ("comera_rec", "_w", 4),
+    ]
+    assert private_names_imported("from torch.utils import _pytree\n", "comera_rec.m", False) == []
+    bad = []
+    for name, path in module_files().items():
+        for module, imported, line in private_names_imported(
+            path.read_text(), name, path.name == "__init__.py", str(path)
+        ):
+            bad.append(f"{path.relative_to(ROOT)}:{line}: imports {imported} from {module}")
+    assert not bad, "private names imported across modules (give them a public name where defined):\n" + "\n".join(bad)

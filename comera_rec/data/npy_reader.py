@@ -9,11 +9,11 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 
 from comera_rec.data.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
-from comera_rec.data.reader_base import BadInputError, Chunk, CriteoReaderConfig, _CriteoReader
+from comera_rec.data.reader_base import BadInputError, Chunk, CriteoReaderBase, CriteoReaderConfig
 from comera_rec.data.transforms import dense_transform
 
 
-def _load_npy(path: Path) -> np.ndarray:
+def load_npy(path: Path) -> np.ndarray:
     """Memory-map a numeric .npy array; never unpickles (a file of Python objects is an error)."""
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -27,7 +27,7 @@ def _load_npy(path: Path) -> np.ndarray:
     return arr
 
 
-class CriteoNpyReader(_CriteoReader):
+class CriteoNpyReader(CriteoReaderBase):
     """Reader for TorchRec's preprocessed layout: ``X_dense.npy``, ``X_sparse.npy``, ``X_labels.npy``.
 
     ``paths`` name the ``*_dense.npy`` files; the sparse and label files are found beside
@@ -62,7 +62,7 @@ class CriteoNpyReader(_CriteoReader):
     def _load(self, path: Path) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Memory-map and check one triplet: shapes [N, 13], [N, 26], [N] or [N, 1], one N."""
         dense_p, sparse_p, labels_p = self._triplet(path)
-        dense, sparse, labels = (_load_npy(q) for q in (dense_p, sparse_p, labels_p))
+        dense, sparse, labels = (load_npy(q) for q in (dense_p, sparse_p, labels_p))
         for q, a, width, what in (
             (dense_p, dense, INT_FEATURE_COUNT, "dense features"),
             (sparse_p, sparse, CAT_FEATURE_COUNT, "category ids"),

@@ -13,13 +13,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from comera_rec.data.criteo import CAT_FEATURE_COUNT, CAT_NAMES, INT_FEATURE_COUNT, INT_NAMES, LABEL_NAME, NO_LABEL
-from comera_rec.data.reader_base import BadInputError, Chunk, _CriteoReader
+from comera_rec.data.reader_base import BadInputError, Chunk, CriteoReaderBase
 from comera_rec.data.transforms import dense_transform
 
 logger = logging.getLogger("comera_rec.data.readers")  # the readers' logger name before the split into modules
 
 
-class CriteoParquetReader(_CriteoReader):
+class CriteoParquetReader(CriteoReaderBase):
     """Reader for the Parquet files written by ``data/preprocess_criteo.py``.
 
     Columns: ``label`` (int8, absent for unlabeled data), ``int_0 .. int_12`` (int64,

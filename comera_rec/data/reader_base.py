@@ -91,7 +91,7 @@ class ReaderStats:
     """Parquet row groups that could not be decoded (corrupt pages), skipped."""
 
 
-class _CriteoReader(IterableDataset):
+class CriteoReaderBase(IterableDataset):
     """Shared split / shard / transform / batching logic; subclasses read row ranges."""
 
     def __init__(self, config: CriteoReaderConfig) -> None:

@@ -24,25 +24,25 @@ All three are ``torch.utils.data.IterableDataset`` s that yield
 """
 
 # The readers live in reader_base, text_files, tsv_reader, parquet_reader and npy_reader;
-# every name (private helpers too) stays importable from here.
-from comera_rec.data.npy_reader import CriteoNpyReader, _load_npy  # noqa: F401
+# every name (the helpers too, under their public names) stays importable from here.
+from comera_rec.data.npy_reader import CriteoNpyReader, load_npy  # noqa: F401
 from comera_rec.data.parquet_reader import CriteoParquetReader  # noqa: F401
 from comera_rec.data.reader_base import (  # noqa: F401
     BadInputError,
     Chunk,
+    CriteoReaderBase,
     CriteoReaderConfig,
     RawChunk,
     ReaderStats,
-    _CriteoReader,
     logger,
 )
 from comera_rec.data.text_files import (  # noqa: F401
-    _STREAM_ERRORS,
-    _compressed_pos,
-    _count_lines,
-    _damage_message,
-    _open_binary,
-    _read_block,
+    GZIP_STREAM_ERRORS,
+    compressed_pos,
     count_lines,
+    count_lines_with_damage,
+    damage_message,
+    open_binary,
+    read_block,
 )
-from comera_rec.data.tsv_reader import _INT_PATTERN, _MAX_LOGGED_BAD_LINES, CriteoTsvReader  # noqa: F401
+from comera_rec.data.tsv_reader import INT_PATTERN, MAX_LOGGED_BAD_LINES, CriteoTsvReader  # noqa: F401

@@ -13,10 +13,10 @@ from comera_rec.data.reader_base import BadInputError
 
 # what a damaged gzip stream raises on read: truncated (EOFError), corrupt deflate data
 # (zlib.error), a bad header or CRC (gzip.BadGzipFile)
-_STREAM_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
+GZIP_STREAM_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
 
 
-def _open_binary(path: Path) -> io.BufferedIOBase:
+def open_binary(path: Path) -> io.BufferedIOBase:
     """Open plain or gzip (detected by magic bytes) for binary reading."""
     with open(path, "rb") as f:
         magic = f.read(2)
@@ -25,7 +25,7 @@ def _open_binary(path: Path) -> io.BufferedIOBase:
     return open(path, "rb")
 
 
-def _read_block(f: io.BufferedIOBase, size: int) -> Tuple[bytes, Optional[Exception]]:
+def read_block(f: io.BufferedIOBase, size: int) -> Tuple[bytes, Optional[Exception]]:
     """Up to ``size`` bytes, and the error of a damaged gzip stream if reading stopped on one.
 
     Reads with ``read1`` so that the bytes decompressed before the damage are returned,
@@ -36,7 +36,7 @@ def _read_block(f: io.BufferedIOBase, size: int) -> Tuple[bytes, Optional[Except
     while n < size:
         try:
             part = f.read1(size - n)
-        except _STREAM_ERRORS as e:
+        except GZIP_STREAM_ERRORS as e:
             return b"".join(parts), e
         if not part:
             break
@@ -45,7 +45,7 @@ def _read_block(f: io.BufferedIOBase, size: int) -> Tuple[bytes, Optional[Except
     return b"".join(parts), None
 
 
-def _compressed_pos(f: io.BufferedIOBase, path: Path) -> str:
+def compressed_pos(f: io.BufferedIOBase, path: Path) -> str:
     """ "near byte X of Y (compressed)" for a gzip file, for messages about its damage."""
     try:
         return f" near compressed byte {f.fileobj.tell()} of {path.stat().st_size}"  # type: ignore[attr-defined]
@@ -53,24 +53,25 @@ def _compressed_pos(f: io.BufferedIOBase, path: Path) -> str:
         return ""
 
 
-def _damage_message(path: Path, lines: int, pos: str, err: Exception) -> str:
+def damage_message(path: Path, lines: int, pos: str, err: Exception) -> str:
+    """The message for a gzip stream damaged after ``lines`` whole lines (``pos``: from :func:`compressed_pos`)."""
     return (
         f"{path}: damaged gzip stream after line {lines}{pos}: {type(err).__name__}: {err} "
         f"(truncated or corrupt file; the {lines} whole lines before the damage are readable)"
     )
 
 
-def _count_lines(path: Path, block_bytes: int) -> Tuple[int, Optional[str]]:
+def count_lines_with_damage(path: Path, block_bytes: int) -> Tuple[int, Optional[str]]:
     """(lines, message of a damaged gzip stream or None); with damage, whole lines before it."""
     n, last = 0, b"\n"
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         while True:
-            block, err = _read_block(f, block_bytes)
+            block, err = read_block(f, block_bytes)
             n += block.count(b"\n")
             if block:
                 last = block[-1:]
             if err is not None:
-                return n, _damage_message(path, n, _compressed_pos(f, path), err)
+                return n, damage_message(path, n, compressed_pos(f, path), err)
             if not block:
                 break
     return n + (last != b"\n"), None
@@ -85,7 +86,7 @@ def count_lines(path: str | Path, block_bytes: int = 16 << 20) -> int:
 
         n = count_lines("day_0.gz")
     """
-    n, damage = _count_lines(Path(path), block_bytes)
+    n, damage = count_lines_with_damage(Path(path), block_bytes)
     if damage is not None:
         raise BadInputError(damage)
     return n

@@ -23,17 +23,17 @@ from comera_rec.data.criteo import (
     TSV_COLUMNS_WITH_LABEL,
     TSV_COLUMNS_WITHOUT_LABEL,
 )
-from comera_rec.data.reader_base import BadInputError, Chunk, CriteoReaderConfig, RawChunk, _CriteoReader
-from comera_rec.data.text_files import _compressed_pos, _count_lines, _damage_message, _open_binary, _read_block
+from comera_rec.data.reader_base import BadInputError, Chunk, CriteoReaderBase, CriteoReaderConfig, RawChunk
+from comera_rec.data.text_files import compressed_pos, count_lines_with_damage, damage_message, open_binary, read_block
 from comera_rec.data.transforms import dense_transform, parse_hex
 
 logger = logging.getLogger("comera_rec.data.readers")  # the readers' logger name before the split into modules
 
-_MAX_LOGGED_BAD_LINES = 10
-_INT_PATTERN = r"^-?[0-9]{1,18}$"
+MAX_LOGGED_BAD_LINES = 10
+INT_PATTERN = r"^-?[0-9]{1,18}$"
 
 
-class CriteoTsvReader(_CriteoReader):
+class CriteoTsvReader(CriteoReaderBase):
     """Criteo TSV reader: Kaggle train.txt / test.txt, Terabyte day_N; plain or gzip.
 
     Parsing is vectorised: byte chunks of whole lines are split with pyarrow's CSV
@@ -68,7 +68,7 @@ class CriteoTsvReader(_CriteoReader):
             return [int(n) for n in self.config.rows_per_file]
         rows = []
         for p in self.paths:
-            n, damage = _count_lines(p, 16 << 20)
+            n, damage = count_lines_with_damage(p, 16 << 20)
             if damage is not None:
                 self._damaged_file(p, damage)  # skip: the file counts its whole lines before the damage
             rows.append(n)
@@ -88,8 +88,8 @@ class CriteoTsvReader(_CriteoReader):
         """Whether lines start with a label (detected from the first line if not given)."""
         if self._has_label is None:
             for p in self.paths:
-                with _open_binary(p) as f:
-                    first, _ = _read_block(f, 1 << 16)  # a damaged stream is reported when read
+                with open_binary(p) as f:
+                    first, _ = read_block(f, 1 << 16)  # a damaged stream is reported when read
                     first = first.split(b"\n", 1)[0]
                 if first.strip(b"\r\n"):
                     n = first.rstrip(b"\r\n").count(b"\t") + 1
@@ -111,10 +111,10 @@ class CriteoTsvReader(_CriteoReader):
     def _line_blocks(self, path: Path, lo: int, hi: Optional[int]) -> Iterator[Tuple[int, bytes]]:
         """(index of first line, bytes of whole lines each ending in newline) for lines [lo, hi)."""
         size = self.config.chunk_bytes
-        with _open_binary(path) as f:
+        with open_binary(path) as f:
             line, rest, err = 0, b"", None
             while line < lo:  # skip lines before this shard
-                block, err = _read_block(f, size)
+                block, err = read_block(f, size)
                 n = block.count(b"\n")
                 if line + n < lo:
                     line += n
@@ -127,7 +127,7 @@ class CriteoTsvReader(_CriteoReader):
             while line >= lo and (hi is None or line < hi):
                 block = b""
                 if err is None:
-                    block, err = _read_block(f, size)
+                    block, err = read_block(f, size)
                 data = rest + block
                 end = err is not None or not block
                 if err is not None:  # damaged stream: only whole lines before the damage count
@@ -151,7 +151,7 @@ class CriteoTsvReader(_CriteoReader):
                 if end:
                     break
             if err is not None and (hi is None or line < hi):
-                self._damaged_file(path, _damage_message(path, line, _compressed_pos(f, path), err))
+                self._damaged_file(path, damage_message(path, line, compressed_pos(f, path), err))
 
     # -- parsing ------------------------------------------------------------------------
     def _bad(self, path: Path, line_idx: int, reason: str, detail: str) -> None:
@@ -160,10 +160,10 @@ class CriteoTsvReader(_CriteoReader):
             raise BadInputError(msg)
         self.stats.bad_lines += 1
         self.stats.bad_by_reason[reason] = self.stats.bad_by_reason.get(reason, 0) + 1
-        if self._logged_bad < _MAX_LOGGED_BAD_LINES:
+        if self._logged_bad < MAX_LOGGED_BAD_LINES:
             logger.warning("skipping bad line %s", msg)
             self._logged_bad += 1
-            if self._logged_bad == _MAX_LOGGED_BAD_LINES:
+            if self._logged_bad == MAX_LOGGED_BAD_LINES:
                 logger.warning("further bad lines are counted, not logged")
 
     def _broken_lines(
@@ -295,7 +295,7 @@ class CriteoTsvReader(_CriteoReader):
                 int_cols = {}
                 for n in INT_NAMES:
                     col = table.column(n)
-                    ok = pc.or_(pc.equal(col, ""), pc.match_substring_regex(col, _INT_PATTERN)).to_numpy(
+                    ok = pc.or_(pc.equal(col, ""), pc.match_substring_regex(col, INT_PATTERN)).to_numpy(
                         zero_copy_only=False
                     )
                     for i in np.flatnonzero(~ok & ~bad):

@@ -148,3 +148,16 @@ def resize_to_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
                     )
                     changed = True
     return changed
+
+
+def tt_rank_dims(model: nn.Module) -> dict[str, set[int]]:
+    """State-dict key of every TT core / controller -> its dims that are TT ranks."""
+    out: dict[str, set[int]] = {}
+    for name, module in tensor_train_modules(model):
+        prefix = f"{name}." if name else ""
+        batch_dims = module.controllers[0].dim() - 1 if len(module.controllers) else 0
+        for k, core in enumerate(module.cores):
+            out[f"{prefix}cores.{k}"] = {batch_dims, core.dim() - 1}
+        for k, ctrl in enumerate(module.controllers):
+            out[f"{prefix}controllers.{k}"] = {ctrl.dim() - 1}
+    return out

@@ -57,30 +57,30 @@ import torch
 import torch.distributed as dist
 
 from comera_rec.training.checkpoint_files import (  # noqa: F401
-    _NAME,
     SHARED_KEY,
+    STEP_DIR_PATTERN,
     TMP_PREFIX,
-    _fsync_dir,
-    _HashingWriter,
-    _incomplete_reason,
-    _run_id_of,
-    _sha256,
-    _step_of,
+    HashingWriter,
     checkpoint_name,
+    file_sha256,
+    fsync_dir,
+    incomplete_reason,
     is_complete,
     list_checkpoints,
     read_meta,
+    run_id_of,
+    step_of,
 )
 from comera_rec.training.checkpoint_shards import (  # noqa: F401
     LOCAL_SHARDS,
-    _sharded_tensor_type,
     localize,
     restore_local,
+    sharded_tensor_type,
 )
 from comera_rec.training.checkpoint_write import (  # noqa: F401
     NonFiniteStateError,
-    _all_finite,
-    _barrier,
+    all_finite,
+    barrier,
     nonfinite_entries,
     refuse_nonfinite,
     save_checkpoint,
@@ -127,7 +127,7 @@ def checkpoint_problem(path: Union[str, Path]) -> Optional[str]:
         'incomplete: rank0.pt is missing'
     """
     path = Path(path)
-    reason = _incomplete_reason(path)
+    reason = incomplete_reason(path)
     if reason is not None:
         return f"incomplete: {reason}"
     meta = json.loads((path / "meta.json").read_text())
@@ -137,7 +137,7 @@ def checkpoint_problem(path: Union[str, Path]) -> Optional[str]:
         if file.name not in expected:
             continue
         try:
-            actual = _sha256(file)
+            actual = file_sha256(file)
         except OSError as e:
             return f"unreadable: {file.name} ({e})"
         if actual != expected[file.name]:
@@ -151,7 +151,7 @@ def _shared_problem(path: Path, meta: dict[str, Any]) -> Optional[str]:
     for name, digest in (shared.get("sha256") or {}).items():
         file = path / SHARED_DIR / name
         try:
-            actual = _sha256(file)
+            actual = file_sha256(file)
         except OSError as e:
             return f"unreadable: {SHARED_DIR}/{name} ({e})"
         if actual != digest:
@@ -183,7 +183,9 @@ def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
     root = Path(root)
     if not root.is_dir():
         return None
-    candidates = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=_step_of, reverse=True)
+    candidates = sorted(
+        (p for p in root.iterdir() if STEP_DIR_PATTERN.match(p.name) and p.is_dir()), key=step_of, reverse=True
+    )
     skipped: list[str] = []
     for p in candidates:
         problem = checkpoint_problem(p)
@@ -192,7 +194,7 @@ def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
                 log.warning(
                     "falling back to checkpoint %s (step %d): %d newer checkpoint(s) skipped",
                     p,
-                    _step_of(p),
+                    step_of(p),
                     len(skipped),
                 )
             return p
@@ -269,7 +271,7 @@ def load_checkpoint(
     if size is not None and file.stat().st_size != int(size):
         raise CheckpointError(f"{file}: {file.stat().st_size} bytes, meta.json says {size} (cut short or replaced)")
     expected = (meta.get("sha256") or {}).get(file.name)
-    if expected is not None and _sha256(file) != expected:
+    if expected is not None and file_sha256(file) != expected:
         raise CheckpointError(f"{file}: damaged (its SHA-256 differs from the one in meta.json)")
     if not isinstance(state, dict):
         raise CheckpointError(f"{file}: expected a dict of states, got {type(state).__name__}")
@@ -345,13 +347,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     export.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     path = args.checkpoint
-    if not _NAME.match(path.name):
+    if not STEP_DIR_PATTERN.match(path.name):
         found = latest_checkpoint(path)
         if found is None:
             raise SystemExit(f"{path}: no complete checkpoint")
         path = found
     state = export_model_state(path, args.out)
-    print(f"{args.out}: {len(state)} tensors of the model at step {_step_of(path)} ({path})")
+    print(f"{args.out}: {len(state)} tensors of the model at step {step_of(path)} ({path})")
 
 
 if __name__ == "__main__":

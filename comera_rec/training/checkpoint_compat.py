@@ -10,55 +10,12 @@ from typing import Any
 
 from torch import nn
 
-from comera_rec.tensor.train import tensor_train_modules
+from comera_rec.config import config_differences, flatten_config, short_repr  # noqa: F401  (re-exported)
+from comera_rec.rank.truncation import tt_rank_dims
 
 
 class IncompatibleCheckpointError(ValueError):
     """A checkpoint was written by a run whose model does not fit this one."""
-
-
-def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(config, dict):
-        out: dict[str, Any] = {}
-        for k, v in config.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: config}
-
-
-def _short(value: Any, width: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def config_differences(saved: Any, current: Any, ignore: tuple[str, ...] = ("trainer.",)) -> list[str]:
-    """``key (checkpoint X, now Y)`` for every config key whose value differs.
-
-    Args:
-        saved: the config dict stored in a checkpoint's meta.json.
-        current: this run's config dict.
-        ignore: key prefixes that may change between a run and its resumption.
-    """
-    a, b = _flatten(saved or {}), _flatten(current or {})
-    keys = sorted(set(a) | set(b))
-    return [
-        f"{k} (checkpoint {_short(a.get(k, '<absent>'))}, now {_short(b.get(k, '<absent>'))})"
-        for k in keys
-        if not k.startswith(ignore) and a.get(k, "<absent>") != b.get(k, "<absent>")
-    ]
-
-
-def _rank_dims(model: nn.Module) -> dict[str, set[int]]:
-    """State-dict key of every TT core / controller -> its dims that are TT ranks."""
-    out: dict[str, set[int]] = {}
-    for name, module in tensor_train_modules(model):
-        prefix = f"{name}." if name else ""
-        batch_dims = module.controllers[0].dim() - 1 if len(module.controllers) else 0
-        for k, core in enumerate(module.cores):
-            out[f"{prefix}cores.{k}"] = {batch_dims, core.dim() - 1}
-        for k, ctrl in enumerate(module.controllers):
-            out[f"{prefix}controllers.{k}"] = {ctrl.dim() - 1}
-    return out
 
 
 def state_dict_mismatches(model: nn.Module, saved: dict[str, Any]) -> list[str]:
@@ -68,7 +25,7 @@ def state_dict_mismatches(model: nn.Module, saved: dict[str, Any]) -> list[str]:
     after truncation); every other dimension must match.
     """
     current = model.state_dict()
-    rank_dims = _rank_dims(model)
+    rank_dims = tt_rank_dims(model)
     problems: list[str] = []
     missing = [k for k in current if k not in saved]
     unexpected = [k for k in saved if k not in current]

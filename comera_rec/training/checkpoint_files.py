@@ -16,13 +16,13 @@ from typing import Any, Optional, Union
 
 from comera_rec.training.dcp_state import SHARED_DIR
 
-_NAME = re.compile(r"^step_(\d{9})$")
+STEP_DIR_PATTERN = re.compile(r"^step_(\d{9})$")
 TMP_PREFIX = ".tmp-"
 SHARED_KEY = "__shared__"
 """Key of a rank file's skeleton of the shared state (its tensors are in ``shared/``)."""
 
 
-class _HashingWriter:
+class HashingWriter:
     """A binary file wrapper that hashes what is written through it."""
 
     def __init__(self, f: Any) -> None:
@@ -37,7 +37,8 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of the file at ``path``, read in 1 MiB blocks."""
     sha = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -45,7 +46,8 @@ def _sha256(path: Path) -> str:
     return sha.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Flush folder ``path``'s entries (creations, renames) to disk; errors are ignored."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -63,13 +65,14 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:09d}"
 
 
-def _step_of(path: Path) -> int:
-    return int(_NAME.match(path.name).group(1))  # type: ignore[union-attr]
+def step_of(path: Path) -> int:
+    """The step of checkpoint folder ``path`` (named ``step_*``)."""
+    return int(STEP_DIR_PATTERN.match(path.name).group(1))  # type: ignore[union-attr]
 
 
-def _incomplete_reason(path: Path) -> Optional[str]:
+def incomplete_reason(path: Path) -> Optional[str]:
     """Why ``path`` is not a finished checkpoint (a stat per rank file, no read), or None."""
-    if not _NAME.match(path.name) or not path.is_dir():
+    if not STEP_DIR_PATTERN.match(path.name) or not path.is_dir():
         return "not a step_* folder"
     try:
         meta = json.loads((path / "meta.json").read_text())
@@ -110,7 +113,7 @@ def is_complete(path: Union[str, Path]) -> bool:
     Only sizes are checked (a stat per rank file and per ``shared/`` file);
     :func:`checkpoint_problem` also verifies the checksums.
     """
-    return _incomplete_reason(Path(path)) is None
+    return incomplete_reason(Path(path)) is None
 
 
 def list_checkpoints(root: Union[str, Path]) -> list[Path]:
@@ -119,10 +122,10 @@ def list_checkpoints(root: Union[str, Path]) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if is_complete(p)]
-    return sorted(found, key=_step_of)
+    return sorted(found, key=step_of)
 
 
-def _run_id_of(path: Path) -> Optional[str]:
+def run_id_of(path: Path) -> Optional[str]:
     """The ``run_id`` in ``path/meta.json`` (None: none recorded, or no readable meta.json)."""
     try:
         meta = json.loads((path / "meta.json").read_text())

@@ -16,7 +16,8 @@ import torch
 LOCAL_SHARDS = "__local_shards__"
 
 
-def _sharded_tensor_type() -> type | None:
+def sharded_tensor_type() -> type | None:
+    """The ``ShardedTensor`` class, or None when torch lacks distributed support."""
     try:
         from torch.distributed._shard.sharded_tensor import ShardedTensor
     except ImportError:  # pragma: no cover - torch without distributed
@@ -32,7 +33,7 @@ def localize(obj: Any) -> Any:
         >>> localize({"w": torch.ones(2)})["w"]
         tensor([1., 1.])
     """
-    sharded = _sharded_tensor_type()
+    sharded = sharded_tensor_type()
     if sharded is not None and isinstance(obj, sharded):
         return {LOCAL_SHARDS: [shard.tensor.detach().clone() for shard in obj.local_shards()]}
     if isinstance(obj, dict):
@@ -51,7 +52,7 @@ def restore_local(live: Any, saved: Any, where: str = "state") -> Any:
     Raises:
         ValueError: when the saved shards do not match the live ones (another sharding).
     """
-    sharded = _sharded_tensor_type()
+    sharded = sharded_tensor_type()
     if isinstance(saved, dict) and LOCAL_SHARDS in saved:
         if sharded is None or not isinstance(live, sharded):
             raise ValueError(

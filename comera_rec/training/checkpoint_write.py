@@ -16,13 +16,13 @@ from comera_rec.training import faults
 from comera_rec.training.checkpoint_files import (
     SHARED_KEY,
     TMP_PREFIX,
-    _fsync_dir,
-    _HashingWriter,
-    _run_id_of,
-    _sha256,
-    _step_of,
+    HashingWriter,
     checkpoint_name,
+    file_sha256,
+    fsync_dir,
     list_checkpoints,
+    run_id_of,
+    step_of,
 )
 from comera_rec.training.dcp_state import SHARED_DIR, save_shared, split_tensors
 from comera_rec.training.dist import is_distributed
@@ -40,7 +40,7 @@ def nonfinite_entries(state: Any, prefix: str = "") -> list[str]:
     found: list[str] = []
     if isinstance(state, torch.Tensor) or hasattr(state, "local_shards"):
         tensors = [s.tensor for s in state.local_shards()] if hasattr(state, "local_shards") else [state]
-        if not all(_all_finite(t) for t in tensors if t.is_floating_point() or t.is_complex()):
+        if not all(all_finite(t) for t in tensors if t.is_floating_point() or t.is_complex()):
             found.append(prefix)
     elif isinstance(state, dict):
         for k, v in state.items():
@@ -51,7 +51,7 @@ def nonfinite_entries(state: Any, prefix: str = "") -> list[str]:
     return found
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """No NaN / inf in ``t``. A finite sum proves it (NaN and inf propagate through a sum):
     one vectorised reduction in ``t``'s own dtype, ~20x faster than ``isfinite(t).all()``
     (its mask) or a float64 sum on this host. Only when the sum is not finite (a NaN, an
@@ -62,7 +62,8 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all())
 
 
-def _barrier(group: Any = None) -> None:
+def barrier(group: Any = None) -> None:
+    """A barrier of ``group`` when several processes run; nothing in one process."""
     if is_distributed():
         dist.barrier(group=group)
 
@@ -172,25 +173,25 @@ def write_checkpoint(
         tmp.mkdir()
         if shared is not None:
             (tmp / SHARED_DIR).mkdir()
-    _barrier(group)
+    barrier(group)
     if shared is not None:
         # tensors through DCP (one copy of replicated ones, shards with their offsets); each
         # process hashes the DCP files it wrote, rank 0 collects the sidecars below
         skeleton, flat = shared
         written = save_shared(tmp / SHARED_DIR, flat, group)
-        sums = {f.name: [f.stat().st_size, _sha256(f)] for f in written}
+        sums = {f.name: [f.stat().st_size, file_sha256(f)] for f in written}
         (tmp / f"shared{rank}.sha256.json").write_text(json.dumps(sums))
         state = dict(state, **{SHARED_KEY: skeleton})
     part = tmp / f"rank{rank}.pt.part"
     with part.open("wb") as f:
-        writer = _HashingWriter(f)
+        writer = HashingWriter(f)
         torch.save(state, writer)
         f.flush()
         os.fsync(f.fileno())
     (tmp / f"rank{rank}.sha256").write_text(writer.sha.hexdigest())
     os.replace(part, tmp / f"rank{rank}.pt")
     faults.maybe_kill(faults.KILL_IN_CHECKPOINT, step, rank, root)
-    _barrier(group)
+    barrier(group)
     if rank == 0:
         files = {f"rank{r}.pt": (tmp / f"rank{r}.pt").stat().st_size for r in range(world)}
         sha256 = {}
@@ -215,10 +216,10 @@ def write_checkpoint(
         meta_part.write_text(json.dumps(meta, indent=1, sort_keys=True))
         os.replace(meta_part, tmp / "meta.json")
         if shared is not None:
-            _fsync_dir(tmp / SHARED_DIR)
-        _fsync_dir(tmp)
+            fsync_dir(tmp / SHARED_DIR)
+        fsync_dir(tmp)
         if final.exists():  # the same step saved again (after a resume): replace it
-            other = _run_id_of(final)
+            other = run_id_of(final)
             if other != run_id:  # another run's: never deleted, renamed out of the step_* names
                 aside, n = root / f"{final.name}.run-{other or 'unknown'}", 1
                 while aside.exists():
@@ -228,13 +229,13 @@ def write_checkpoint(
             else:
                 shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         if keep > 0:
             # only checkpoints up to this step count: a newer one left behind (damaged, after
             # a resume fell back past it) must not push the one just written out; and only
             # this run's: another run's checkpoints are never deleted
-            ours = [p for p in list_checkpoints(root) if _step_of(p) <= step and _run_id_of(p) == run_id]
+            ours = [p for p in list_checkpoints(root) if step_of(p) <= step and run_id_of(p) == run_id]
             for old in ours[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier(group)
+    barrier(group)
     return final

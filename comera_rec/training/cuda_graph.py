@@ -47,36 +47,36 @@ Example::
 from __future__ import annotations
 
 # The pieces live in graph_buffers, host_sync, graph_capture and step_graphs; every name
-# (private helpers too) stays importable from here.
+# (the helpers too, under their public names) stays importable from here.
 import torch  # noqa: F401 (the example above)
 
 from comera_rec.training.graph_buffers import (  # noqa: F401
-    _PLAIN,
+    PLAIN_TYPES,
     BatchLayoutError,
-    _copy_outputs,
-    _copy_tensor,
-    _detach_tree,
-    _init_fields,
-    _is_dataclass_instance,
-    _kjt_type,
-    _static,
-    _static_tensor,
     copy_into,
+    copy_outputs,
+    copy_tensor,
+    detach_tree,
+    init_fields,
+    is_dataclass_instance,
+    kjt_type,
     make_static,
+    make_static_at,
+    static_tensor,
 )
 from comera_rec.training.graph_capture import (  # noqa: F401
     CUDA_WARMUP_STEPS,
     CaptureBackend,
     Captured,
     CaptureError,
+    CudaCaptured,
     CudaGraphCapture,
     EagerCapture,
+    EagerRecorded,
     GraphedTrainStep,
-    _CudaCaptured,
-    _Recorded,
 )
-from comera_rec.training.host_sync import _SYNC_OPS, HostSyncError, _ForbidHostSyncs, forbid_host_syncs  # noqa: F401
-from comera_rec.training.step_graphs import StepGraphs, _takes_tensor_lr, capturable_objective, logger  # noqa: F401
+from comera_rec.training.host_sync import SYNC_OPS, ForbidHostSyncs, HostSyncError, forbid_host_syncs  # noqa: F401
+from comera_rec.training.step_graphs import StepGraphs, capturable_objective, logger, takes_tensor_lr  # noqa: F401
 
 __all__ = [
     "BatchLayoutError",

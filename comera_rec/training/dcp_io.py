@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 # What a DCP .metadata file may name: DCP's own records, torch.Size, dtypes, a path
-_ALLOWED = {
+ALLOWED_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",
         "MetadataIndex",
@@ -39,11 +39,11 @@ _ALLOWED = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata; any other global is refused before it is looked up."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
+        if name in ALLOWED_GLOBALS.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and (
             name in ("Size", "device") or isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))
@@ -67,7 +67,7 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata; refuses a file naming any other type."""
         with open(Path(self.path) / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            metadata = MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"{self.path}/.metadata holds a {type(metadata).__name__}, not DCP metadata")
         storage_meta = getattr(metadata, "storage_meta", None)
@@ -77,12 +77,13 @@ class SafeReader(dcp.FileSystemReader):
 
 
 # ---------------------------------------------------------------------------- storage
-def _grouped() -> bool:
+def process_group_initialized() -> bool:
+    """Whether a torch.distributed process group is initialised (of any size)."""
     return dist.is_available() and dist.is_initialized()
 
 
 @contextlib.contextmanager
-def _one_process_quiet() -> Iterator[None]:
+def one_process_quiet() -> Iterator[None]:
     """Silence DCP's warning that it runs in one process: that is what is asked for."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -101,8 +102,8 @@ def save_shared(folder: Path, flat: dict[str, Any], group: Any = None) -> list[P
         The files this process wrote (``__R_*.distcp``, and ``.metadata`` on rank 0), for
         the checksums.
     """
-    grouped = _grouped()
-    with _one_process_quiet():
+    grouped = process_group_initialized()
+    with one_process_quiet():
         writer = dcp.FileSystemWriter(str(folder), sync_files=True)
         dcp.save(flat, storage_writer=writer, process_group=group, no_dist=not grouped)
     rank = dist.get_rank() if grouped else 0
@@ -161,7 +162,7 @@ def load_whole(folder: Union[str, Path], keys: Optional[Iterable[str]] = None) -
         raise KeyError(f"{folder}: no tensor stored under {missing[:5]}")
     out = {k: torch.empty(shapes[k][0], dtype=shapes[k][1]) for k in wanted}
     if out:
-        with _one_process_quiet():
+        with one_process_quiet():
             dcp.load(out, storage_reader=SafeReader(folder), no_dist=True)
     return out
 
@@ -174,5 +175,5 @@ def load_into(folder: Union[str, Path], targets: dict[str, Any]) -> None:
     checkpoint was written with; a plain tensor receives the whole tensor. The keys may
     differ between processes (TorchRec's fused state names only the tables a process holds).
     """
-    with _one_process_quiet():
-        dcp.load(targets, storage_reader=SafeReader(folder), no_dist=not _grouped())
+    with one_process_quiet():
+        dcp.load(targets, storage_reader=SafeReader(folder), no_dist=not process_group_initialized())

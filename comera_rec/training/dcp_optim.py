@@ -14,11 +14,12 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from comera_rec.training.dcp_skeleton import _sharded_type
+from comera_rec.training.checkpoint_shards import sharded_tensor_type
 
 
 # ---------------------------------------------------------------------------- optimisers
-def _param_names(model: nn.Module) -> dict[int, str]:
+def param_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter)`` -> its name in ``model`` (a shared parameter: its last name)."""
     return {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
 
 
@@ -33,7 +34,7 @@ def optimizer_state(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, A
         ``{"state": {name: {state name: value}}, "param_groups": [...], "names": [names in
         index order]}``; a parameter the model does not hold keeps its index as its name.
     """
-    names = _param_names(model)
+    names = param_names(model)
     ordered = [names.get(id(p), f"#{i}") for i, p in enumerate(p for g in opt.param_groups for p in g["params"])]
     sd = opt.state_dict()
     return {
@@ -66,7 +67,7 @@ def load_optimizer_state(opt: torch.optim.Optimizer, model: nn.Module, saved: di
     opt.load_state_dict({"state": {index[n]: s for n, s in saved["state"].items()}, "param_groups": groups})
 
 
-def _suffix_index(model_keys: Iterable[str]) -> dict[str, list[str]]:
+def suffix_index(model_keys: Iterable[str]) -> dict[str, list[str]]:
     """Model keys by their last two name parts (``t_cat_2.weight``)."""
     index: dict[str, list[str]] = {}
     for k in model_keys:
@@ -74,7 +75,7 @@ def _suffix_index(model_keys: Iterable[str]) -> dict[str, list[str]]:
     return index
 
 
-def _model_key(key: str, model_keys: set[str], suffixes: dict[str, list[str]]) -> str:
+def model_key(key: str, model_keys: set[str], suffixes: dict[str, list[str]]) -> str:
     """The model state-dict key a fused optimiser names ``key``: itself, or the one key
     that ends with it (one process's fused tables use the table's own name)."""
     if key in model_keys:
@@ -83,7 +84,7 @@ def _model_key(key: str, model_keys: set[str], suffixes: dict[str, list[str]]) -
     return found[0] if len(found) == 1 else key
 
 
-def _state_name(name: str) -> str:
+def state_name(name: str) -> str:
     """``t_cat_2.weight.momentum_1`` and ``t_cat_2.momentum1`` -> ``momentum1``."""
     return str(name).rsplit(".", 1)[-1].replace("_", "")
 
@@ -102,20 +103,20 @@ def keyed_optimizer_state(sd: dict[str, Any], model_keys: Iterable[str]) -> dict
         hyperparameters.
     """
     keys = set(model_keys)
-    suffixes = _suffix_index(keys)
+    suffixes = suffix_index(keys)
     state = {
-        _model_key(str(pkey), keys, suffixes): {_state_name(s): v for s, v in entries.items()}
+        model_key(str(pkey), keys, suffixes): {state_name(s): v for s, v in entries.items()}
         for pkey, entries in sd.get("state", {}).items()
     }
     return {"state": state, "param_groups": sd.get("param_groups", [])}
 
 
-def _keyed_locations(sd: dict[str, Any], model_keys: Iterable[str]) -> dict[tuple[str, str], tuple[Any, Any]]:
+def keyed_locations(sd: dict[str, Any], model_keys: Iterable[str]) -> dict[tuple[str, str], tuple[Any, Any]]:
     """(stable table key, stable state name) -> (the optimiser's param key, its state name)."""
     keys = set(model_keys)
-    suffixes = _suffix_index(keys)
+    suffixes = suffix_index(keys)
     return {
-        (_model_key(str(pkey), keys, suffixes), _state_name(s)): (pkey, s)
+        (model_key(str(pkey), keys, suffixes), state_name(s)): (pkey, s)
         for pkey, entries in sd.get("state", {}).items()
         for s in entries
     }
@@ -130,7 +131,7 @@ def load_keyed_optimizer_state(opt: Any, model_keys: Iterable[str], saved: dict[
         ValueError: a state entry of the checkpoint has no counterpart in ``opt``.
     """
     sd = opt.state_dict()
-    where = _keyed_locations(sd, model_keys)
+    where = keyed_locations(sd, model_keys)
     new_state = {pkey: dict(entries) for pkey, entries in sd.get("state", {}).items()}
     for name, entries in saved["state"].items():
         for s, value in entries.items():
@@ -150,7 +151,7 @@ def load_keyed_optimizer_state(opt: Any, model_keys: Iterable[str], saved: dict[
 # ---------------------------------------------------------------------------- row-wise state
 def live_column_widths(weight: Any) -> list[int]:
     """Widths of a table's column shards, left to right (one width for a plain tensor)."""
-    sharded = _sharded_type()
+    sharded = sharded_tensor_type()
     if sharded is not None and isinstance(weight, sharded):
         shards = weight.metadata().shards_metadata
         return [w for _, w in sorted({(int(s.shard_offsets[1]), int(s.shard_sizes[1])) for s in shards})]

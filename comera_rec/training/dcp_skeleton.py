@@ -8,25 +8,19 @@ together. Re-exported by :mod:`comera_rec.training.dcp_state`.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import torch
+
+from comera_rec.training.checkpoint_shards import sharded_tensor_type
 
 PLACEHOLDER = "__dcp__"
 """Key of the dict that stands for a tensor in a skeleton: ``{PLACEHOLDER: flat key}``."""
 
 
-def _sharded_type() -> Optional[type]:
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None
-    return ShardedTensor
-
-
 def is_tensor_like(value: Any) -> bool:
     """True for a tensor or a ShardedTensor (what goes into DCP)."""
-    sharded = _sharded_type()
+    sharded = sharded_tensor_type()
     return isinstance(value, torch.Tensor) or (sharded is not None and isinstance(value, sharded))
 
 

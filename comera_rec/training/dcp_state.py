@@ -42,35 +42,35 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from comera_rec.training.checkpoint_shards import sharded_tensor_type
 from comera_rec.training.dcp_io import (  # noqa: F401
-    _ALLOWED,
+    ALLOWED_GLOBALS,
+    MetadataUnpickler,
     SafeReader,
-    _grouped,
-    _MetadataUnpickler,
-    _one_process_quiet,
     column_widths,
     load_into,
     load_whole,
+    one_process_quiet,
+    process_group_initialized,
     read_metadata,
     save_shared,
     tensor_shapes,
 )
 from comera_rec.training.dcp_optim import (  # noqa: F401
-    _keyed_locations,
-    _model_key,
-    _param_names,
-    _state_name,
-    _suffix_index,
     convert_rowwise,
+    keyed_locations,
     keyed_optimizer_state,
     live_column_widths,
     load_keyed_optimizer_state,
     load_optimizer_state,
+    model_key,
     optimizer_state,
+    param_names,
+    state_name,
+    suffix_index,
 )
 from comera_rec.training.dcp_skeleton import (  # noqa: F401
     PLACEHOLDER,
-    _sharded_type,
     complete_skeleton,
     fill_skeleton,
     is_tensor_like,
@@ -166,7 +166,7 @@ def _without(skeleton: Any, keys: set[str]) -> Any:
 @torch.no_grad()
 def _copy_rowwise(live: Any, value: torch.Tensor) -> None:
     """Copy a whole 1-d tensor into ``live`` (a plain tensor, or this process's shards)."""
-    sharded = _sharded_type()
+    sharded = sharded_tensor_type()
     if sharded is not None and isinstance(live, sharded):
         for shard in live.local_shards():
             start, n = int(shard.metadata.shard_offsets[0]), int(shard.metadata.shard_sizes[0])

@@ -60,11 +60,11 @@ from comera_rec.training.async_save import PendingCheckpoint, Staging
 # re-exported: importable from here as before the engine was split into modules
 from comera_rec.training.checkpoint_compat import (  # noqa: F401
     IncompatibleCheckpointError,
-    _flatten,
-    _rank_dims,
-    _short,
     config_differences,
+    flatten_config,
+    short_repr,
     state_dict_mismatches,
+    tt_rank_dims,
 )
 from comera_rec.training.cuda_graph import CaptureBackend, StepGraphs
 from comera_rec.training.dist import is_distributed, process_rank, world_size
@@ -74,7 +74,7 @@ from comera_rec.training.engine_report import TrainerReports
 from comera_rec.training.engine_setup import TrainerSetup
 from comera_rec.training.engine_steps import TrainerSteps
 from comera_rec.training.optim import OptimConfig, build_optimizer
-from comera_rec.training.process_state import _rng_state, _set_rng_state, peak_memory_mb  # noqa: F401
+from comera_rec.training.process_state import peak_memory_mb, rng_state, set_rng_state  # noqa: F401
 from comera_rec.training.report import JsonlLog
 from comera_rec.training.rundir import RunDir, open_run_dir
 from comera_rec.training.step import EagerStep, GraphedStep
@@ -340,7 +340,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerGraphs, TrainerSteps, Tra
             JsonlLog(self.run_dir / "log.jsonl", resume_step=start_step if resume_from else None) if rank == 0 else None
         )
         if self._rng_to_restore is not None:
-            _set_rng_state(self._rng_to_restore, self.device)
+            set_rng_state(self._rng_to_restore, self.device)
         total = cfg.max_steps if cfg.max_steps > 0 else None
         self.schedule.set_total_steps(total if total is not None else self._epoch_steps())
         return log, total, start_step

@@ -27,7 +27,7 @@ from comera_rec.training.checkpoint import (
 from comera_rec.training.checkpoint_compat import IncompatibleCheckpointError, config_differences, state_dict_mismatches
 from comera_rec.training.dcp_state import restore_shared, shared_model_shapes, shared_state
 from comera_rec.training.dist import process_rank, restart_count, world_size
-from comera_rec.training.process_state import _rng_state
+from comera_rec.training.process_state import rng_state
 from comera_rec.training.rundir import RunDir
 from comera_rec.training.trainer_config import Task, TrainerConfig, task_hook
 
@@ -116,7 +116,7 @@ class TrainerCheckpoints:
                 "samples": self.samples,
                 "last_eval": dict(self.last_eval),
             },
-            "rng": _rng_state(self.device),
+            "rng": rng_state(self.device),
         }
 
     def save(self, background: bool = False) -> Path:

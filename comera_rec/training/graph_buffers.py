@@ -18,7 +18,8 @@ class BatchLayoutError(ValueError):
 
 
 @functools.lru_cache(maxsize=None)
-def _kjt_type() -> Optional[type]:
+def kjt_type() -> Optional[type]:
+    """TorchRec's ``KeyedJaggedTensor`` class, or None when torchrec is not installed."""
     try:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     except ImportError:  # torchrec is a dependency, but keep the graph code importable without it
@@ -26,20 +27,23 @@ def _kjt_type() -> Optional[type]:
     return KeyedJaggedTensor
 
 
-_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+PLAIN_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
-def _static_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def static_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A new contiguous buffer on ``device`` holding a copy of ``t``."""
     out = torch.empty(t.shape, dtype=t.dtype, device=device)  # contiguous, owned by the step
     out.copy_(t.detach())
     return out
 
 
-def _is_dataclass_instance(obj: Any) -> bool:
+def is_dataclass_instance(obj: Any) -> bool:
+    """True for an instance of a dataclass (not the class itself)."""
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
-def _init_fields(obj: Any) -> list[str]:
+def init_fields(obj: Any) -> list[str]:
+    """Names of the dataclass ``obj``'s init fields."""
     return [f.name for f in dataclasses.fields(obj) if f.init]
 
 
@@ -68,13 +72,14 @@ def make_static(batch: Any, device: torch.device | str) -> Any:
         >>> static["x"], static["n"]
         (tensor([1., 1.]), 3)
     """
-    return _static(batch, torch.device(device), "batch")
+    return make_static_at(batch, torch.device(device), "batch")
 
 
-def _static(obj: Any, device: torch.device, path: str) -> Any:
+def make_static_at(obj: Any, device: torch.device, path: str) -> Any:
+    """:func:`make_static` of ``obj``, found at ``path`` of the batch (named in errors)."""
     if isinstance(obj, torch.Tensor):
-        return _static_tensor(obj, device)
-    kjt = _kjt_type()
+        return static_tensor(obj, device)
+    kjt = kjt_type()
     if kjt is not None and isinstance(obj, kjt):
         if obj.variable_stride_per_key():
             raise BatchLayoutError(
@@ -83,28 +88,28 @@ def _static(obj: Any, device: torch.device, path: str) -> Any:
         weights = obj.weights_or_none()
         return kjt(
             keys=list(obj.keys()),
-            values=_static_tensor(obj.values(), device),
-            lengths=_static_tensor(obj.lengths(), device),
-            offsets=_static_tensor(obj.offsets(), device),
-            weights=_static_tensor(weights, device) if weights is not None else None,
+            values=static_tensor(obj.values(), device),
+            lengths=static_tensor(obj.lengths(), device),
+            offsets=static_tensor(obj.offsets(), device),
+            weights=static_tensor(weights, device) if weights is not None else None,
             stride=obj.stride(),
             # host metadata, fixed for the graph: readers then never compute it (a sync)
             length_per_key=list(obj.length_per_key()),
             offset_per_key=list(obj.offset_per_key()),
         )
     if isinstance(obj, dict):
-        items = {k: _static(v, device, f"{path}[{k!r}]") for k, v in obj.items()}
+        items = {k: make_static_at(v, device, f"{path}[{k!r}]") for k, v in obj.items()}
         return items if type(obj) is dict else type(obj)(items)
     if isinstance(obj, (list, tuple)):
-        items = [_static(v, device, f"{path}[{i}]") for i, v in enumerate(obj)]
+        items = [make_static_at(v, device, f"{path}[{i}]") for i, v in enumerate(obj)]
         if hasattr(obj, "_fields"):  # a named tuple
             return type(obj)(*items)
         return type(obj)(items)
-    if _is_dataclass_instance(obj):
+    if is_dataclass_instance(obj):
         return dataclasses.replace(
-            obj, **{n: _static(getattr(obj, n), device, f"{path}.{n}") for n in _init_fields(obj)}
+            obj, **{n: make_static_at(getattr(obj, n), device, f"{path}.{n}") for n in init_fields(obj)}
         )
-    if isinstance(obj, _PLAIN):
+    if isinstance(obj, PLAIN_TYPES):
         return obj
     raise BatchLayoutError(
         f"{path}: a {type(obj).__name__} cannot be held in static buffers (supported: tensors, "
@@ -112,7 +117,8 @@ def _static(obj: Any, device: torch.device, path: str) -> Any:
     )
 
 
-def _copy_tensor(static: torch.Tensor, new: Any, path: str) -> None:
+def copy_tensor(static: torch.Tensor, new: Any, path: str) -> None:
+    """Copy tensor ``new`` into buffer ``static``; a BatchLayoutError naming ``path`` if it does not fit."""
     if not isinstance(new, torch.Tensor):
         raise BatchLayoutError(f"{path}: expected a tensor as in the captured batch, got {type(new).__name__}")
     if new.shape != static.shape:
@@ -152,9 +158,9 @@ def copy_into(static: Any, batch: Any, path: str = "batch") -> None:
         comera_rec.training.cuda_graph.BatchLayoutError: batch['x']: shape [3] differs from the captured [2]; ...
     """
     if isinstance(static, torch.Tensor):
-        _copy_tensor(static, batch, path)
+        copy_tensor(static, batch, path)
         return
-    kjt = _kjt_type()
+    kjt = kjt_type()
     if kjt is not None and isinstance(static, kjt):
         if not isinstance(batch, kjt):
             raise BatchLayoutError(f"{path}: expected a KeyedJaggedTensor, got {type(batch).__name__}")
@@ -171,14 +177,14 @@ def copy_into(static: Any, batch: Any, path: str = "batch") -> None:
                 f"{list(static.length_per_key())}; a captured step needs a fixed number of ids per "
                 f"feature (one-hot or padded)"
             )
-        _copy_tensor(static.values(), batch.values(), f"{path}.values")
-        _copy_tensor(static.lengths(), batch.lengths(), f"{path}.lengths")
-        _copy_tensor(static.offsets(), batch.offsets(), f"{path}.offsets")
+        copy_tensor(static.values(), batch.values(), f"{path}.values")
+        copy_tensor(static.lengths(), batch.lengths(), f"{path}.lengths")
+        copy_tensor(static.offsets(), batch.offsets(), f"{path}.offsets")
         weights = batch.weights_or_none()
         if (weights is None) != (static.weights_or_none() is None):
             raise BatchLayoutError(f"{path}.weights: present in one of the batch and the captured batch only")
         if weights is not None:
-            _copy_tensor(static.weights(), weights, f"{path}.weights")
+            copy_tensor(static.weights(), weights, f"{path}.weights")
         return
     if isinstance(static, dict):
         if not isinstance(batch, dict) or list(batch.keys()) != list(static.keys()):
@@ -196,12 +202,12 @@ def copy_into(static: Any, batch: Any, path: str = "batch") -> None:
         for i, (s, b) in enumerate(zip(static, batch)):
             copy_into(s, b, f"{path}[{i}]")
         return
-    if _is_dataclass_instance(static):
+    if is_dataclass_instance(static):
         if type(batch) is not type(static):
             raise BatchLayoutError(
                 f"{path}: a {type(batch).__name__} differs from the captured {type(static).__name__}"
             )
-        for n in _init_fields(static):
+        for n in init_fields(static):
             copy_into(getattr(static, n), getattr(batch, n), f"{path}.{n}")
         return
     if type(batch) is not type(static) or batch != static:
@@ -211,24 +217,26 @@ def copy_into(static: Any, batch: Any, path: str = "batch") -> None:
         )
 
 
-def _detach_tree(obj: Any) -> Any:
+def detach_tree(obj: Any) -> Any:
+    """``obj`` with every tensor in its dicts, lists and tuples (not named ones) detached."""
     if isinstance(obj, torch.Tensor):
         return obj.detach()
     if isinstance(obj, dict):
-        return type(obj)((k, _detach_tree(v)) for k, v in obj.items())
+        return type(obj)((k, detach_tree(v)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_detach_tree(v) for v in obj)
+        return type(obj)(detach_tree(v) for v in obj)
     return obj
 
 
 @torch.no_grad()
-def _copy_outputs(dst: Any, src: Any) -> None:
+def copy_outputs(dst: Any, src: Any) -> None:
+    """Copy the tensors of ``src`` into those of ``dst``, same structure (skipped where they are the same memory)."""
     if isinstance(dst, torch.Tensor):
         if dst.data_ptr() != src.data_ptr():
             dst.copy_(src)
     elif isinstance(dst, dict):
         for k in dst:
-            _copy_outputs(dst[k], src[k])
+            copy_outputs(dst[k], src[k])
     elif isinstance(dst, (list, tuple)):
         for a, b in zip(dst, src):
-            _copy_outputs(a, b)
+            copy_outputs(a, b)

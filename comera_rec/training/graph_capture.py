@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from comera_rec.training.graph_buffers import _copy_outputs, _detach_tree, copy_into, make_static
+from comera_rec.training.graph_buffers import copy_into, copy_outputs, detach_tree, make_static
 from comera_rec.training.host_sync import forbid_host_syncs
 
 CUDA_WARMUP_STEPS = 3  # eager steps on a side stream before a capture (PyTorch's docs use 3)
@@ -44,7 +44,9 @@ class CaptureBackend(Protocol):
         ...
 
 
-class _CudaCaptured:
+class CudaCaptured:
+    """A step captured in a CUDA graph, and its static outputs."""
+
     def __init__(self, graph: Any, outputs: Any) -> None:
         self.graph = graph
         self.outputs = outputs
@@ -93,10 +95,12 @@ class CudaGraphCapture:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outputs = fn(inputs)
-        return _CudaCaptured(graph, outputs)
+        return CudaCaptured(graph, outputs)
 
 
-class _Recorded:
+class EagerRecorded:
+    """A step "captured" by :class:`EagerCapture`: each replay runs it eagerly on the static inputs."""
+
     def __init__(self, backend: "EagerCapture", fn: Callable[[Any], Any], inputs: Any) -> None:
         self.backend = backend
         self.fn = fn
@@ -109,9 +113,9 @@ class _Recorded:
         with check:
             out = self.fn(self.inputs)
         if self.outputs is None:
-            self.outputs = _detach_tree(out)
+            self.outputs = detach_tree(out)
         else:  # like a graph: the same output tensors, overwritten by every replay
-            _copy_outputs(self.outputs, out)
+            copy_outputs(self.outputs, out)
 
 
 class EagerCapture:
@@ -147,7 +151,7 @@ class EagerCapture:
 
     def capture(self, fn: Callable[[Any], Any], inputs: Any) -> Captured:
         self.log.append("capture")
-        return _Recorded(self, fn, inputs)
+        return EagerRecorded(self, fn, inputs)
 
 
 # ---------------------------------------------------------------------------- the graphed step

@@ -17,7 +17,7 @@ class HostSyncError(RuntimeError):
 
 
 # operator -> why it cannot be captured
-_SYNC_OPS = {
+SYNC_OPS = {
     "_local_scalar_dense": "reads a value on the host (.item(), bool(), int() or float() of a tensor)",
     "_unique": "torch.unique: output shape from the data",
     "_unique2": "torch.unique: output shape from the data",
@@ -33,11 +33,13 @@ _SYNC_OPS = {
 }
 
 
-class _ForbidHostSyncs(TorchDispatchMode):
+class ForbidHostSyncs(TorchDispatchMode):
+    """The dispatch mode behind :func:`forbid_host_syncs`: raises HostSyncError on a host sync."""
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        why = _SYNC_OPS.get(name)
+        why = SYNC_OPS.get(name)
         if func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             # what repeat_interleave(x, repeats_tensor) decomposes to
             why = "repeat_interleave with tensor repeats and no output_size: output length from the data"
@@ -70,5 +72,5 @@ def forbid_host_syncs() -> Iterator[None]:
         ...
         comera_rec.training.cuda_graph.HostSyncError: aten._local_scalar_dense.default: reads a value ...
     """
-    with _ForbidHostSyncs():
+    with ForbidHostSyncs():
         yield

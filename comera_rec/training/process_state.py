@@ -18,7 +18,8 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
-def _rng_state(device: torch.device) -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The torch, Python, NumPy (and CUDA on a GPU) RNG states, as tensors and plain values."""
     np_state = np.random.get_state()
     py_state = random.getstate()
     state: dict[str, Any] = {
@@ -37,7 +38,8 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore the RNG states saved by :func:`rng_state`."""
     torch.set_rng_state(state["torch"])
     py = state["python"]
     random.setstate((py[0], tuple(int(x) for x in py[1].tolist()), py[2]))

@@ -59,7 +59,7 @@ def capturable_objective(schedule: Any, model: nn.Module, task_loss: torch.Tenso
     return schedule.early_objective(model, task_loss, on_device=True)
 
 
-def _takes_tensor_lr(optimizer: Any) -> bool:
+def takes_tensor_lr(optimizer: Any) -> bool:
     """Capturable torch optimisers (Adam, AdamW built with ``capturable=True``) read a tensor ``lr``."""
     return isinstance(optimizer, torch.optim.Optimizer) and bool(optimizer.defaults.get("capturable", False))
 
@@ -135,7 +135,7 @@ class StepGraphs:
         """Fill the lr tensors from the float rates; return the rates baked in as numbers."""
         baked: list[Any] = []
         for i, opt in enumerate(self._optimizers):
-            tensor_lr = _takes_tensor_lr(opt)
+            tensor_lr = takes_tensor_lr(opt)
             for j, group in enumerate(getattr(opt, "param_groups", ())):
                 lr = group.get("lr")
                 if not tensor_lr or isinstance(lr, torch.Tensor):

@@ -72,14 +72,14 @@ def test_unreadable_and_incomplete_newest_are_skipped(
 ) -> None:
     root = tmp_path / "ckpt"
     first, second, third = _three(root)
-    real = ckpt_mod._sha256
+    real = ckpt_mod.file_sha256
 
     def unreadable(path: Path) -> str:
         if path.parent == third:
             raise PermissionError(13, "Permission denied", str(path))
         return real(path)
 
-    monkeypatch.setattr(ckpt_mod, "_sha256", unreadable)
+    monkeypatch.setattr(ckpt_mod, "file_sha256", unreadable)
     meta = json.loads((second / "meta.json").read_text())
     meta.pop("complete")
     (second / "meta.json").write_text(json.dumps(meta))
