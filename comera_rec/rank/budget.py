@@ -44,6 +44,8 @@ from torch import nn
 
 from comera_rec.tensor.train import TensorTrainModule, tensor_train_modules
 
+FLOOR_RULES = ("keep", "until")  # how a module floor stops the cuts (SliceImportance.select)
+
 
 def planned_size(step: int, start: int, end: int, size_start: float, size_target: float) -> float:
     """The size (core entries) the plan asks for after ``step`` optimiser steps.
@@ -195,6 +197,7 @@ class SliceImportance:
         floor_entries: float = 0.0,
         entry_exponent: float = 1.0,
         module_floors: Optional[dict[str, float]] = None,
+        floor_rule: str = "keep",
     ) -> list[Cut]:
         """The slices to cut so that the live size is at most ``target_entries``.
 
@@ -212,7 +215,11 @@ class SliceImportance:
                 under its final target, so that one large slice cannot overshoot it).
             entry_exponent: slices are ranked by cost / entries ** entry_exponent (1: loss
                 per entry freed).
-            module_floors: per module name, a size (entries) no cut takes it below.
+            module_floors: per module name, a size (entries): with ``floor_rule="keep"`` no
+                cut takes the module below it; with ``"until"`` the module is cut only while
+                it is above it (so it ends at most one slice under: the target stays
+                reachable however coarse the module's slices are).
+            floor_rule: ``"keep"`` or ``"until"`` (above).
 
         Returns:
             The cuts, in the order chosen (empty when the size is already within target).
@@ -223,6 +230,8 @@ class SliceImportance:
         size = float(sum(module_size.values()))
         if size <= target_entries:
             return []
+        if floor_rule not in FLOOR_RULES:
+            raise ValueError(f"SliceImportance.select: floor_rule must be one of {FLOOR_RULES}, got {floor_rule!r}")
         floors = module_floors or {}
         # per bond: its live slices sorted by cost (cheapest first)
         queues: dict[tuple[str, int], list[tuple[float, int]]] = {}
@@ -243,8 +252,16 @@ class SliceImportance:
                 if live[name][k] <= 1 or not queue:
                     continue
                 entries = bond_slice_entries(modules[name], live[name])[k]
-                if size - entries < floor_entries or module_size[name] - entries < floors.get(name, 0.0):
+                if size - entries < floor_entries:
                     continue
+                module_floor = floors.get(name)
+                if module_floor is not None:
+                    if floor_rule == "until":  # cut only while still above the floor
+                        blocked = module_size[name] <= module_floor
+                    else:  # never below the floor
+                        blocked = module_size[name] - entries < module_floor
+                    if blocked:
+                        continue
                 value = queue[0][0] / max(entries, 1) ** entry_exponent
                 if best is None or value < best[0]:
                     best = (value, name, k, entries)

@@ -396,7 +396,7 @@ class RankSchedule:
             target = self.planned_size(self.window()[1] if step is None else step)
             floor = (1.0 - TARGET_TOLERANCE / 2) * self.target_size_elements()
             self.last_cuts = self.importance.select(
-                model, target, floor, self.config.entry_exponent, self.module_floors()
+                model, target, floor, self.config.entry_exponent, self.module_floors(), self.config.module_floor_rule
             )
             apply_cuts(model, self.last_cuts)
             self.importance.reset()

@@ -42,6 +42,10 @@ class RankScheduleConfig:
     ranking from emptying a module whose slices look cheap early (docs/rank.md: +0.0013 AUC
     at 1/20 on the Kaggle shape, neutral on the demo); 0.9 cuts nearly in proportion
     (slightly better on the Kaggle shape at 1/4 and 1/10, worse on the demo at 1/20)."""
+    module_floor_rule: str = "keep"
+    """budget: "keep": no cut takes a module below its floor; "until": a module is cut only
+    while it is above its floor, so it ends at most one slice under it (with module_floor=1
+    every module ends near its proportional share however coarse its slices are)."""
     gamma: float = 0.01
     """Threshold mode: weight of the size surrogate S^ in the early stage (reference 0.01).
     Not used in budget mode."""
@@ -113,6 +117,10 @@ class RankScheduleConfig:
             raise ValueError(
                 f"RankScheduleConfig.module_floor must be at most 1 (the modules' floors would add up to "
                 f"more than the target), got {self.module_floor!r}"
+            )
+        if self.module_floor_rule not in ("keep", "until"):
+            raise ValueError(
+                f"RankScheduleConfig.module_floor_rule must be 'keep' or 'until', got {self.module_floor_rule!r}"
             )
         if not isinstance(self.num_cuts, int) or self.num_cuts < 1:
             raise ValueError(f"RankScheduleConfig.num_cuts must be an integer >= 1, got {self.num_cuts!r}")

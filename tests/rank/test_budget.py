@@ -138,6 +138,35 @@ def test_module_floor_stops_cuts_at_the_floor():
     assert {c.module for c in unfloored} == {"table"}
 
 
+def test_until_floor_rule_reaches_the_target_where_keep_cannot():
+    """With every module floored at its whole share (module_floor=1), "keep" stops each module
+    above its share, so coarse slices leave the model over the target; "until" cuts a module
+    while it is above its share, ending each at most one slice under it, and reaches it."""
+    model = toy_model()
+    importance = SliceImportance(threshold=1e-2)
+    for name, m in tensor_train_modules(model):
+        for k, d in enumerate(m.controllers):
+            importance.costs[(name, k)] = torch.rand(d.shape[-1], generator=torch.Generator().manual_seed(k))
+    importance.steps = 1
+    size = model_tt_size(model, 1e-2)
+    shares = {name: 0.3 * m.tt_size(1e-2) for name, m in tensor_train_modules(model)}  # sum: the target
+    target = 0.3 * size
+    keep = toy_model()
+    apply_cuts(keep, importance.select(keep, target, module_floors=shares, floor_rule="keep"))
+    until = toy_model()
+    cuts = importance.select(until, target, module_floors=shares, floor_rule="until")
+    apply_cuts(until, cuts)
+    assert model_tt_size(keep, 1e-2) > target  # every module held at or above its share
+    assert model_tt_size(until, 1e-2) <= target
+    largest = max(c.entries for c in cuts)
+    for name, m in tensor_train_modules(until):  # each module ends within one slice of its share
+        assert shares[name] - largest <= m.tt_size(1e-2), name
+    with pytest.raises(ValueError, match="floor_rule"):
+        importance.select(toy_model(), target, module_floors=shares, floor_rule="never")
+    with pytest.raises(ValueError, match="module_floor_rule"):
+        RankScheduleConfig(module_floor_rule="never")
+
+
 def test_schedule_module_floors_follow_the_target_and_round_trip():
     model = toy_model()
     schedule = RankSchedule(RankScheduleConfig(module_floor=0.5, target_size_ratio=0.2))
