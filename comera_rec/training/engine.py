@@ -77,7 +77,7 @@ from comera_rec.training.optim import OptimConfig, build_optimizer
 from comera_rec.training.process_state import peak_memory_mb, rng_state, set_rng_state  # noqa: F401
 from comera_rec.training.report import JsonlLog
 from comera_rec.training.rundir import RunDir, open_run_dir
-from comera_rec.training.step import EagerStep, GraphedStep
+from comera_rec.training.step import EagerStep, GraphedStep, Step
 from comera_rec.training.stop import StopSignals, TrainingStopped
 from comera_rec.training.trainer_config import Task, TrainerConfig, task_hook
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
@@ -360,7 +360,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerGraphs, TrainerSteps, Tra
         cfg = self.config
         # graphed: replays (after warm-up) of forward + objective + backward, then of clip +
         # optimiser steps; eager otherwise (comera_rec/training/step.py)
-        step = GraphedStep(self) if self._graphs is not None and self._graphs_usable() else EagerStep(self)
+        step: Step = GraphedStep(self) if self._graphs is not None and self._graphs_usable() else EagerStep(self)
         loss, labels = step.forward(batch)
         global_loss, finite = self._reduce_loss(loss)
         self.batch_in_epoch += 1
