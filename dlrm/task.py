@@ -7,7 +7,7 @@ asks for (see ``comera_rec.training.engine.Task``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 
 from comera_rec.config import load_config
 from comera_rec.data import DataConfig, build_dataloaders, num_embeddings, set_epoch
+from comera_rec.data.position import resume_position
 from comera_rec.dlrm.config import DLRMConfig
 from comera_rec.dlrm.model import build_dlrm_train
 from comera_rec.integration.distributed import (
@@ -200,6 +201,25 @@ class DLRMTask(Task):
         self._loaders()
         set_epoch(self._train, epoch)
         return self._train
+
+    def train_position(self) -> Optional[dict[str, Any]]:
+        """The training reader's rows left in the epoch (None with DataLoader workers, whose
+        readers live in other processes, and for an endless synthetic stream)."""
+        position = getattr(self._train, "position", None)  # a DataLoader has none
+        if position is None:
+            return None
+        pos = position()
+        return None if pos is None else pos.to_state()
+
+    def resume_train_position(self, epoch: int, positions: Sequence[dict[str, Any]]) -> bool:
+        """Point the training reader at this process's part of the rows the saved run had left."""
+        self._loaders()
+        if not hasattr(self._train, "resume"):
+            return False
+        data = self._data_config()
+        set_epoch(self._train, epoch)
+        self._train.resume(resume_position(positions, data.rank, data.world_size, data.batch_size))
+        return True
 
     def val_batches(self) -> Iterable[Batch]:
         self._loaders()

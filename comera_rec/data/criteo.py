@@ -204,7 +204,9 @@ def make_batch(dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray) -> Bat
 class BatchBuffer:
     """Collects row chunks of any size and cuts them into batches of ``batch_size`` rows.
 
-    Memory stays at most one batch plus one chunk.
+    Each chunk is a tuple of row-aligned arrays (dense, sparse, labels, and e.g. the rows'
+    numbers); batches come out as tuples of the same arrays. Memory stays at most one batch
+    plus one chunk.
 
     Args:
         batch_size: rows per emitted batch.
@@ -222,28 +224,27 @@ class BatchBuffer:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.batch_size = batch_size
-        self._parts: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._parts: List[Tuple[np.ndarray, ...]] = []
         self.num_rows = 0
 
-    def add(
-        self, dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray
-    ) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Append a chunk; return the full batches now available as (dense, sparse, labels)."""
-        if len(labels):
-            self._parts.append((dense, sparse, labels))
-            self.num_rows += len(labels)
-        out = []
+    def add(self, *arrays: np.ndarray) -> List[Tuple[np.ndarray, ...]]:
+        """Append a chunk (arrays with the same first dimension); return the full batches now available."""
+        n = len(arrays[-1])
+        if n:
+            self._parts.append(arrays)
+            self.num_rows += n
+        out: List[Tuple[np.ndarray, ...]] = []
         if self.num_rows < self.batch_size:
             return out
-        d, s, y = self._concat()
+        cols = self._concat()
         n_full = self.num_rows // self.batch_size * self.batch_size
         for i in range(0, n_full, self.batch_size):
-            out.append((d[i : i + self.batch_size], s[i : i + self.batch_size], y[i : i + self.batch_size]))
-        self._parts = [(d[n_full:], s[n_full:], y[n_full:])] if n_full < self.num_rows else []
+            out.append(tuple(c[i : i + self.batch_size] for c in cols))
+        self._parts = [tuple(c[n_full:] for c in cols)] if n_full < self.num_rows else []
         self.num_rows -= n_full
         return out
 
-    def flush(self) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def flush(self) -> List[Tuple[np.ndarray, ...]]:
         """Return the remaining partial batch (if any) and empty the buffer."""
         if self.num_rows == 0:
             return []
@@ -251,7 +252,7 @@ class BatchBuffer:
         self._parts, self.num_rows = [], 0
         return out
 
-    def _concat(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _concat(self) -> Tuple[np.ndarray, ...]:
         if len(self._parts) == 1:
             return self._parts[0]
-        return tuple(np.concatenate([p[k] for p in self._parts]) for k in range(3))  # type: ignore[return-value]
+        return tuple(np.concatenate([p[k] for p in self._parts]) for k in range(len(self._parts[0])))

@@ -9,7 +9,7 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 
 from comera_rec.data.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
-from comera_rec.data.reader_base import BadInputError, Chunk, CriteoReaderBase, CriteoReaderConfig
+from comera_rec.data.reader_base import BadInputError, CriteoReaderBase, CriteoReaderConfig, NumberedChunk
 from comera_rec.data.transforms import dense_transform
 
 
@@ -84,7 +84,7 @@ class CriteoNpyReader(CriteoReaderBase):
     def _count_file_rows(self) -> List[int]:
         return [len(self._load(p)[0]) for p in self.paths]
 
-    def _read_range(self, file_idx: int, lo: int, hi: Optional[int]) -> Iterator[Chunk]:
+    def _read_range(self, file_idx: int, lo: int, hi: Optional[int]) -> Iterator[NumberedChunk]:
         dense_p = self.paths[file_idx]
         dense, sparse, labels = self._load(dense_p)
         hi = len(dense) if hi is None else hi
@@ -95,4 +95,7 @@ class CriteoNpyReader(CriteoReaderBase):
             d = np.asarray(dense[a:b])
             d = d.astype(np.float32) if self.config.dense_is_transformed else dense_transform(d.astype(np.int64))
             s = np.asarray(sparse[a:b]).astype(np.int64)
-            yield np.asarray(labels[a:b]).reshape(-1).astype(np.float32), d, s, np.zeros(s.shape, bool)
+            yield (
+                np.arange(a, b),
+                (np.asarray(labels[a:b]).reshape(-1).astype(np.float32), d, s, np.zeros(s.shape, bool)),
+            )

@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from comera_rec.data.criteo import CAT_FEATURE_COUNT, CAT_NAMES, INT_FEATURE_COUNT, INT_NAMES, LABEL_NAME, NO_LABEL
-from comera_rec.data.reader_base import BadInputError, Chunk, CriteoReaderBase
+from comera_rec.data.reader_base import BadInputError, Chunk, CriteoReaderBase, NumberedChunk
 from comera_rec.data.transforms import dense_transform
 
 logger = logging.getLogger("comera_rec.data.readers")  # the readers' logger name before the split into modules
@@ -65,7 +65,7 @@ class CriteoParquetReader(CriteoReaderBase):
     def _count_file_rows(self) -> List[int]:
         return [self._open(p).metadata.num_rows for p in self.paths]
 
-    def _read_range(self, file_idx: int, lo: int, hi: Optional[int]) -> Iterator[Chunk]:
+    def _read_range(self, file_idx: int, lo: int, hi: Optional[int]) -> Iterator[NumberedChunk]:
         pf = self._open(self.paths[file_idx])
         meta = pf.metadata
         hi = meta.num_rows if hi is None else hi
@@ -81,7 +81,7 @@ class CriteoParquetReader(CriteoReaderBase):
 
     def _read_row_group(
         self, pf: pq.ParquetFile, path: Path, group: int, first: int, lo: int, hi: int, has_label: bool
-    ) -> Iterator[Chunk]:
+    ) -> Iterator[NumberedChunk]:
         """Rows [lo, hi) of row group ``group`` (whose first row is ``first``). A group that
         cannot be decoded (corrupt pages) is a BadInputError naming the file and the group
         (strict), or is skipped with a warning and counted (skip); rows it gave before the
@@ -90,9 +90,9 @@ class CriteoParquetReader(CriteoReaderBase):
         try:
             for rb in pf.iter_batches(batch_size=self.config.chunk_rows, row_groups=[group]):
                 a, b = max(lo - pos, 0), min(hi - pos, rb.num_rows)
-                pos += rb.num_rows
                 if a < b:
-                    yield self._convert(rb.slice(a, b - a), has_label)
+                    yield np.arange(pos + a, pos + b), self._convert(rb.slice(a, b - a), has_label)
+                pos += rb.num_rows
                 if pos >= hi:
                     return
         except (OSError, pa.ArrowException) as e:

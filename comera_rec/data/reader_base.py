@@ -14,6 +14,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
 
 from comera_rec.data.criteo import BatchBuffer, make_batch, shard_range, split_row_range
+from comera_rec.data.position import Interval, PassCursor, ReadPosition
 from comera_rec.data.transforms import CategoricalTransform
 
 logger = logging.getLogger("comera_rec.data.readers")  # the readers' logger name before the split into modules
@@ -23,6 +24,10 @@ Chunk = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 # (labels float32 [n], dense raw int64 [n, 13] (missing = 0), dense missing bool [n, 13],
 #  cat raw int64 [n, 26] (missing = 0), cat missing bool [n, 26])
 RawChunk = Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+# (row number in its file per row int64 [n], chunk): a reader's position needs the rows' numbers
+NumberedChunk = Tuple[np.ndarray, Chunk]
+
+_FILE_SHIFT = 40  # a row's key while batched: file index << 40 | row in the file
 
 
 class BadInputError(ValueError):
@@ -115,6 +120,8 @@ class CriteoReaderBase(IterableDataset):
             self.cat_transform = CategoricalTransform()
         self.stats = ReaderStats()
         self._file_rows_cache: Optional[List[int]] = None
+        self._cursor: Optional[PassCursor] = None  # the current pass (for position())
+        self._resume: Optional[ReadPosition] = None  # what the next pass reads instead of the plan
 
     # -- to implement -------------------------------------------------------------------
     def _all_paths(self) -> List[Path]:
@@ -123,8 +130,9 @@ class CriteoReaderBase(IterableDataset):
     def _count_file_rows(self) -> List[int]:
         raise NotImplementedError
 
-    def _read_range(self, file_idx: int, lo: int, hi: Optional[int]) -> Iterator[Chunk]:
-        """Chunks of rows [lo, hi) of file ``file_idx`` (hi=None: to the end)."""
+    def _read_range(self, file_idx: int, lo: int, hi: Optional[int]) -> Iterator[NumberedChunk]:
+        """Chunks of rows [lo, hi) of file ``file_idx`` (hi=None: to the end), each with its
+        rows' numbers in the file."""
         raise NotImplementedError
 
     # -- shared -------------------------------------------------------------------------
@@ -167,20 +175,83 @@ class CriteoReaderBase(IterableDataset):
             base += n
         return plan, max_batches
 
+    # -- position -----------------------------------------------------------------------
+    def _file_bases(self) -> np.ndarray:
+        """Global number of each file's first row ([files + 1]; counts the rows once)."""
+        return np.concatenate([[0], np.cumsum(self.file_rows())]).astype(np.int64)
+
+    def _global_row(self, key: int) -> int:
+        return int(self._file_bases()[key >> _FILE_SHIFT]) + (key & ((1 << _FILE_SHIFT) - 1))
+
+    def _global_plan(self, plan: List[Tuple[int, int, Optional[int]]]) -> List[Interval]:
+        bases, rows = self._file_bases(), self.file_rows()
+        return [(int(bases[f] + lo), int(bases[f] + (rows[f] if hi is None else hi))) for f, lo, hi in plan]
+
+    def _file_plan(self, intervals: List[Interval]) -> List[Tuple[int, int, Optional[int]]]:
+        """Global row intervals as per-file ranges (file, lo, hi), in the same order."""
+        bases = self._file_bases()
+        out: List[Tuple[int, int, Optional[int]]] = []
+        for lo, hi in intervals:
+            if hi > bases[-1]:
+                raise ValueError(
+                    f"data position: rows [{lo}, {hi}) are past the end of the input ({int(bases[-1])} rows); "
+                    f"the files changed since the checkpoint"
+                )
+            for f in range(len(self.paths)):
+                a, b = max(lo, int(bases[f])), min(hi, int(bases[f + 1]))
+                if a < b:
+                    out.append((f, a - int(bases[f]), b - int(bases[f])))
+        return out
+
+    def position(self) -> Optional[ReadPosition]:
+        """What this reader has left of its current pass after the last batch it yielded
+        (before a pass: all of the next one). Asks for the files' row counts once.
+
+        Example::
+
+            reader = CriteoTsvReader(CriteoReaderConfig(paths=["day_0.tsv"], batch_size=4096))
+            it = iter(reader); next(it)
+            reader.position().remaining  # [(4096, rows of the file)]
+        """
+        if self._cursor is None:
+            if self._resume is not None:
+                return self._resume
+            plan, max_batches = self._plan()
+            return ReadPosition(self._global_plan(plan), max_batches)
+        return self._cursor.position()
+
+    def resume(self, position: ReadPosition) -> None:
+        """Read only ``position``'s rows in the next pass (later passes read the whole plan).
+
+        Args:
+            position: e.g. :func:`comera_rec.data.position.resume_position` of a checkpoint's.
+        """
+        self._resume = position
+
     def __iter__(self) -> Iterator[Batch]:
-        plan, max_batches = self._plan()
+        if self._resume is not None:
+            if get_worker_info() is not None:
+                raise RuntimeError("a resumed data position cannot be split over DataLoader workers (num_workers=0)")
+            pos, self._resume = self._resume, None
+            plan, max_batches = self._file_plan(pos.remaining), pos.batches_left
+        else:
+            plan, max_batches = self._plan()
+        # rows are tracked by key (file, row in file); global numbers need the files' row
+        # counts, asked for only when a position is (a one-process pass never counts otherwise)
+        cursor = self._cursor = PassCursor(lambda: self._global_plan(plan), max_batches, to_row=self._global_row)
         buf = BatchBuffer(self.config.batch_size)
-        emitted = 0
         for file_idx, lo, hi in plan:
-            for labels, dense, cat_raw, cat_missing in self._read_range(file_idx, lo, hi):
+            for rows, (labels, dense, cat_raw, cat_missing) in self._read_range(file_idx, lo, hi):
                 self.stats.rows += len(labels)
                 ids = self.cat_transform(cat_raw, cat_missing)
-                for d, s, y in buf.add(dense, ids, labels):
-                    if max_batches is not None and emitted >= max_batches:
+                keys = (np.int64(file_idx) << _FILE_SHIFT) + rows.astype(np.int64)
+                for d, s, y, k in buf.add(dense, ids, labels, keys):
+                    if max_batches is not None and cursor.emitted >= max_batches:
                         return
-                    emitted += 1
+                    cursor.yielded(int(k[-1]))
                     yield make_batch(d, s, y)
         if self.config.drop_last:
             return
-        for d, s, y in buf.flush():
+        for d, s, y, k in buf.flush():
+            cursor.yielded(int(k[-1]))
             yield make_batch(d, s, y)

@@ -54,6 +54,7 @@ from comera_rec.data.criteo import (
     BatchBuffer,
     make_batch,
 )
+from comera_rec.data.position import Interval, PassCursor, ReadPosition
 from comera_rec.data.transforms import dense_transform
 
 logger = logging.getLogger(__name__)
@@ -219,6 +220,8 @@ class SyntheticCriteo(IterableDataset):
         self.config = config
         self.sizes = sizes
         self.epoch = 0
+        self._cursor: Optional[PassCursor] = None  # the current pass (for position())
+        self._resume: Optional[ReadPosition] = None  # what the next pass generates instead of the plan
         # hidden model: identical on every rank and stream for a given seed
         rng = np.random.default_rng(np.random.SeedSequence([config.seed, 7919]))
         self.dense_mu = rng.uniform(0.5, 4.0, INT_FEATURE_COUNT)  # log-scale location of counts
@@ -304,23 +307,73 @@ class SyntheticCriteo(IterableDataset):
         """Rows each of ``num_shards`` shards receives (finite streams only)."""
         return [sum(r for _, r in self._blocks(s, num_shards)) for s in range(num_shards)]
 
+    def _rows_of_block(self, block: int, size: int) -> int:
+        cfg = self.config
+        return size if cfg.num_rows is None else min(size, cfg.num_rows - block * size)
+
+    def position(self) -> Optional[ReadPosition]:
+        """What this stream has left of its current pass after the last batch it yielded:
+        global rows ``block * block_rows + offset`` (before a pass: all of the next one; None
+        for an endless stream, which has no end to re-split)."""
+        cfg = self.config
+        if cfg.num_rows is None:
+            return None
+        if self._cursor is None:
+            if self._resume is not None:
+                return self._resume
+            shard, num_shards = self._shard()
+            size = self._block_rows(num_shards)
+            cap = min(self.rows_per_shard(num_shards)) // cfg.batch_size if cfg.drop_last else None
+            blocks = [(k * size, k * size + rows) for k, rows in self._blocks(shard, num_shards)]
+            return ReadPosition(blocks, cap, {"block_rows": size})
+        return self._cursor.position()
+
+    def resume(self, position: ReadPosition) -> None:
+        """Generate only ``position``'s rows in the next pass (blocks of its ``block_rows``).
+
+        Args:
+            position: e.g. :func:`comera_rec.data.position.resume_position` of a checkpoint's.
+        """
+        if "block_rows" not in position.layout:
+            raise ValueError("a synthetic stream's data position needs its layout's block_rows")
+        self._resume = position
+
+    def _pieces(self, intervals: List[Interval], size: int) -> Iterator[Tuple[int, int, int]]:
+        """(block, first, stop) offsets within blocks of ``size`` rows, for global row intervals."""
+        for lo, hi in intervals:
+            for k in range(lo // size, (hi - 1) // size + 1):
+                yield k, max(lo - k * size, 0), min(hi - k * size, size)
+
     def __iter__(self) -> Iterator[Batch]:
         cfg = self.config
         shard, num_shards = self._shard()
-        max_batches = None
-        if cfg.drop_last and cfg.num_rows is not None:
-            max_batches = min(self.rows_per_shard(num_shards)) // cfg.batch_size
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            if get_worker_info() is not None:
+                raise RuntimeError("a resumed data position cannot be split over DataLoader workers (num_workers=0)")
+            size, max_batches = resume.layout["block_rows"], resume.batches_left
+            pieces = self._pieces(resume.remaining, size)
+            plan: object = list(resume.remaining)
+        else:
+            size = self._block_rows(num_shards)
+            max_batches = None
+            if cfg.drop_last and cfg.num_rows is not None:
+                max_batches = min(self.rows_per_shard(num_shards)) // cfg.batch_size
+            pieces = ((k, 0, rows) for k, rows in self._blocks(shard, num_shards))
+            plan = lambda: [(k * size, k * size + rows) for k, rows in self._blocks(shard, num_shards)]  # noqa: E731
+        cursor = self._cursor = PassCursor(plan, max_batches, {"block_rows": size})
         buf = BatchBuffer(cfg.batch_size)
-        emitted = 0
-        for k, rows in self._blocks(shard, num_shards):
-            blk = self.generate_block(k, rows)
-            for d, s, y in buf.add(blk["dense"], blk["ids"], blk["labels"].astype(np.float32)):
-                if max_batches is not None and emitted >= max_batches:
+        for k, a, b in pieces:
+            blk = self.generate_block(k, self._rows_of_block(k, size))  # the whole block: its rows depend on it
+            rows = k * size + np.arange(a, b)
+            for d, s, y, r in buf.add(blk["dense"][a:b], blk["ids"][a:b], blk["labels"][a:b].astype(np.float32), rows):
+                if max_batches is not None and cursor.emitted >= max_batches:
                     return
-                emitted += 1
+                cursor.yielded(int(r[-1]))
                 yield make_batch(d, s, y)
         if not cfg.drop_last:
-            for d, s, y in buf.flush():
+            for d, s, y, r in buf.flush():
+                cursor.yielded(int(r[-1]))
                 yield make_batch(d, s, y)
 
     def bayes_auc(self, rows: int = 1 << 17) -> float:

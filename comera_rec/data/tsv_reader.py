@@ -23,7 +23,7 @@ from comera_rec.data.criteo import (
     TSV_COLUMNS_WITH_LABEL,
     TSV_COLUMNS_WITHOUT_LABEL,
 )
-from comera_rec.data.reader_base import BadInputError, Chunk, CriteoReaderBase, CriteoReaderConfig, RawChunk
+from comera_rec.data.reader_base import BadInputError, CriteoReaderBase, CriteoReaderConfig, NumberedChunk, RawChunk
 from comera_rec.data.text_files import compressed_pos, count_lines_with_damage, damage_message, open_binary, read_block
 from comera_rec.data.transforms import dense_transform, parse_hex
 
@@ -224,6 +224,11 @@ class CriteoTsvReader(CriteoReaderBase):
 
         Bad lines are dropped and counted (or raise under strict); None if none is left.
         """
+        numbered = self.parse_block_numbered(path, first_line, block)
+        return None if numbered is None else numbered[1]
+
+    def parse_block_numbered(self, path: Path, first_line: int, block: bytes) -> Optional[Tuple[np.ndarray, RawChunk]]:
+        """:meth:`parse_block` with the 0-based line index of every row kept ([n] int64)."""
         has_label = self.has_label()
         ncols = TSV_COLUMNS_WITH_LABEL if has_label else TSV_COLUMNS_WITHOUT_LABEL
         names = ([LABEL_NAME] if has_label else []) + INT_NAMES + CAT_NAMES
@@ -347,24 +352,31 @@ class CriteoTsvReader(CriteoReaderBase):
             keep = ~bad
             labels, dense_raw, dense_missing = labels[keep], dense_raw[keep], dense_missing[keep]
             cat_raw, cat_missing = cat_raw[keep], cat_missing[keep]
-        return labels, dense_raw, dense_missing, cat_raw, cat_missing
+            line_idx = line_idx[keep]
+        return line_idx, (labels, dense_raw, dense_missing, cat_raw, cat_missing)
 
     def read_raw(self, file_idx: int, lo: int = 0, hi: Optional[int] = None) -> Iterator[Tuple[int, RawChunk]]:
         """(bytes consumed, raw chunk) for lines [lo, hi) of file ``file_idx`` (used by preprocessing)."""
+        for nbytes, numbered in self._read_numbered(file_idx, lo, hi):
+            yield nbytes, numbered[1] if numbered is not None else None  # type: ignore[misc]
+
+    def _read_numbered(
+        self, file_idx: int, lo: int, hi: Optional[int]
+    ) -> Iterator[Tuple[int, Optional[Tuple[np.ndarray, RawChunk]]]]:
+        """(bytes consumed, (line index per row, raw chunk) or None) for lines [lo, hi)."""
         path = self.paths[file_idx]
         n_before = self.stats.bad_lines
         any_line = False
         for first_line, block in self._line_blocks(path, lo, hi):
             any_line = True
-            chunk = self.parse_block(path, first_line, block)
-            yield len(block), chunk if chunk is not None else None  # type: ignore[misc]
+            yield len(block), self.parse_block_numbered(path, first_line, block)
         if not any_line and lo == 0 and self._file_rows_cache is None:
             self._empty_file(path)
         if self.stats.bad_lines > n_before:
             logger.warning("%s: skipped %d bad lines", path, self.stats.bad_lines - n_before)
 
-    def _read_range(self, file_idx: int, lo: int, hi: Optional[int]) -> Iterator[Chunk]:
-        for _, chunk in self.read_raw(file_idx, lo, hi):
-            if chunk is not None and len(chunk[0]):
-                labels, dense_raw, _, cat_raw, cat_missing = chunk
-                yield labels, dense_transform(dense_raw), cat_raw, cat_missing
+    def _read_range(self, file_idx: int, lo: int, hi: Optional[int]) -> Iterator[NumberedChunk]:
+        for _, numbered in self._read_numbered(file_idx, lo, hi):
+            if numbered is not None and len(numbered[0]):
+                lines, (labels, dense_raw, _, cat_raw, cat_missing) = numbered
+                yield lines, (labels, dense_transform(dense_raw), cat_raw, cat_missing)

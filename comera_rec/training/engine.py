@@ -17,9 +17,11 @@ subclass it: the engine looks the optional hooks up with :func:`task_hook`)::
     optimizer_parameters(wrapped) -> Iterable   # optional: what the torch optimiser updates
     metrics(device) -> TaskMetrics              # optional: validation metrics (binary by default)
     checkpoint_config_keys() -> list[str]       # optional: config key prefixes a resume may not change
+    train_position() -> dict | None             # optional: the rows this process has left in the epoch
+    resume_train_position(epoch, positions) -> bool  # optional: seek there (re-split over this run's processes)
 
 Batches must be deterministic given the epoch (so a resumed run can skip the consumed
-ones) and the wrapper must share its parameters with the model ``build_model`` returned
+ones when the task cannot seek) and the wrapper must share its parameters with the model ``build_model`` returned
 (DDP does; so do DMP's replicated modules).
 
 This module holds the loop (:meth:`Trainer.fit`) and the optimisers; the rest of
@@ -133,6 +135,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerGraphs, TrainerSteps, Tra
         self.step = 0
         self.epoch = 0
         self.batch_in_epoch = 0
+        self._positioned = False  # a resume handed the task its saved data position
         self.nonfinite = 0
         self.truncations = 0
         self.samples = 0

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from comera_rec.config import to_dict
@@ -26,7 +27,7 @@ from comera_rec.training.checkpoint import (
 )
 from comera_rec.training.checkpoint_compat import IncompatibleCheckpointError, config_differences, state_dict_mismatches
 from comera_rec.training.dcp_state import restore_shared, shared_model_shapes, shared_state
-from comera_rec.training.dist import process_rank, restart_count, world_size
+from comera_rec.training.dist import is_distributed, process_rank, restart_count, world_size
 from comera_rec.training.process_state import rng_state
 from comera_rec.training.rundir import RunDir
 from comera_rec.training.trainer_config import Task, TrainerConfig, task_hook
@@ -68,6 +69,7 @@ class TrainerCheckpoints:
     _staging: Staging
     _run_dir: Optional[RunDir]
     _rng_to_restore: Optional[dict[str, Any]]
+    _positioned: bool
     _build_optimizers: Callable[..., None]
 
     def _resume_checkpoint(self) -> Optional[Path]:
@@ -115,9 +117,21 @@ class TrainerCheckpoints:
                 "truncations": self.truncations,
                 "samples": self.samples,
                 "last_eval": dict(self.last_eval),
+                "data_positions": self._data_positions(),
             },
             "rng": rng_state(self.device),
         }
+
+    def _data_positions(self) -> Optional[list[dict[str, Any]]]:
+        """Every process's training-data position, by rank (collective; the same list in
+        every rank file, so any process of a resized run finds them all); None when some
+        process's task cannot tell its position (the batch count is used then)."""
+        mine = task_hook(self.task, "train_position")()
+        gathered: list[Any] = [mine]
+        if is_distributed():
+            gathered = [None] * world_size()
+            dist.all_gather_object(gathered, mine)
+        return None if any(p is None for p in gathered) else gathered
 
     def save(self, background: bool = False) -> Path:
         """Checkpoint now (collective: every process calls it).
@@ -187,17 +201,6 @@ class TrainerCheckpoints:
         if skeleton is None:  # a checkpoint of the per-process format (same world size)
             self._restore_local(path, state, meta)
         else:
-            saved = int(meta.get("world_size", 1))
-            if saved != world_size() and process_rank() == 0:
-                logger.warning(
-                    "resuming %s, written by %d process(es), with %d: the model and optimiser state are "
-                    "resharded; the data position is kept per process (batch %d of each process's part), "
-                    "so the batches differ from an uninterrupted run",
-                    path,
-                    saved,
-                    world_size(),
-                    int(state["trainer"]["batch_in_epoch"]),
-                )
             shapes = shared_model_shapes(path, skeleton)
             self._check_compatible(path, {"model": shapes}, meta)
             resize_to_state_dict(self.model, shapes)
@@ -211,6 +214,37 @@ class TrainerCheckpoints:
         self.nonfinite, self.truncations, self.samples = int(t["nonfinite"]), int(t["truncations"]), int(t["samples"])
         self.last_eval = {str(k): float(v) for k, v in dict(t.get("last_eval", {})).items()}
         self._rng_to_restore = state["rng"]
+        self._position_data(path, t.get("data_positions"), int(meta.get("world_size", 1)))
+
+    def _position_data(self, path: Path, positions: Optional[list[dict[str, Any]]], saved_world: int) -> None:
+        """Hand the saved data positions to the task (it seeks to them, re-splitting the rest
+        of the epoch over this run's processes), or fall back to skipping batches."""
+        accepted = positions is not None and bool(task_hook(self.task, "resume_train_position")(self.epoch, positions))
+        if is_distributed():  # every process must agree, or some would skip batches and others seek
+            flag = torch.tensor([int(accepted)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if accepted and not bool(flag):
+                raise RuntimeError("data position: some processes could not seek to the saved position, others did")
+        self._positioned = accepted
+        if process_rank() != 0:
+            return
+        if accepted:
+            logger.info(
+                "resuming the data of epoch %d at the saved row position (%d process(es) wrote it, %d resume)",
+                self.epoch,
+                len(positions or []),
+                world_size(),
+            )
+        elif saved_world != world_size():
+            logger.warning(
+                "resuming %s, written by %d process(es), with %d: the model and optimiser state are "
+                "resharded; the data position is a batch count (batch %d of each process's part), "
+                "so within this epoch some rows are used twice and others not at all",
+                path,
+                saved_world,
+                world_size(),
+                self.batch_in_epoch,
+            )
 
     def _restore_local(self, path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Load a checkpoint whose rank files hold the model and local shards."""

@@ -41,6 +41,7 @@ class TrainerSteps:
     schedule: RankSchedule
     epoch: int
     batch_in_epoch: int
+    _positioned: bool  # the task seeks to the saved data position (no batches to skip)
     device: torch.device
     model: Optional[nn.Module]
     step: int
@@ -72,7 +73,7 @@ class TrainerSteps:
             if self.config.max_steps == 0 and self.epoch >= self.config.epochs:
                 return
             it = iter(self.task.train_batches(self.epoch))
-            if self.batch_in_epoch:
+            if self.batch_in_epoch and not self._positioned:  # no row position: skip what was consumed
                 it = itertools.islice(it, self.batch_in_epoch, None)
             empty = True
             for batch in it:
@@ -82,6 +83,7 @@ class TrainerSteps:
                 raise RuntimeError(f"task.train_batches({self.epoch}) yielded no batches")
             self.epoch += 1
             self.batch_in_epoch = 0
+            self._positioned = False
 
     def _step_flags(self, has_batch: bool) -> tuple[bool, int]:
         """Whether some process has run out of batches, and the stop signal (0: none), as

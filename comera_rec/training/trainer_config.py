@@ -29,7 +29,14 @@ class TaskMetrics(Protocol):
 
 REQUIRED_HOOKS: tuple[str, ...] = ("build_model", "wrap", "train_batches", "val_batches", "step_loss")
 """The hooks every task must define."""
-OPTIONAL_HOOKS: tuple[str, ...] = ("optimizer_parameters", "extra_optimizers", "metrics", "checkpoint_config_keys")
+OPTIONAL_HOOKS: tuple[str, ...] = (
+    "optimizer_parameters",
+    "extra_optimizers",
+    "metrics",
+    "checkpoint_config_keys",
+    "train_position",
+    "resume_train_position",
+)
 """The hooks :class:`Task` gives a default to; the engine looks them up with :func:`task_hook`."""
 
 
@@ -68,6 +75,9 @@ class Task(metaclass=ABCMeta):
     * ``metrics(device) -> TaskMetrics``: fresh validation metrics; called at each validation.
     * ``checkpoint_config_keys() -> Sequence[str]``: run-config key prefixes a resume may
       not change; called when a checkpoint is restored.
+    * ``train_position() -> dict | None`` and ``resume_train_position(epoch, positions) -> bool``:
+      the data position as rows rather than a batch count, so a resume seeks instead of
+      re-reading, and re-splits the rest of the epoch over another number of processes.
 
     Example::
 
@@ -170,6 +180,30 @@ class Task(metaclass=ABCMeta):
             and log loss.
         """
         return BinaryMetrics(device)
+
+    def train_position(self) -> Optional[dict[str, Any]]:
+        """Where this process's training data stands after the last batch it gave, as a
+        plain dict of ints and lists (stored in checkpoints); asked at every checkpoint.
+
+        Returns:
+            ``None`` by default: the engine then records the batches consumed and, on
+            resume, skips as many (re-reading them).
+        """
+        return None
+
+    def resume_train_position(self, epoch: int, positions: Sequence[dict[str, Any]]) -> bool:
+        """Make this process's next ``train_batches(epoch)`` start where the saved run left off.
+
+        Args:
+            epoch: the epoch the checkpoint was written in.
+            positions: :meth:`train_position` of every process of the saved run, by rank
+                (their number may differ from this run's: re-split what is left).
+
+        Returns:
+            True when the batches are positioned; ``False`` (the default): the engine skips
+            the consumed batches instead.
+        """
+        return False
 
     def checkpoint_config_keys(self) -> Sequence[str]:
         """Run-config key prefixes (e.g. ``"model."``) a resumed run must share with its

@@ -27,7 +27,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_log(run_dir) if r["kind"] == "train"}
 
 
-def test_resume_continues_the_same_run_across_a_truncation(tmp_path: Path) -> None:
+def test_resume_continues_the_same_run_across_a_truncation(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     # threshold 2 > every controller: step 4 cuts every bond to rank 1 (a real truncation)
     common = TINY + [
         "schedule.mode=threshold",
@@ -42,6 +42,7 @@ def test_resume_continues_the_same_run_across_a_truncation(tmp_path: Path) -> No
     )
     assert summary["truncations"] >= 1
     main(["--config", str(ROOT / "configs/dlrm_demo.yaml"), *common, "trainer.max_steps=6", f"trainer.run_dir={part}"])
+    capfd.readouterr()
     main(
         [
             "--config",
@@ -52,6 +53,9 @@ def test_resume_continues_the_same_run_across_a_truncation(tmp_path: Path) -> No
             f"trainer.run_dir={part}",
         ]
     )
+    # the reader seeks to the saved row position (no batch is re-read) ...
+    assert "resuming the data of epoch 0 at the saved row position" in capfd.readouterr().err
+    # ... and the run goes on exactly as the uninterrupted one
     a, b = train_losses(whole), train_losses(part)
     assert sorted(b) == list(range(1, 13))
     for step in range(7, 13):

@@ -64,6 +64,8 @@ def _differences(a: Any, b: Any, path: str, rowwise: Callable[[str, torch.Tensor
     optimiser accumulator of the resumed plan."""
     if path in CHANGED_BY_VALIDATION:
         return []
+    if path == "trainer.data_positions":  # re-split over the new processes: the same rows left, in order
+        return [] if _rows_left(a) == _rows_left(b) else [f"{path}: {_rows_left(a)} vs {_rows_left(b)}"]
     if isinstance(a, dict):
         if set(a) != set(b):
             return [f"{path}: keys {sorted(set(a) ^ set(b))[:5]}"]
@@ -80,6 +82,17 @@ def _differences(a: Any, b: Any, path: str, rowwise: Callable[[str, torch.Tensor
             ok = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
         return [] if ok else [f"{path}: {tuple(a.shape)} vs {tuple(b.shape)}"]
     return [] if a == b else [f"{path}: {a!r:.80} vs {b!r:.80}"]
+
+
+def _rows_left(positions: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """The rows every process had left, in rank order, as merged intervals."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in (iv for p in positions for iv in p["remaining"]):
+        if merged and merged[-1][1] == lo:
+            merged[-1] = (merged[-1][0], hi)
+        elif hi > lo:
+            merged.append((lo, hi))
+    return merged
 
 
 def _resume_elsewhere(

@@ -124,7 +124,14 @@ def test_required_hooks_raise_and_unknown_hooks_are_refused() -> None:
             getattr(Empty(), name)(*hook_args)
     with pytest.raises(AttributeError, match="no Task hook"):
         task_hook(Empty(), "optimiser_parameters")
-    assert set(OPTIONAL_HOOKS) == {"optimizer_parameters", "extra_optimizers", "metrics", "checkpoint_config_keys"}
+    assert set(OPTIONAL_HOOKS) == {
+        "optimizer_parameters",
+        "extra_optimizers",
+        "metrics",
+        "checkpoint_config_keys",
+        "train_position",
+        "resume_train_position",
+    }
 
 
 def test_isinstance_stays_structural() -> None:
