@@ -143,6 +143,11 @@ def test_one_process_writes_two_resume(tmp_path: Path, written: dict[str, Path])
     _resume_elsewhere(tmp_path, written["one"], 2, "table_wise", _same)
 
 
+def test_two_processes_write_four_resume_and_train_on(tmp_path: Path, written: dict[str, Path]) -> None:
+    # four processes on this 2-core machine: one thread each, slow but exact
+    _resume_elsewhere(tmp_path, written["two_tw"], 4, "table_wise", _same, train_on=True)
+
+
 def test_table_wise_written_column_wise_resumed_and_back(tmp_path: Path, written: dict[str, Path]) -> None:
     cw = _resume_elsewhere(tmp_path, written["two_tw"], 2, "column_wise", _split_in_two, train_on=True)
     # and back: two column shards merge exactly (the width-weighted mean of the shards)
