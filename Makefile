@@ -24,8 +24,12 @@ demo: $(STAMP)
 bench-tensor: $(STAMP)
 	$(PY) launch/bench_tensor.py $(ARGS)
 
+# two pytest workers (pytest-xdist: the multi-process tests wait on launches and signals much of
+# their time), a test file's tests on one worker (loadfile: a module-scoped fixture runs once;
+# loadgroup's xdist_group marks are ignored under pytest 9). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # on a CUDA machine: versions, GPUs, the GPU tests, a short DLRM benchmark, one table (docs/gpu.md); on CPU one line, exit 0
 gpu-check: $(STAMP)

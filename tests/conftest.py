@@ -12,6 +12,15 @@ settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # an xdist worker (make test) gets its share of the cores: two workers' OpenMP pools on two
+    # cores spin against each other (a short sequence run: 6x the wall, 9x the CPU). The thread
+    # count tests set their own counts.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
