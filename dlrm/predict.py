@@ -6,14 +6,19 @@ resized to the checkpoint's, weights-only load), and the input files are read by
 training readers with the run's categorical transform (vocabularies or hashing). So a
 prediction over the run's validation files gives the trainer's own AUC and log loss.
 
-One process. A checkpoint written by several processes is read whole from its shared DCP
-part (sharded tables gathered); one in the older per-process format is refused (its dense
-tables are split across the rank files).
+One process, or several under ``torchrun``: each process loads the whole model, scores its
+contiguous part of the input rows and writes a part file; process 0 then joins the parts
+in input order into the one output file (the same rows, in the same order, as one process
+writes) and the metrics are computed over every process's rows. A checkpoint written by
+several processes is read whole from its shared DCP part (sharded tables gathered); one in
+the older per-process format is refused (its dense tables are split across the rank files).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
@@ -22,6 +27,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.datasets.utils import Batch
 
@@ -32,6 +38,7 @@ from comera_rec.dlrm.task import DLRMRunConfig, DLRMTask, load_run_config
 from comera_rec.rank import resize_to_state_dict
 from comera_rec.training import BinaryMetrics, IncompatibleCheckpointError, latest_checkpoint, load_checkpoint
 from comera_rec.training.checkpoint import is_complete, restore_local
+from comera_rec.training.dist import is_distributed
 from comera_rec.training.engine import config_differences, state_dict_mismatches
 from comera_rec.utils.logs import setup_logging
 
@@ -181,6 +188,8 @@ def read_batches(
     batch_size: int,
     fmt: Optional[str] = None,
     bad_input: str = "strict",
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Iterator[Batch]:
     """Batches of the input files in row order, with the run's categorical transform.
 
@@ -192,6 +201,8 @@ def read_batches(
         fmt: ``"tsv"``, ``"parquet"`` or ``"npy"``; from the suffixes when ``None``.
         bad_input: ``"strict"`` (a malformed line is an error naming file and line, so that
             every output row is an input row) or ``"skip"`` (dropped, as in training).
+        rank: this process's part of the rows (contiguous parts, in rank order).
+        world_size: the number of parts.
     """
     fmt = fmt or input_format(paths)
     if fmt not in _READERS:
@@ -206,6 +217,8 @@ def read_batches(
             num_embeddings_per_feature=data.num_embeddings_per_feature,
             vocab_dir=data.vocab_dir if data.source != "synthetic" else None,
             bad_input=bad_input,
+            rank=rank,
+            world_size=world_size,
         )
     )
     return iter(reader)
@@ -216,7 +229,7 @@ class PredictionResult:
     """What :func:`predict` wrote and measured."""
 
     rows: int
-    """Rows scored (one output row each)."""
+    """Rows scored (one output row each), by every process."""
     out: Path
     """The output file."""
     checkpoint: Path
@@ -249,6 +262,47 @@ class _Writer:
         self._writer.close()
 
 
+def part_path(out: Path, rank: int) -> Path:
+    """Where process ``rank`` of a multi-process prediction writes its rows.
+
+    Example::
+
+        >>> part_path(Path("scores.parquet"), 1).name
+        'scores.part00001.parquet'
+    """
+    return out.with_name(f"{out.stem}.part{rank:05d}{out.suffix}")
+
+
+def join_parts(parts: Sequence[Path], out: Path) -> None:
+    """Concatenate the processes' part files, in order, into ``out`` and remove them.
+
+    Parts without rows (a process whose share of the input was empty) are left out, so the
+    columns are those of the parts that hold rows. CSV parts are joined as text (their
+    numbers stay as written), Parquet parts table by table.
+    """
+    tmp = out.with_name(f".{out.name}.joining")
+    if out.suffix.lower() == ".csv":
+        pieces = []
+        for part in parts:
+            with open(part, "rb") as src:
+                pieces.append((src.readline(), src.read()))  # (header line, rows)
+        header = next((head for head, body in pieces if body), pieces[0][0])
+        with open(tmp, "wb") as dst:
+            dst.write(header)
+            for _, body in pieces:
+                dst.write(body)
+    else:
+        tables = [pq.read_table(part) for part in parts]
+        full = [t for t in tables if t.num_rows] or tables[:1]
+        writer = pq.ParquetWriter(tmp, full[0].schema)
+        for t in full:
+            writer.write_table(t)
+        writer.close()
+    tmp.replace(out)  # readers never see a half-joined output
+    for part in parts:
+        part.unlink()
+
+
 def _labelled(labels: torch.Tensor) -> bool:
     """Whether a batch carries labels (rows of unlabelled files have ``NO_LABEL``)."""
     return bool((labels != NO_LABEL).all())
@@ -268,6 +322,11 @@ def predict(
     progress: bool = True,
 ) -> PredictionResult:
     """Score every input row with a trained model; write one probability per row.
+
+    Under ``torchrun`` with several processes every process calls it: each loads the whole
+    model, then joins a process group (gloo on CPU, nccl on CUDA; started here, after the
+    load, and ended before returning), scores its part of the rows, and ``out`` receives
+    all of them in input order.
 
     Args:
         checkpoint: a run directory, checkpoints folder, ``step_*`` folder or rank file.
@@ -295,19 +354,48 @@ def predict(
         >>> result = predict("runs/dlrm_demo", ["day_23.tsv"], "scores.parquet")  # doctest: +SKIP
         >>> result.metrics["auc"]  # doctest: +SKIP
     """
-    from tqdm import tqdm
-
     out = Path(out)
     if out.suffix.lower() not in (".parquet", ".csv"):
         raise ValueError(f"--out {out}: the suffix must be .parquet or .csv")
-    loaded = load_model(checkpoint, config, device)
+    if is_distributed():
+        raise RuntimeError(
+            "predict() loads a whole model in every process and starts its own process group under "
+            "torchrun; call it before init_process_group"
+        )
+    loaded = load_model(checkpoint, config, device)  # before the group: one whole model per process
+    started = _join_torchrun(device)
+    try:
+        return _score(loaded, inputs, out, batch_size, fmt, bad_input, progress)
+    finally:
+        if started:
+            del loaded
+            gc.collect()  # gloo aborts at exit now and then while the run's tensors are alive
+            dist.destroy_process_group()
+
+
+def _score(
+    loaded: LoadedModel,
+    inputs: Sequence[PathLike],
+    out: Path,
+    batch_size: Optional[int],
+    fmt: Optional[str],
+    bad_input: str,
+    progress: bool,
+) -> PredictionResult:
+    """:func:`predict` once the model is loaded (and the process group, if any, started)."""
+    from tqdm import tqdm
+
     data = loaded.config.data
+    rank, world = (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+    final_out, out = out, (out if world == 1 else part_path(out, rank))
     batches = read_batches(
         inputs,
         loaded.config,
         batch_size=batch_size or data.val_batch_size or data.batch_size,
         fmt=fmt,
         bad_input=bad_input,
+        rank=rank,
+        world_size=world,
     )
     metrics = BinaryMetrics(loaded.device)
     writer: Optional[_Writer] = None
@@ -337,9 +425,23 @@ def predict(
         if writer is not None:
             writer.close()
     if writer is None:  # no rows at all: still an output file, with its columns
+        out.parent.mkdir(parents=True, exist_ok=True)
         writer = _Writer(out, False)
         writer.close()
-    return PredictionResult(rows, out, loaded.checkpoint, metrics.compute() if with_label else None)
+    if world == 1:
+        return PredictionResult(rows, out, loaded.checkpoint, metrics.compute() if with_label else None)
+    # every process: whether any rows had labels (a process may have had none), the rows in all
+    flags = torch.tensor([rows, int(bool(with_label)), int(rows > 0)], dtype=torch.int64)
+    dist.all_reduce(flags)
+    any_label = int(flags[1]) > 0
+    if any_label and int(flags[1]) != int(flags[2]):
+        raise ValueError("the inputs mix rows with and without labels; score them in separate calls")
+    result_metrics = metrics.compute() if any_label else None  # collective
+    dist.barrier()  # every part is written
+    if rank == 0:
+        join_parts([part_path(final_out, r) for r in range(world)], final_out)
+    dist.barrier()  # the output is complete on every process's return
+    return PredictionResult(int(flags[0]), final_out, loaded.checkpoint, result_metrics)
 
 
 _USAGE = """Score Criteo rows with a trained DLRM; print AUC and log loss when the rows have labels.
@@ -349,8 +451,20 @@ _USAGE = """Score Criteo rows with a trained DLRM; print AUC and log loss when t
         --config configs/dlrm_criteo_kaggle.yaml test.parquet --out scores.csv
 
 The output holds one row per input row: ``score`` (click probability) and ``label`` when
-the input has one; Parquet or CSV by the suffix of --out. See docs/serving.md.
+the input has one; Parquet or CSV by the suffix of --out. Under torchrun each process
+scores its part of the rows and process 0 joins the parts into --out. See docs/serving.md.
 """
+
+
+def _join_torchrun(device: str) -> bool:
+    """Under ``torchrun`` with several processes, start the process group (gloo on CPU,
+    nccl on CUDA, each process on its local GPU); whether one was started."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    if device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return True
 
 
 def predict_cli(argv: Optional[Sequence[str]] = None) -> dict:
@@ -401,8 +515,15 @@ def predict_cli(argv: Optional[Sequence[str]] = None) -> dict:
         fmt=args.format,
         bad_input=args.bad_input,
         device=args.device,
-        progress=not args.no_progress,
+        progress=not args.no_progress and int(os.environ.get("RANK", "0")) == 0,
     )
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: process 0 reports for all
+        return {
+            "rows": result.rows,
+            "out": str(result.out),
+            "checkpoint": str(result.checkpoint),
+            **(result.metrics or {}),
+        }
     print(f"checkpoint {result.checkpoint}: scored {result.rows} rows into {result.out}")
     if result.metrics is not None:
         print(

@@ -14,10 +14,17 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from comera_rec.dlrm.predict import CheckpointConfigMismatchError, CheckpointNotFoundError, find_checkpoint
+from comera_rec.dlrm.predict import (
+    CheckpointConfigMismatchError,
+    CheckpointNotFoundError,
+    find_checkpoint,
+    join_parts,
+    part_path,
+)
 from launch.predict_dlrm import main as predict_main
 from launch.train_dlrm import main as train_main
 from tests.dlrm.tiny import TABLE_SIZES, TINY
+from tests.reliability.helpers import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = Path("/work/shared/data/criteo_sample_200.tsv")
@@ -124,3 +131,32 @@ def test_config_that_does_not_match_the_checkpoint_is_a_named_error(run: tuple[P
         predict_main(["--checkpoint", str(run_dir), "--config", str(config), str(SAMPLE), "--out", str(out)])
     assert not out.exists()
     config.unlink()
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_rows_of_one_in_input_order(run: tuple[Path, dict], tmp_path: Path) -> None:
+    run_dir, summary = run
+    one, two = tmp_path / "one.parquet", tmp_path / "two.parquet"
+    predict_main(["--checkpoint", str(run_dir), str(SAMPLE), "--out", str(one), "--batch-size", "48", "--no-progress"])
+    args = ["--checkpoint", str(run_dir), str(SAMPLE), "--out", str(two), "--batch-size", "48", "--no-progress"]
+    proc = run_torchrun(ROOT / "launch/predict_dlrm.py", args, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr  # clean gloo shutdown
+    # the metrics are over both processes' rows: the trainer's own evaluation of the checkpoint
+    assert _printed(proc.stdout, "AUC") == pytest.approx(summary["val_auc"], abs=1e-6)
+    assert "scored 200 rows" in proc.stdout and proc.stdout.count("AUC") == 1  # printed by rank 0 only
+    a, b = pq.read_table(one), pq.read_table(two)
+    assert b.column("label").to_pylist() == a.column("label").to_pylist()  # every row once, in input order
+    assert b.column("score").to_pylist() == pytest.approx(a.column("score").to_pylist(), abs=1e-6)
+    assert sorted(p.name for p in tmp_path.glob("two*")) == ["two.parquet"]  # the part files are gone
+
+
+def test_csv_parts_join_as_text_and_empty_parts_drop_out(tmp_path: Path) -> None:
+    out = tmp_path / "s.csv"
+    parts = [part_path(out, r) for r in range(3)]
+    parts[0].write_text('"score"\n')  # a process with no rows: its part has no label column
+    parts[1].write_text('"score","label"\n0.25,1\n0.5,0\n')
+    parts[2].write_text('"score","label"\n0.125,1\n')
+    join_parts(parts, out)
+    assert out.read_text() == '"score","label"\n0.25,1\n0.5,0\n0.125,1\n'
+    assert not any(p.exists() for p in parts)
