@@ -299,8 +299,7 @@ class SyntheticCriteo(IterableDataset):
         size = self._block_rows(num_shards)
         k = shard
         while cfg.num_rows is None or k * size < cfg.num_rows:
-            rows = size if cfg.num_rows is None else min(size, cfg.num_rows - k * size)
-            yield k, rows
+            yield k, self._rows_of_block(k, size)
             k += num_shards
 
     def rows_per_shard(self, num_shards: int) -> List[int]:
@@ -311,6 +310,14 @@ class SyntheticCriteo(IterableDataset):
         cfg = self.config
         return size if cfg.num_rows is None else min(size, cfg.num_rows - block * size)
 
+    def _whole_pass(self, shard: int, num_shards: int) -> ReadPosition:
+        """The rows of this shard's full pass (finite streams) as a position with nothing read."""
+        cfg = self.config
+        size = self._block_rows(num_shards)
+        cap = min(self.rows_per_shard(num_shards)) // cfg.batch_size if cfg.drop_last else None
+        blocks = [(k * size, k * size + rows) for k, rows in self._blocks(shard, num_shards)]
+        return ReadPosition(blocks, cap, {"block_rows": size})
+
     def position(self) -> Optional[ReadPosition]:
         """What this stream has left of its current pass after the last batch it yielded:
         global rows ``block * block_rows + offset`` (before a pass: all of the next one; None
@@ -319,13 +326,7 @@ class SyntheticCriteo(IterableDataset):
         if cfg.num_rows is None:
             return None
         if self._cursor is None:
-            if self._resume is not None:
-                return self._resume
-            shard, num_shards = self._shard()
-            size = self._block_rows(num_shards)
-            cap = min(self.rows_per_shard(num_shards)) // cfg.batch_size if cfg.drop_last else None
-            blocks = [(k * size, k * size + rows) for k, rows in self._blocks(shard, num_shards)]
-            return ReadPosition(blocks, cap, {"block_rows": size})
+            return self._resume if self._resume is not None else self._whole_pass(*self._shard())
         return self._cursor.position()
 
     def resume(self, position: ReadPosition) -> None:
@@ -360,7 +361,7 @@ class SyntheticCriteo(IterableDataset):
             if cfg.drop_last and cfg.num_rows is not None:
                 max_batches = min(self.rows_per_shard(num_shards)) // cfg.batch_size
             pieces = ((k, 0, rows) for k, rows in self._blocks(shard, num_shards))
-            plan = lambda: [(k * size, k * size + rows) for k, rows in self._blocks(shard, num_shards)]  # noqa: E731
+            plan = lambda: self._whole_pass(shard, num_shards).remaining  # noqa: E731 (asked only for a position)
         cursor = self._cursor = PassCursor(plan, max_batches, {"block_rows": size})
         buf = BatchBuffer(cfg.batch_size)
         for k, a, b in pieces:

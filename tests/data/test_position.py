@@ -185,7 +185,7 @@ def test_same_world_resume_continues_each_process_exactly(indexed_files, kind, d
         first = [_ids(next(batches)) for _ in range(4)]
         state = reader.position().to_state()
         resumed = _reader(indexed_files, kind, rank, 2, 7, 300, drop_last)
-        resumed.resume(resume_position([state, state] if rank == 0 else [state, state], rank, 2, 7))
+        resumed.resume(resume_position([state, state], rank, 2, 7))
         rest = [_ids(b) for b in resumed]
         assert len(first) + len(rest) == len(whole)
         for got, want in zip(first + rest, whole):
