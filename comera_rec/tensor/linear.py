@@ -11,6 +11,7 @@ from torch import nn
 
 from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import linear_from_chains, merge_input_chain, merge_output_chain, tt_linear
+from comera_rec.tensor.derived import derived_cache
 from comera_rec.tensor.shapes import check_shape, tt_linear_shapes
 from comera_rec.tensor.svd import tt_svd
 from comera_rec.tensor.train import TensorTrainModule, cap_ranks, check_float_dtype, check_rank
@@ -145,14 +146,17 @@ class TTLinear(TensorTrainModule):
         if kernels.tt_chains_kernel_applies(self.cores, self.controllers):
             # the chains merged in one C++ call each way (the controllers scale the running
             # products), not ~50 small autograd operators
-            d = len(self.in_shape)
-            cores = list(self.cores)
-            left, right = kernels.tt_chains_cpu(
-                cores[:d], cores[d:], list(self.controllers), self.in_features, self.out_features
-            )
+            left, right = derived_cache(self, "chains").get([*self.cores, *self.controllers], self._merged_chains)
             return linear_from_chains(x, left, right, self.bias, relu=self.relu)
         inputs, outputs = self._split()
         return tt_linear(x, inputs, outputs, self.out_features, self.bias, relu=self.relu)
+
+    def _merged_chains(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(left (in, r), right (r, out))`` by the C++ chain merge (kept between forwards
+        without gradients while the parameters do not change)."""
+        d = len(self.in_shape)
+        cores = list(self.cores)
+        return kernels.tt_chains_cpu(cores[:d], cores[d:], list(self.controllers), self.in_features, self.out_features)
 
     def _check_input(self, x: torch.Tensor) -> None:
         """Raise, naming the input's shape, dtype or device, where ``forward`` cannot take ``x``."""

@@ -21,6 +21,8 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import torch
 from torch import nn
 
+from comera_rec.tensor.derived import clear_derived_caches, derived_cache
+
 
 def check_rank(name: str, rank: int | Sequence[int], num_bonds: int) -> list[int]:
     """Expand an int rank to one rank per internal bond and validate it."""
@@ -266,6 +268,7 @@ class TensorTrainModule(InitOnMaterialize):
             True if any rank fell (and parameters were replaced).
         """
         changed = False
+        clear_derived_caches(self)  # nothing kept may hold the cores being replaced
         b = self._num_batch_dims
         for k, idx in enumerate(self.kept_indices(threshold)):
             if idx.numel() == self.controllers[k].shape[-1]:
@@ -281,7 +284,14 @@ class TensorTrainModule(InitOnMaterialize):
     def scaled_cores(self) -> list[torch.Tensor]:
         """Cores with each controller folded in: ``G_k D_k G_{k+1}`` as ``(G_k D_k) G_{k+1}`` or
         ``G_k (D_k G_{k+1})``, whichever of the two cores is smaller (the product is the same;
-        scaling a large core costs a pass over it forward and two backward)."""
+        scaling a large core costs a pass over it forward and two backward).
+
+        Without gradients the result is kept until a core or controller changes
+        (:class:`~comera_rec.tensor.derived.DerivedCache`), so scoring does not fold the
+        controllers again on every batch."""
+        return derived_cache(self, "scaled_cores").get([*self.cores, *self.controllers], self._fold_controllers)
+
+    def _fold_controllers(self) -> list[torch.Tensor]:
         out = list(self.cores)
         for k, d in enumerate(self.controllers):
             left, right = out[k], out[k + 1]

@@ -55,6 +55,7 @@ from torch import nn
 
 from comera_rec.rank.optim_state import retarget_optimizer
 from comera_rec.rank.schedule import ObjectiveTerms, RankSchedule, RankScheduleConfig
+from comera_rec.tensor.derived import cached_weights
 from comera_rec.tensor.kernels import build_cpu_kernels
 from comera_rec.training import faults
 from comera_rec.training.async_save import PendingCheckpoint, Staging
@@ -198,9 +199,10 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerGraphs, TrainerSteps, Tra
             batches = self.task.val_batches()
             if self.config.eval_max_batches:
                 batches = itertools.islice(batches, self.config.eval_max_batches)
-            for batch in batches:
-                _, logits, labels = self.task.step_loss(self.wrapped, batch)
-                metrics.update(logits, labels)
+            with cached_weights():  # the parameters cannot change while validating
+                for batch in batches:
+                    _, logits, labels = self.task.step_loss(self.wrapped, batch)
+                    metrics.update(logits, labels)
             result = metrics.compute()
         finally:
             self.wrapped.train()

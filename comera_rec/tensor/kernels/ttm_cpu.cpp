@@ -323,9 +323,11 @@ torch::Tensor rank_last(const torch::Tensor& core, int64_t lanes) {
   return out.view(shape);
 }
 
-// `layouts`: also make the forward's permuted, padded copies (left1, right0); the
-// backward needs only the shapes.
-Train describe(std::vector<torch::Tensor>& cores, const char* who, bool layouts) {
+// `layouts`: also make the forward's permuted, padded copies (left1, right0), or take them
+// from `given` ({left1, right0} made earlier by ttm_forward_layouts from the same cores,
+// kept by the caller while the cores do not change); the backward needs only the shapes.
+Train describe(std::vector<torch::Tensor>& cores, const char* who, bool layouts,
+               const std::vector<torch::Tensor>& given = {}) {
   Train tr;
   tr.d = static_cast<int64_t>(cores.size());
   TORCH_CHECK(tr.d >= 2 && tr.d <= 4, who, ": need 2 to 4 cores, got ", tr.d);
@@ -344,9 +346,31 @@ Train describe(std::vector<torch::Tensor>& cores, const char* who, bool layouts)
   tr.Mr = tr.R.cols();
   tr.Nl = tr.L.rows();
   tr.Nr = tr.R.rows();
-  if (layouts && tr.L.cores == 2) tr.left1 = pad_last(cores[1], lanes);
-  if (layouts && tr.R.cores == 2) tr.right0 = rank_last(cores[tr.split], lanes);
+  if (!layouts) return tr;
+  TORCH_CHECK(given.empty() || given.size() == 2, who, ": layouts must be {} or {left1, right0}, got ", given.size());
+  if (tr.L.cores == 2) tr.left1 = given.empty() ? pad_last(cores[1], lanes) : given[0];
+  if (tr.R.cores == 2) tr.right0 = given.empty() ? rank_last(cores[tr.split], lanes) : given[1];
+  if (!given.empty()) {  // a kept layout must still match these cores' shapes
+    if (tr.L.cores == 2)
+      TORCH_CHECK(tr.left1.defined() && tr.left1.is_contiguous() && tr.left1.dim() == 5 && tr.left1.size(0) == tr.T &&
+                      tr.left1.size(1) == tr.L.r_mid && tr.left1.size(2) == tr.L.n1 && tr.left1.size(3) == tr.L.m1 &&
+                      tr.left1.size(4) == tr.rp,
+                  who, ": the kept left layout does not match the cores");
+    if (tr.R.cores == 2)
+      TORCH_CHECK(tr.right0.defined() && tr.right0.is_contiguous() && tr.right0.dim() == 5 &&
+                      tr.right0.size(0) == tr.T && tr.right0.size(1) == tr.R.n0 && tr.right0.size(2) == tr.R.m0 &&
+                      tr.right0.size(3) == tr.R.r_mid && tr.right0.size(4) == tr.rp,
+                  who, ": the kept right layout does not match the cores");
+  }
   return tr;
+}
+
+// The forward's derived layouts of these cores, {left1, right0} (an empty tensor where a
+// half has one core), for a caller that keeps them between lookups with unchanged cores.
+std::vector<torch::Tensor> ttm_forward_layouts(std::vector<torch::Tensor> cores) {
+  const Train tr = describe(cores, "ttm_forward_layouts", true);
+  const auto empty = torch::empty({0}, cores[0].options());
+  return {tr.left1.defined() ? tr.left1 : empty, tr.right0.defined() ? tr.right0 : empty};
 }
 
 }  // namespace
@@ -355,8 +379,8 @@ Train describe(std::vector<torch::Tensor>& cores, const char* who, bool layouts)
 // distinct suffix keys, P table (U_l, M_l, rp), S table (U_r, M_r, rp)}.
 std::vector<torch::Tensor> ttm_bag_forward(
     std::vector<torch::Tensor> cores, torch::Tensor ids, torch::Tensor trains, torch::Tensor offsets,
-    torch::Tensor weights, int64_t dim, int64_t batch) {
-  const Train tr = describe(cores, "ttm_bag_forward", true);
+    torch::Tensor weights, int64_t dim, int64_t batch, std::vector<torch::Tensor> layouts) {
+  const Train tr = describe(cores, "ttm_bag_forward", true, layouts);
   const Half &L = tr.L, &R = tr.R;
   const int64_t T = tr.T, r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
   const int64_t num_rows = Nl * Nr;
@@ -828,6 +852,7 @@ std::vector<int64_t> check_jagged(torch::Tensor values, torch::Tensor lengths, t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_bytes", [] { return comera::kVectorBytes; }, "the vector width this build's kernels use");
   m.def("ttm_bag_forward", &ttm_bag_forward, "fused de-duplicated TTM embedding-bag lookup (forward)");
+  m.def("ttm_forward_layouts", &ttm_forward_layouts, "the lookup forward's permuted, padded core layouts");
   m.def("ttm_bag_backward", &ttm_bag_backward, "fused de-duplicated TTM embedding-bag lookup (backward)");
   m.def("gather_blocks", &gather_blocks, "column blocks of several matrices side by side");
   m.def("scatter_blocks", &scatter_blocks, "the gradient of gather_blocks");

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from comera_rec.tensor.bags import divide_bags
+from comera_rec.tensor.derived import DerivedCaches, cache_applies
 
 # re-exported: the build of the CPU kernels, importable from here as before it had a module of its own
 from comera_rec.tensor.kernels.build_support import (  # noqa: F401
@@ -79,7 +80,7 @@ class _FusedTTMBag(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, offsets, trains, weights, dim, batch, *cores):
         out, pslot, sslot, pkeys, skeys, ptab, stab = extension().ttm_bag_forward(
-            list(cores), ids, trains, offsets, weights, dim, batch
+            list(cores), ids, trains, offsets, weights, dim, batch, _forward_layouts(cores)
         )
         ctx.save_for_backward(offsets, weights, pslot, sslot, pkeys, skeys, ptab, stab, *cores)
         ctx.layout = (dim, batch)
@@ -94,6 +95,27 @@ class _FusedTTMBag(torch.autograd.Function):
             grad_out, cores, offsets, weights, pslot, sslot, pkeys, skeys, ptab, stab, weights_need_grad, *ctx.layout
         )
         return (None, None, None, grad_weights if weights_need_grad else None, None, None, *grad_cores)
+
+
+# the permuted, padded core copies a lookup makes, kept for the last few stacks of cores
+# looked up without gradients (scoring calls every group's lookup with the same cores)
+_LAYOUTS = DerivedCaches(slots=8)
+
+
+def _forward_layouts(cores: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``[]`` (the kernel makes them) or the kept layouts of these unchanged cores."""
+    if not cache_applies(cores):
+        return []
+    left1, right0 = _LAYOUTS.get(cores, lambda: _own_layouts(cores))
+    # a layout that is the core itself (nothing to pad) is not kept: a kept value must not
+    # hold its sources alive
+    return [cores[1] if left1 is None else left1, right0]
+
+
+def _own_layouts(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    left1, right0 = extension().ttm_forward_layouts(list(cores))
+    same = left1.numel() > 0 and left1.data_ptr() == cores[1].data_ptr()
+    return (None if same else left1), right0
 
 
 class _GatherBlocks(torch.autograd.Function):

@@ -1,0 +1,218 @@
+"""Values derived from parameters, kept between forwards that cannot change them.
+
+A TT module derives tensors from its parameters on every forward: the cores with their
+rank controllers folded in, a TT layer's two merged chains, the lookup's permuted core
+copies. In training each step changes the parameters, so the work is redone and
+differentiated. When a model only scores (no gradients) its parameters stay the same from
+batch to batch, and at a batch of one row that recomputation is most of a lookup's time.
+
+Inside :func:`cached_weights` (like ``torch.nn.utils.parametrize.cached``), with gradients
+off, each such value is computed once and kept. A kept value is handed back only while
+every tensor it came from is the same tensor with the same storage and version counter, so
+an in-place write (``load_state_dict``, an optimiser step), ``.to()`` or a rank truncation
+inside the scope still gives fresh values; writes through ``.data`` do not move the version
+counter and are not seen, which is why nothing is kept outside the scope. Leaving the
+outermost scope drops every kept value.
+
+Example::
+
+    >>> from comera_rec.tensor import TTLinear
+    >>> layer = TTLinear(16, 8, rank=2)
+    >>> with torch.inference_mode(), cached_weights():
+    ...     y = [layer(torch.randn(1, 16)) for _ in range(3)]  # the chains merged once
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Callable, Iterator, Sequence, TypeVar
+
+import torch
+
+_V = TypeVar("_V")
+
+
+class _Scope(threading.local):
+    depth = 0
+    filled: dict  # id -> weak reference of each cache that kept a value in this scope
+
+    def __init__(self) -> None:
+        self.filled = {}
+
+
+_SCOPE = _Scope()
+
+
+@contextlib.contextmanager
+def cached_weights() -> Iterator[None]:
+    """Keep values derived from parameters between forwards without gradients (scoring).
+
+    Nests; leaving the outermost scope drops every value kept in it. See the module
+    docstring for what counts as a change.
+    """
+    _SCOPE.depth += 1
+    try:
+        yield
+    finally:
+        _SCOPE.depth -= 1
+        if _SCOPE.depth == 0:
+            for ref in _SCOPE.filled.values():
+                cache = ref()
+                if cache is not None:
+                    cache.clear()
+            _SCOPE.filled = {}
+
+
+def _note_filled(cache: object) -> None:
+    _SCOPE.filled[id(cache)] = weakref.ref(cache)
+
+
+def _fingerprint(tensors: Sequence[torch.Tensor]) -> tuple:
+    # identity (weakly held: a cache must not keep replaced parameters alive), storage,
+    # version counter (bumped by every in-place write; inference tensors have none, and
+    # only values derived under inference mode are such, see cache_applies), shape, dtype, device
+    return tuple(
+        (weakref.ref(t), t.data_ptr(), -1 if t.is_inference() else t._version, tuple(t.shape), t.dtype, t.device)
+        for t in tensors
+    ) + (torch.is_inference_mode_enabled(),)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    if len(a) != len(b) or a[-1] != b[-1]:
+        return False
+    return all(x[0]() is not None and x[0]() is y[0]() and x[1:] == y[1:] for x, y in zip(a[:-1], b[:-1]))
+
+
+def _capturing() -> bool:
+    # a CUDA graph would bake a kept value's address in and outlive the scope that keeps it
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def cache_applies(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a value derived from ``tensors`` may be kept: inside :func:`cached_weights`,
+    gradients off, no tracing, compiling or CUDA graph capture, plain (not meta, not subclassed) tensors, and no parameter made under
+    ``torch.inference_mode`` (its in-place writes would go unseen: such tensors keep no
+    version counter)."""
+    return (
+        _SCOPE.depth > 0
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not _capturing()
+        and all(
+            type(t) in (torch.Tensor, torch.nn.Parameter)
+            and not t.is_meta
+            and not (isinstance(t, torch.nn.Parameter) and t.is_inference())
+            for t in tensors
+        )
+    )
+
+
+class DerivedCache:
+    """One value derived from some tensors, computed again only when one of them changed.
+
+    Where :func:`cache_applies` does not hold (outside :func:`cached_weights`, gradients
+    on, tracing) it computes every time and keeps nothing. Copies and pickles of a module
+    holding it start empty.
+
+    Example::
+
+        >>> w = torch.nn.Parameter(torch.ones(3))
+        >>> cache, calls = DerivedCache(), []
+        >>> def double():
+        ...     calls.append(1)
+        ...     return w * 2
+        >>> with torch.no_grad(), cached_weights():
+        ...     _ = cache.get([w], double); _ = cache.get([w], double)
+        ...     w.add_(1)  # an in-place write: computed again
+        ...     _ = cache.get([w], double)
+        >>> len(calls)
+        2
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._value: object = None
+
+    def get(self, sources: Sequence[torch.Tensor], compute: Callable[[], _V]) -> _V:
+        """``compute()``, or the value it gave for the same, unmodified ``sources``."""
+        if not cache_applies(sources):
+            return compute()
+        key = _fingerprint(sources)
+        if self._key is not None and _same(self._key, key):
+            return self._value  # type: ignore[return-value]
+        self.clear()  # the stale value goes before the new one is made
+        value = compute()
+        self._key, self._value = key, value
+        _note_filled(self)
+        return value
+
+    def clear(self) -> None:
+        """Drop the kept value."""
+        self._key, self._value = None, None
+
+    def __deepcopy__(self, memo: dict) -> "DerivedCache":
+        return DerivedCache()
+
+    def __getstate__(self) -> dict:
+        return {"_key": None, "_value": None}
+
+
+class DerivedCaches:
+    """Values derived from several sets of tensors, for callers without a module to hold a
+    :class:`DerivedCache`: the last ``slots`` sets used are kept (least recently used out).
+
+    Example::
+
+        >>> a, b = torch.ones(2), torch.zeros(2)
+        >>> caches = DerivedCaches(slots=2)
+        >>> with torch.no_grad(), cached_weights():
+        ...     first = caches.get([a], lambda: a + 1)
+        ...     _ = caches.get([b], lambda: b + 1)
+        ...     caches.get([a], lambda: a + 2) is first
+        True
+    """
+
+    def __init__(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"DerivedCaches: slots must be positive, got {slots}")
+        self.slots = slots
+        self._entries: list[tuple[tuple, object]] = []
+
+    def get(self, sources: Sequence[torch.Tensor], compute: Callable[[], _V]) -> _V:
+        """``compute()``, or the value it gave for the same, unmodified ``sources``."""
+        if not cache_applies(sources):
+            return compute()
+        key = _fingerprint(sources)
+        for i, (kept, value) in enumerate(self._entries):
+            if _same(kept, key):
+                self._entries.append(self._entries.pop(i))  # most recently used last
+                return value  # type: ignore[return-value]
+        # entries whose sources are gone can never match again
+        self._entries = [e for e in self._entries if all(x[0]() is not None for x in e[0][:-1])]
+        value = compute()
+        self._entries.append((key, value))
+        del self._entries[: -self.slots]
+        _note_filled(self)
+        return value
+
+    def clear(self) -> None:
+        """Drop every kept value."""
+        self._entries.clear()
+
+
+def derived_cache(module: torch.nn.Module, name: str) -> DerivedCache:
+    """``module``'s cache called ``name``, made on first use (modules built before this
+    attribute existed, or restored by ``copy`` / ``pickle``, get one too)."""
+    caches = module.__dict__.setdefault("_derived_caches", {})
+    if name not in caches:
+        caches[name] = DerivedCache()
+    return caches[name]
+
+
+def clear_derived_caches(module: torch.nn.Module) -> None:
+    """Drop every value ``module`` keeps (its parameters are about to be replaced)."""
+    for cache in module.__dict__.get("_derived_caches", {}).values():
+        cache.clear()
