@@ -49,6 +49,9 @@ class SeqModelConfig:
     """Inner size of each encoder layer's feed-forward block."""
     dropout: float = 0.1
     """Dropout on embeddings, attention and feed-forward outputs."""
+    pre_norm: bool = False
+    """LayerNorm before each encoder block's attention and feed-forward (pre-LN, with a final
+    LayerNorm) instead of after them (post-LN, BERT's order)."""
     max_len: int = 50
     """Longest input sequence (the most recent items are kept); rows of the position embedding."""
     rank: int = 16

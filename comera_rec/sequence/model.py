@@ -39,6 +39,20 @@ def jagged_to_padded(values: torch.Tensor, lengths: torch.Tensor, max_len: int) 
     return out.index_copy(0, rows * max_len + cols, values).view(batch, max_len, -1)
 
 
+def from_end_positions(lengths: torch.Tensor, longest: int) -> torch.Tensor:
+    """``(B, longest)`` position of each slot counted back from its sequence's last item
+    (0 = last); padding slots get 0 (they are masked out of attention).
+
+    Example::
+
+        >>> from_end_positions(torch.tensor([3, 1]), 3)
+        tensor([[2, 1, 0],
+                [0, 0, 0]])
+    """
+    slots = torch.arange(longest, device=lengths.device)
+    return (lengths[:, None] - 1 - slots[None, :]).clamp(min=0)
+
+
 class MaskedItemModel(nn.Module):
     """BERT4Rec-style: predicts masked items of a sequence from the items around them.
 
@@ -83,10 +97,19 @@ class MaskedItemModel(nn.Module):
         self.input_norm = nn.LayerNorm(d, device=device)
         self.dropout = nn.Dropout(config.dropout)
         layer = nn.TransformerEncoderLayer(
-            d, config.num_heads, config.d_ff, config.dropout, activation="gelu", batch_first=True, device=device
+            d,
+            config.num_heads,
+            config.d_ff,
+            config.dropout,
+            activation="gelu",
+            batch_first=True,
+            norm_first=config.pre_norm,
+            device=device,
         )
+        # pre-LN blocks leave their sum unnormalised: one LayerNorm after the last
+        final_norm = nn.LayerNorm(d, device=device) if config.pre_norm else None
         # nested tensors would skip padded positions only in eval, changing numerics between modes
-        self.encoder = nn.TransformerEncoder(layer, config.num_layers, enable_nested_tensor=False)
+        self.encoder = nn.TransformerEncoder(layer, config.num_layers, norm=final_norm, enable_nested_tensor=False)
         self.head = nn.Sequential(nn.Linear(d, d, device=device), nn.GELU(), nn.LayerNorm(d, device=device))
         self.bias = nn.Parameter(torch.zeros(num_items, device=device))
 
@@ -109,7 +132,10 @@ class MaskedItemModel(nn.Module):
                 f"MaskedItemModel: a sequence of {longest} items exceeds model.max_len={self.config.max_len}"
             )
         x = jagged_to_padded(jt.values(), lengths, longest)
-        x = x + self.positions.weight[:longest]
+        # positions count back from each sequence's last item: the item evaluation predicts
+        # (a mask after the history) is always position 0, which training masks most often
+        # (mask_last_prob), while counted from the front it would sit past every trained position
+        x = x + self.positions(from_end_positions(lengths, longest))
         x = self.dropout(self.input_norm(x))
         padding = torch.arange(longest, device=x.device)[None, :] >= lengths[:, None]
         return self.encoder(x, src_key_padding_mask=padding)

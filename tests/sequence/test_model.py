@@ -3,13 +3,15 @@ layout, padding independence, and the TT table through the compression policy.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from comera_rec.integration.embedding_collection import TTMEmbeddingCollection
 from comera_rec.sequence.config import SeqModelConfig
-from comera_rec.sequence.model import MaskedItemModel, item_kjt, jagged_to_padded
+from comera_rec.sequence.model import MaskedItemModel, from_end_positions, item_kjt, jagged_to_padded
 
 
 def small(compressed: bool) -> SeqModelConfig:
@@ -66,3 +68,26 @@ def test_tt_table_is_smaller_and_too_long_fails() -> None:
         tt(item_kjt(torch.arange(9), torch.tensor([9])), torch.ones(9, dtype=torch.bool))
     with pytest.raises(ValueError, match="items"):  # an id past the table: the collection names feature and value
         tt(item_kjt(torch.tensor([1, 99999]), torch.tensor([2])), torch.tensor([False, True]))
+
+
+def test_positions_count_back_from_the_last_item() -> None:
+    """Every row's last slot (where evaluation puts the mask) reads position 0, whatever
+    its length: the slot training masks with mask_last_prob. Counted from the front, the
+    mask of a long history sat past every position training had used."""
+    assert from_end_positions(torch.tensor([3, 1, 0]), 3).tolist() == [[2, 1, 0], [0, 0, 0], [0, 0, 0]]
+    model = MaskedItemModel(small(False), num_items=50).eval()
+    seen = []
+    model.positions.register_forward_hook(lambda _m, args, _out: seen.append(args[0].clone()))
+    values = torch.tensor([1, 2, 3, 50, 7, 50])
+    model(item_kjt(values, torch.tensor([4, 2])), values == 50)
+    assert seen[0].tolist() == [[3, 2, 1, 0], [1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_pre_norm_blocks(pre_norm: bool) -> None:
+    model = MaskedItemModel(replace(small(False), pre_norm=pre_norm), num_items=50)
+    assert all(layer.norm_first == pre_norm for layer in model.encoder.layers)
+    assert (model.encoder.norm is not None) == pre_norm  # pre-LN sums end in one more LayerNorm
+    values = torch.tensor([1, 2, 50])
+    model(item_kjt(values, torch.tensor([3])), values == 50).logsumexp(1).sum().backward()
+    assert all(p.grad is not None for p in model.encoder.parameters())
