@@ -167,6 +167,9 @@ def main(argv: Optional[Sequence[str]] = None) -> ServingReport:
     parser.add_argument("--iters", type=int, default=None, help="timed batches per size and process (default 100)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed batches per size first (default 5)")
     parser.add_argument("--rounds", type=int, default=1, help="fresh processes per variant (default 1)")
+    parser.add_argument(
+        "--mlperf", action="store_true", help="MLPerf DLRM-DCNv2 shapes, compressed variants only (dense: 97 GiB)"
+    )
     parser.add_argument("--rank", type=int, default=32, help="TT rank of tables and MLP layers (default 32)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids (default 1.1)")
@@ -183,7 +186,13 @@ def main(argv: Optional[Sequence[str]] = None) -> ServingReport:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} must be at least 1, got {value}")
-    setup = ServingSetup(rounds=args.rounds, rank=args.rank, threads=args.threads, zipf=args.zipf)
+    if args.mlperf and args.quick:
+        parser.error("--mlperf and --quick are different shapes: choose one")
+    if args.mlperf and any(v.startswith("dense") for v in args.variants):
+        if args.variants != list(VARIANTS):
+            parser.error("--mlperf: the dense model's tables need 97 GiB; run --variants tt_eager tt_export")
+        args.variants = [v for v in VARIANTS if v.startswith("tt")]
+    setup = ServingSetup(rounds=args.rounds, rank=args.rank, threads=args.threads, zipf=args.zipf, mlperf=args.mlperf)
     if args.quick:
         setup = replace(setup, quick=True, batch_sizes=(1, 64, 512), iters=10, warmup=2, distinct=2)
     setup = replace(
@@ -195,7 +204,11 @@ def main(argv: Optional[Sequence[str]] = None) -> ServingReport:
         workdir=args.workdir,
         start_method=args.start_method or setup.start_method,
     )
-    shapes = "tiny shapes (--quick)" if setup.quick else f"Criteo Kaggle shapes, rank {setup.rank}"
+    shapes = (
+        "tiny shapes (--quick)"
+        if setup.quick
+        else f"{'MLPerf DLRM-DCNv2' if setup.mlperf else 'Criteo Kaggle'} shapes, rank {setup.rank}"
+    )
     print(
         f"serving: {shapes}, Zipf({setup.zipf}) ids, {setup.threads} thread(s) per process, "
         f"{setup.iters} timed batches per size after {setup.warmup}, {setup.rounds} process(es) per variant",

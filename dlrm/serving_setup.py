@@ -39,6 +39,9 @@ class ServingSetup:
     threads: int = 1
     quick: bool = False
     """Tiny shapes (:data:`TINY_TABLE_SIZES`, dim 8, rank 4)."""
+    mlperf: bool = False
+    """MLPerf DLRM-DCNv2 shapes (``DLRMConfig.mlperf_dcn``: 26 tables of 204M rows in all, dim
+    128, DCN interaction): the compressed variants only, the dense tables needing 97 GiB."""
     workdir: Optional[str] = None
     """Where the model files go; a temporary folder (removed) when ``None``."""
     variants: tuple[str, ...] = field(default=VARIANTS)
@@ -62,8 +65,12 @@ def model_config(kind: str, setup: ServingSetup) -> DLRMConfig:
             rank=4,
             mlp_rank=4,
         )
+    elif setup.mlperf:
+        base = DLRMConfig.mlperf_dcn(rank=setup.rank, mlp_rank=setup.rank)
     else:
         base = DLRMConfig.kaggle(rank=setup.rank, mlp_rank=setup.rank)
+    if setup.mlperf:  # its interaction is the DCN for both kinds
+        return replace(base, compressed=kind != "dense")
     if kind == "dense":
         return replace(base, compressed=False, fused_interaction=False)
     return replace(base, compressed=True, fused_interaction=True)

@@ -39,3 +39,18 @@ def test_quick_run_measures_every_variant(capsys: pytest.CaptureFixture[str]) ->
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(SystemExit):
         serving.main(["--iters", "0"])
+    with pytest.raises(SystemExit):
+        serving.main(["--mlperf", "--quick"])
+    with pytest.raises(SystemExit):  # the dense MLPerf model cannot be built on such a host
+        serving.main(["--mlperf", "--variants", "dense_eager", "tt_eager"])
+
+
+def test_mlperf_shapes_are_compressed_dcn_models() -> None:
+    from comera_rec.dlrm.config import MLPERF_TABLE_SIZES
+    from comera_rec.dlrm.serving_setup import ServingSetup, model_config
+
+    setup = ServingSetup(mlperf=True)
+    tt, dense = model_config("tt", setup), model_config("dense", setup)
+    assert tt.compressed and not dense.compressed
+    assert tt.interaction == dense.interaction == "dcn" and tt.embedding_dim == 128
+    assert list(tt.table_sizes) == list(MLPERF_TABLE_SIZES)
