@@ -41,6 +41,7 @@ from comera_rec.training import BinaryMetrics, IncompatibleCheckpointError, late
 from comera_rec.training.checkpoint import is_complete, restore_local
 from comera_rec.training.dist import is_distributed
 from comera_rec.training.engine import config_differences, state_dict_mismatches
+from comera_rec.utils.host import SERVING_MMAP_THRESHOLD, keep_freed_memory
 from comera_rec.utils.logs import setup_logging
 
 PathLike = Union[str, Path]
@@ -537,6 +538,11 @@ def predict_cli(argv: Optional[Sequence[str]] = None) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The console script ``comera-predict-dlrm``: :func:`predict_cli`, exit status 0 (a
-    console script exits with what ``main`` returns; the result dict would exit 1)."""
+    console script exits with what ``main`` returns; the result dict would exit 1).
+
+    A scoring process of its own, so it also sets malloc for large batches (process-wide:
+    freed blocks up to 256 MiB reused, not page-faulted afresh every batch; see
+    :func:`~comera_rec.utils.host.keep_freed_memory`)."""
+    keep_freed_memory(mmap_threshold_bytes=SERVING_MMAP_THRESHOLD)
     predict_cli(argv)
     return 0

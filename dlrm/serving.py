@@ -170,6 +170,11 @@ def main(argv: Optional[Sequence[str]] = None) -> ServingReport:
     parser.add_argument(
         "--mlperf", action="store_true", help="MLPerf DLRM-DCNv2 shapes, compressed variants only (dense: 97 GiB)"
     )
+    parser.add_argument(
+        "--no-heap-reuse",
+        action="store_true",
+        help="glibc's malloc defaults in the measuring processes (default: freed blocks up to 256 MiB reused)",
+    )
     parser.add_argument("--rank", type=int, default=32, help="TT rank of tables and MLP layers (default 32)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids (default 1.1)")
@@ -192,7 +197,14 @@ def main(argv: Optional[Sequence[str]] = None) -> ServingReport:
         if args.variants != list(VARIANTS):
             parser.error("--mlperf: the dense model's tables need 97 GiB; run --variants tt_eager tt_export")
         args.variants = [v for v in VARIANTS if v.startswith("tt")]
-    setup = ServingSetup(rounds=args.rounds, rank=args.rank, threads=args.threads, zipf=args.zipf, mlperf=args.mlperf)
+    setup = ServingSetup(
+        rounds=args.rounds,
+        rank=args.rank,
+        threads=args.threads,
+        zipf=args.zipf,
+        mlperf=args.mlperf,
+        heap_reuse=not args.no_heap_reuse,
+    )
     if args.quick:
         setup = replace(setup, quick=True, batch_sizes=(1, 64, 512), iters=10, warmup=2, distinct=2)
     setup = replace(
@@ -211,7 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> ServingReport:
     )
     print(
         f"serving: {shapes}, Zipf({setup.zipf}) ids, {setup.threads} thread(s) per process, "
-        f"{setup.iters} timed batches per size after {setup.warmup}, {setup.rounds} process(es) per variant",
+        f"{setup.iters} timed batches per size after {setup.warmup}, {setup.rounds} process(es) per variant, "
+        f"malloc {'reusing freed blocks up to 256 MiB' if setup.heap_reuse else 'defaults (--no-heap-reuse)'}",
         flush=True,
     )
     report = run(setup)

@@ -39,6 +39,11 @@ class ServingSetup:
     threads: int = 1
     quick: bool = False
     """Tiny shapes (:data:`TINY_TABLE_SIZES`, dim 8, rank 4)."""
+    heap_reuse: bool = True
+    """Every measuring process lets glibc malloc keep freed blocks up to 256 MiB for reuse
+    (``keep_freed_memory(mmap_threshold_bytes=SERVING_MMAP_THRESHOLD)``, as predict_dlrm
+    does); ``False``: glibc's defaults, where every batch's activations above its adaptive
+    threshold (at most 32 MiB) are fresh pages."""
     mlperf: bool = False
     """MLPerf DLRM-DCNv2 shapes (``DLRMConfig.mlperf_dcn``: 26 tables of 204M rows in all, dim
     128, DCN interaction): the compressed variants only, the dense tables needing 97 GiB."""

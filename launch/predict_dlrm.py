@@ -12,7 +12,8 @@ The logic lives in dlrm/predict.py; see docs/serving.md.
 
 from __future__ import annotations
 
-from comera_rec.dlrm.predict import predict_cli as main
+from comera_rec.dlrm.predict import main as console_main
+from comera_rec.dlrm.predict import predict_cli as main  # noqa: F401  (in-process callers: the result dict)
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(console_main())  # also sets malloc for scoring (see console_main)

@@ -33,14 +33,24 @@ _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 
-# glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit hosts)
+# glibc's own ceiling for its adaptive mmap threshold (HEAP_MAX_SIZE / 2 on 64-bit hosts),
+# and the most that glibc before 2.26 accepts from mallopt
 _MAX_MMAP_THRESHOLD = 32 * 1024 * 1024
 
+SERVING_MMAP_THRESHOLD = 256 * 1024 * 1024
+"""The mmap threshold for scoring: an MLPerf DLRM-DCNv2 batch of 4096 rows makes
+activations of 56 MiB (4096 x 3456 floats), above the default 32 MiB, each fresh pages
+that fault on every batch (2.8x slower scoring measured, docs/serving.md)."""
 
-def keep_freed_memory(top_pad_bytes: int = 64 * 1024 * 1024, trim_threshold_bytes: int = 1 << 30) -> bool:
-    """Make glibc malloc keep freed blocks up to 32 MiB for reuse (process-wide).
 
-    Blocks up to 32 MiB then come from the heap instead of fresh ``mmap`` pages, and the
+def keep_freed_memory(
+    top_pad_bytes: int = 64 * 1024 * 1024,
+    trim_threshold_bytes: int = 1 << 30,
+    mmap_threshold_bytes: int = _MAX_MMAP_THRESHOLD,
+) -> bool:
+    """Make glibc malloc keep freed blocks up to ``mmap_threshold_bytes`` for reuse (process-wide).
+
+    Blocks up to that size then come from the heap instead of fresh ``mmap`` pages, and the
     heap is not trimmed back to the kernel until ``trim_threshold_bytes`` lie free at its
     top. Peak RSS is unchanged (the same blocks are reused); steady-state RSS stays at
     the peak instead of falling between steps.
@@ -48,6 +58,9 @@ def keep_freed_memory(top_pad_bytes: int = 64 * 1024 * 1024, trim_threshold_byte
     Args:
         top_pad_bytes: extra bytes requested whenever the heap grows.
         trim_threshold_bytes: free bytes at the heap top before malloc returns them.
+        mmap_threshold_bytes: blocks up to this size come from the heap (32 MiB: the
+            trainer's; :data:`SERVING_MMAP_THRESHOLD` for scoring large batches). A C
+            library that refuses more than 32 MiB gets 32 MiB.
 
     Returns:
         ``True`` when the settings were applied; ``False`` on a C library without
@@ -67,11 +80,14 @@ def keep_freed_memory(top_pad_bytes: int = 64 * 1024 * 1024, trim_threshold_byte
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
+    threshold = min(mmap_threshold_bytes, 2**31 - 1)
+    if not mallopt(_M_MMAP_THRESHOLD, threshold):
+        threshold = _MAX_MMAP_THRESHOLD
     ok = all(
         mallopt(param, value)
         for param, value in (
-            (_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD),
-            (_M_TRIM_THRESHOLD, min(trim_threshold_bytes, 2**31 - 1)),
+            (_M_MMAP_THRESHOLD, threshold),
+            (_M_TRIM_THRESHOLD, min(max(trim_threshold_bytes, threshold), 2**31 - 1)),
             (_M_TOP_PAD, min(top_pad_bytes, 2**31 - 1)),
         )
     )

@@ -68,3 +68,34 @@ def test_freeze_live_objects_hides_what_lives_and_collects_later_garbage():
     assert frozen > 1000 and listed < frozen  # the interpreter's and torch's objects, hidden
     assert found >= 2  # the later cycle's two objects
     assert after_unfreeze == 0
+
+
+LARGE_PROBE = textwrap.dedent(
+    """
+    import torch
+    from comera_rec.utils.host import SERVING_MMAP_THRESHOLD, keep_freed_memory, minor_page_faults
+
+    def faults_per_round():
+        start = minor_page_faults()
+        for _ in range(5):
+            buffers = [torch.ones(4096, 3456) for _ in range(2)]  # 2 x 54 MiB: MLPerf-batch activations
+            del buffers
+        return (minor_page_faults() - start) / 5
+
+    keep_freed_memory()  # the trainer's 32 MiB: these blocks still come from mmap
+    before = faults_per_round()
+    applied = keep_freed_memory(mmap_threshold_bytes=SERVING_MMAP_THRESHOLD)
+    faults_per_round()  # the heap grows to hold them once
+    after = faults_per_round()
+    print(applied, before, after)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+def test_serving_threshold_reuses_blocks_above_32_mib():
+    out = subprocess.run([sys.executable, "-c", LARGE_PROBE], capture_output=True, text=True, check=True).stdout.split()
+    applied, before, after = out[0] == "True", float(out[1]), float(out[2])
+    assert applied
+    assert before > 10000, f"expected 108 MiB of fresh pages a round, got {before} faults"
+    assert after < before / 4, f"page faults per round: {before} before, {after} after"
