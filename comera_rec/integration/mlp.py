@@ -174,7 +174,10 @@ class TTLowRankCrossNet(InitOnMaterialize):
         x0 = input
         x = x0
         for v, w, b in zip(self.V, self.W, self.bias):
-            x = x0 * (w(v(x)) + b) + x
+            y = w(v(x))
+            # x0 * (y + b) + x in two passes over (B, N), not three; scoring adds b in place
+            y = y + b if torch.is_grad_enabled() else y.add_(b)
+            x = torch.addcmul(x, x0, y)
         return x
 
     @classmethod
