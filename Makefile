@@ -29,7 +29,7 @@ bench-tensor: $(STAMP)
 # loadgroup's xdist_group marks are ignored under pytest 9). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20 $(ARGS)
 
 # on a CUDA machine: versions, GPUs, the GPU tests, a short DLRM benchmark, one table (docs/gpu.md); on CPU one line, exit 0
 gpu-check: $(STAMP)
