@@ -126,7 +126,7 @@ class DerivedCache:
         ...     return w * 2
         >>> with torch.no_grad(), cached_weights():
         ...     _ = cache.get([w], double); _ = cache.get([w], double)
-        ...     w.add_(1)  # an in-place write: computed again
+        ...     _ = w.add_(1)  # an in-place write: computed again
         ...     _ = cache.get([w], double)
         >>> len(calls)
         2
@@ -180,27 +180,30 @@ class DerivedCaches:
             raise ValueError(f"DerivedCaches: slots must be positive, got {slots}")
         self.slots = slots
         self._entries: list[tuple[tuple, object]] = []
+        self._lock = threading.Lock()  # shared by every thread that scores
 
     def get(self, sources: Sequence[torch.Tensor], compute: Callable[[], _V]) -> _V:
         """``compute()``, or the value it gave for the same, unmodified ``sources``."""
         if not cache_applies(sources):
             return compute()
         key = _fingerprint(sources)
-        for i, (kept, value) in enumerate(self._entries):
-            if _same(kept, key):
-                self._entries.append(self._entries.pop(i))  # most recently used last
-                return value  # type: ignore[return-value]
-        # entries whose sources are gone can never match again
-        self._entries = [e for e in self._entries if all(x[0]() is not None for x in e[0][:-1])]
-        value = compute()
-        self._entries.append((key, value))
-        del self._entries[: -self.slots]
+        with self._lock:
+            for i, (kept, value) in enumerate(self._entries):
+                if _same(kept, key):
+                    self._entries.append(self._entries.pop(i))  # most recently used last
+                    return value  # type: ignore[return-value]
+            # entries whose sources are gone can never match again
+            self._entries = [e for e in self._entries if all(x[0]() is not None for x in e[0][:-1])]
+            value = compute()
+            self._entries.append((key, value))
+            del self._entries[: -self.slots]
         _note_filled(self)
         return value
 
     def clear(self) -> None:
         """Drop every kept value."""
-        self._entries.clear()
+        with self._lock:
+            self._entries.clear()
 
 
 def derived_cache(module: torch.nn.Module, name: str) -> DerivedCache:

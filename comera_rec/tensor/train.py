@@ -289,7 +289,8 @@ class TensorTrainModule(InitOnMaterialize):
         Without gradients the result is kept until a core or controller changes
         (:class:`~comera_rec.tensor.derived.DerivedCache`), so scoring does not fold the
         controllers again on every batch."""
-        return derived_cache(self, "scaled_cores").get([*self.cores, *self.controllers], self._fold_controllers)
+        # a copy of the kept list: a caller may change its own
+        return list(derived_cache(self, "scaled_cores").get([*self.cores, *self.controllers], self._fold_controllers))
 
     def _fold_controllers(self) -> list[torch.Tensor]:
         out = list(self.cores)
