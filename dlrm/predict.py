@@ -520,20 +520,17 @@ def predict_cli(argv: Optional[Sequence[str]] = None) -> dict:
         device=args.device,
         progress=not args.no_progress and int(os.environ.get("RANK", "0")) == 0,
     )
+    summary = {"rows": result.rows, "out": str(result.out), "checkpoint": str(result.checkpoint)}
+    summary.update(result.metrics or {})
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: process 0 reports for all
-        return {
-            "rows": result.rows,
-            "out": str(result.out),
-            "checkpoint": str(result.checkpoint),
-            **(result.metrics or {}),
-        }
+        return summary
     print(f"checkpoint {result.checkpoint}: scored {result.rows} rows into {result.out}")
     if result.metrics is not None:
         print(
             f"AUC {result.metrics['auc']:.10f}  log loss {result.metrics['log_loss']:.10f}  "
             f"accuracy {result.metrics['accuracy']:.6f}"
         )
-    return {"rows": result.rows, "out": str(result.out), "checkpoint": str(result.checkpoint), **(result.metrics or {})}
+    return summary
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -23,7 +23,7 @@ from comera_rec.dlrm.model import build_dlrm
 from comera_rec.dlrm.serving_setup import INPUTS, ServingSetup, batches, model_config, paths
 from comera_rec.tensor import cached_weights
 from comera_rec.utils.benchmark import current_rss_bytes, peak_rss_bytes
-from comera_rec.utils.host import SERVING_MMAP_THRESHOLD, keep_freed_memory
+from comera_rec.utils.host import SERVING_MMAP_THRESHOLD, freed_memory_environment, keep_freed_memory
 from comera_rec.utils.logs import quiet_foreign_notices
 
 
@@ -223,7 +223,7 @@ def measure_exported(variant: str, setup: ServingSetup) -> dict:
     }
     env = dict(os.environ)
     if setup.heap_reuse:  # keep_freed_memory's settings, by glibc's environment tunables (no import)
-        env.update(heap_reuse_environment())
+        env.update(freed_memory_environment(SERVING_MMAP_THRESHOLD))
     done = subprocess.run(
         [sys.executable, "-c", _SERVE_EXPORTED, json.dumps(args)],
         capture_output=True,
@@ -238,16 +238,6 @@ def measure_exported(variant: str, setup: ServingSetup) -> dict:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["batch"] = {int(b): v for b, v in result["batch"].items()}  # JSON keys are strings
     return result
-
-
-def heap_reuse_environment() -> dict[str, str]:
-    """glibc's environment tunables with :func:`~comera_rec.utils.host.keep_freed_memory`'s
-    serving settings, for a process that should not import comera-rec."""
-    return {
-        "MALLOC_MMAP_THRESHOLD_": str(SERVING_MMAP_THRESHOLD),
-        "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-        "MALLOC_TOP_PAD_": str(64 * 1024 * 1024),
-    }
 
 
 def _quantile(values: Sequence[float], q: float) -> float:

@@ -92,9 +92,9 @@ def _capturing() -> bool:
 
 def cache_applies(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether a value derived from ``tensors`` may be kept: inside :func:`cached_weights`,
-    gradients off, no tracing, compiling or CUDA graph capture, plain (not meta, not subclassed) tensors, and no parameter made under
-    ``torch.inference_mode`` (its in-place writes would go unseen: such tensors keep no
-    version counter)."""
+    gradients off, no tracing, compiling or CUDA graph capture, plain (not meta, not
+    subclassed) tensors, and no parameter made under ``torch.inference_mode`` (its in-place
+    writes would go unseen: such tensors keep no version counter)."""
     return (
         _SCOPE.depth > 0
         and not torch.is_grad_enabled()

@@ -37,15 +37,18 @@ _M_MMAP_THRESHOLD = -3
 # and the most that glibc before 2.26 accepts from mallopt
 _MAX_MMAP_THRESHOLD = 32 * 1024 * 1024
 
+_TOP_PAD = 64 * 1024 * 1024
+_TRIM_THRESHOLD = 1 << 30
+
 SERVING_MMAP_THRESHOLD = 256 * 1024 * 1024
 """The mmap threshold for scoring: an MLPerf DLRM-DCNv2 batch of 4096 rows makes
-activations of 56 MiB (4096 x 3456 floats), above the default 32 MiB, each fresh pages
+activations of 54 MiB (4096 x 3456 floats), above the default 32 MiB, each fresh pages
 that fault on every batch (2.8x slower scoring measured, docs/serving.md)."""
 
 
 def keep_freed_memory(
-    top_pad_bytes: int = 64 * 1024 * 1024,
-    trim_threshold_bytes: int = 1 << 30,
+    top_pad_bytes: int = _TOP_PAD,
+    trim_threshold_bytes: int = _TRIM_THRESHOLD,
     mmap_threshold_bytes: int = _MAX_MMAP_THRESHOLD,
 ) -> bool:
     """Make glibc malloc keep freed blocks up to ``mmap_threshold_bytes`` for reuse (process-wide).
@@ -94,6 +97,22 @@ def keep_freed_memory(
     if not ok:
         logger.warning("keep_freed_memory: mallopt refused a setting; allocator partly unchanged")
     return ok
+
+
+def freed_memory_environment(mmap_threshold_bytes: int = _MAX_MMAP_THRESHOLD) -> dict[str, str]:
+    """:func:`keep_freed_memory`'s settings as glibc's environment tunables, for a child
+    process that should not import comera-rec (it reads them at start).
+
+    Example::
+
+        >>> freed_memory_environment(SERVING_MMAP_THRESHOLD)["MALLOC_MMAP_THRESHOLD_"]
+        '268435456'
+    """
+    return {
+        "MALLOC_MMAP_THRESHOLD_": str(mmap_threshold_bytes),
+        "MALLOC_TRIM_THRESHOLD_": str(max(_TRIM_THRESHOLD, mmap_threshold_bytes)),
+        "MALLOC_TOP_PAD_": str(_TOP_PAD),
+    }
 
 
 def freeze_live_objects() -> int:
