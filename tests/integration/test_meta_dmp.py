@@ -203,6 +203,28 @@ def test_ttm_collection_on_meta_trains_under_stock_dmp(gloo) -> None:
     del wrapped, optimizer
 
 
+def test_scoring_under_cached_weights_follows_training_under_stock_dmp(gloo) -> None:
+    """A user's loop: meta tables, stock DMP, train steps with their optimiser, scoring in
+    between inside ``inference_mode`` and ``cached_weights``: the scores equal the ones
+    made without kept values, step after step (nothing stale survives an update)."""
+    torch.manual_seed(0)
+    collection = TTMEmbeddingBagCollection(tables(), policy(), device="meta")
+    wrapped = stock_dmp(_Head(collection, 40))
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.5)
+    features = kjt(batch=8)
+    with comera_rec.cached_weights():
+        for _ in range(3):
+            with torch.inference_mode():
+                kept = [collection(features).values() for _ in range(2)]  # the second from kept values
+            fresh = collection(features).values().detach()  # gradients on: nothing kept is used
+            torch.testing.assert_close(kept[0], fresh, rtol=0, atol=0)
+            torch.testing.assert_close(kept[1], fresh, rtol=0, atol=0)
+            wrapped(features).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    del wrapped, optimizer
+
+
 def test_all_compressed_collection_on_meta_equals_cpu_build(gloo) -> None:
     # no dense table: DMP shards nothing and draws nothing before initialising the TT
     # tables, so they get the very values of a build on the CPU under the same seed
