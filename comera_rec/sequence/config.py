@@ -128,6 +128,9 @@ class SeqDataConfig:
     """Synthetic: successors of each item (their probabilities fall as 1, 1/2, 1/3, ...)."""
     noise: float = 0.1
     """Synthetic: probability that the next item is uniform over all items instead of a successor."""
+    clusters: int = 0
+    """Synthetic: 0 draws every item's successors on its own; N > 0 puts the items in N hidden
+    groups sharing their successors (a low-rank next-item matrix, like a catalogue's categories)."""
     generator_seed: int = 0
     """Synthetic: seed of the chain and the sessions."""
     batch_size: int = 128
@@ -157,6 +160,14 @@ class SeqDataConfig:
         if self.min_length < 3 or self.max_length < self.min_length:
             raise ValueError(
                 f"SeqDataConfig: need 3 <= min_length <= max_length, got {self.min_length} and {self.max_length}"
+            )
+        if (
+            isinstance(self.clusters, bool)
+            or not isinstance(self.clusters, int)
+            or not 0 <= self.clusters <= self.num_items
+        ):
+            raise ValueError(
+                f"SeqDataConfig.clusters must be in [0, num_items={self.num_items}], got {self.clusters!r}"
             )
         if self.branching > self.num_items:
             raise ValueError(f"SeqDataConfig.branching={self.branching} exceeds num_items={self.num_items}")

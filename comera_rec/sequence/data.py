@@ -85,6 +85,26 @@ class MarkovChain:
         weights = 1.0 / np.arange(1, branching + 1)
         return cls(successors.astype(np.int64), weights / weights.sum(), float(noise))
 
+    @classmethod
+    def clustered(cls, num_items: int, branching: int, noise: float, clusters: int, seed: int) -> "MarkovChain":
+        """Items in ``clusters`` hidden groups of about equal size (random ids, not ranges):
+        every item of a group has the group's successors. The chain's rows then take at most
+        ``clusters`` distinct values (a low-rank next-item matrix, as in catalogues whose
+        items share categories), while each group's successors are still drawn uniformly.
+
+        Example::
+
+            >>> chain = MarkovChain.clustered(100, branching=4, noise=0.1, clusters=10, seed=0)
+            >>> len(np.unique(chain.successors, axis=0))
+            10
+        """
+        if not 1 <= clusters <= num_items:
+            raise ValueError(f"MarkovChain.clustered: clusters={clusters} outside [1, num_items={num_items}]")
+        group_chain = cls.random(num_items, branching, noise, seed)  # row g: group g's successors
+        rng = np.random.default_rng(seed + 1)
+        group_of_item = rng.permutation(num_items) % clusters
+        return cls(group_chain.successors[:clusters][group_of_item], group_chain.weights, float(noise))
+
     @property
     def num_items(self) -> int:
         return self.successors.shape[0]
@@ -141,6 +161,7 @@ def markov_sessions(
     max_length: int = 30,
     branching: int = 4,
     noise: float = 0.1,
+    clusters: int = 0,
     seed: int = 0,
 ) -> tuple[Sequences, MarkovChain]:
     """Synthetic sessions with a learnable signal and a known best next-item hit rate.
@@ -151,6 +172,9 @@ def markov_sessions(
         min_length, max_length: session lengths (uniform).
         branching: successors per item.
         noise: chance of a uniform jump.
+        clusters: ``0``: every item's successors drawn on their own
+            (:meth:`MarkovChain.random`); else items in this many hidden groups sharing their
+            successors (:meth:`MarkovChain.clustered`).
         seed: seed of the chain and the sessions (the same seed gives the same data).
 
     Returns:
@@ -162,7 +186,11 @@ def markov_sessions(
         >>> len(seqs), round(chain.best_hit_rate(1), 3)
         (100, 0.434)
     """
-    chain = MarkovChain.random(num_items, branching, noise, seed)
+    chain = (
+        MarkovChain.clustered(num_items, branching, noise, clusters, seed)
+        if clusters
+        else MarkovChain.random(num_items, branching, noise, seed)
+    )
     return chain.sample(num_sessions, min_length, max_length, seed + 1), chain
 
 

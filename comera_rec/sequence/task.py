@@ -150,6 +150,7 @@ def load_splits(data: SeqDataConfig) -> tuple[SequenceSplits, Optional[MarkovCha
             max_length=data.max_length,
             branching=data.branching,
             noise=data.noise,
+            clusters=data.clusters,
             seed=data.generator_seed,
         )
         return leave_one_out(seqs, data.num_items), chain

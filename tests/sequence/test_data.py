@@ -1,6 +1,7 @@
 """The sequence data: the synthetic generator (determinism, its known best hit rate checked
 against the dense transition matrix and by simulation), the leave-one-out split, the
-batches, and the interaction-file reader (CSV, TSV without header, Parquet, bad lines)."""
+batches, the interaction-file reader (CSV, TSV without header, Parquet, bad lines), and the
+clustered chain (groups sharing successors)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from comera_rec.sequence.config import SeqDataConfig
 from comera_rec.sequence.data import (
     MarkovChain,
     Sequences,
@@ -18,6 +20,7 @@ from comera_rec.sequence.data import (
     training_batches,
 )
 from comera_rec.sequence.metrics import RankingMetrics
+from comera_rec.sequence.task import load_splits
 
 
 def test_generator_is_deterministic_and_seeded() -> None:
@@ -41,6 +44,37 @@ def test_sessions_follow_the_chain() -> None:
     empirical = counts / counts.sum(1, keepdims=True)
     expected = chain.probabilities(torch.arange(20)).numpy()
     assert np.abs(empirical - expected).max() < 0.03
+
+
+def test_clustered_chain_shares_successors_within_hidden_groups() -> None:
+    """Items of a group have the group's successors, groups are about equal and spread over
+    the ids (not ranges), the next-item matrix has rank <= groups + 1 (the groups' rows plus
+    the noise floor), and sessions drawn from it follow it."""
+    chain = MarkovChain.clustered(60, branching=4, noise=0.1, clusters=6, seed=2)
+    rows, group_of_item = np.unique(chain.successors, axis=0, return_inverse=True)
+    assert len(rows) == 6 and sorted(np.bincount(group_of_item.ravel()).tolist()) == [10] * 6
+    assert all(len(set(r.tolist())) == 4 for r in rows)
+    assert any(len(set(group_of_item.ravel()[g * 10 : g * 10 + 10].tolist())) > 1 for g in range(6))
+    probs = chain.probabilities(torch.arange(60))
+    assert int(torch.linalg.matrix_rank(probs)) <= 7
+    assert chain.best_hit_rate(10) == pytest.approx(float(probs.topk(10, dim=1).values.sum(1).mean()), abs=1e-12)
+
+    seqs, drawn = markov_sessions(3000, 30, min_length=20, max_length=20, noise=0.2, clusters=3, seed=0)
+    assert len(np.unique(drawn.successors, axis=0)) == 3
+    prev = np.concatenate([seqs[i][:-1] for i in range(len(seqs))])
+    nxt = np.concatenate([seqs[i][1:] for i in range(len(seqs))])
+    counts = np.zeros((30, 30))
+    np.add.at(counts, (prev, nxt), 1)
+    empirical = counts / np.maximum(counts.sum(1, keepdims=True), 1)
+    assert np.abs(empirical - drawn.probabilities(torch.arange(30)).numpy()).max() < 0.05
+    with pytest.raises(ValueError, match="clusters=0"):
+        MarkovChain.clustered(60, branching=4, noise=0.1, clusters=0, seed=0)
+    for bad in (-1, 61, True):
+        with pytest.raises(ValueError, match="SeqDataConfig.clusters"):
+            SeqDataConfig(num_items=60, clusters=bad)
+    # the run's data: the config's groups reach the chain the splits come from
+    _, run_chain = load_splits(SeqDataConfig(num_users=50, num_items=60, clusters=6))
+    assert len(np.unique(run_chain.successors, axis=0)) == 6
 
 
 @pytest.mark.parametrize("k", [1, 3, 10])

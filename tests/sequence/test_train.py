@@ -22,6 +22,7 @@ TINY = [
     "model.max_len=12",
     "model.rank=8",
     "data.num_items=50",
+    "data.clusters=0",
     "data.num_users=2000",
     "data.min_length=8",
     "data.max_length=12",
