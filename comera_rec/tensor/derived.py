@@ -110,12 +110,75 @@ def cache_applies(tensors: Sequence[torch.Tensor]) -> bool:
     )
 
 
-class DerivedCache:
-    """One value derived from some tensors, computed again only when one of them changed.
+class DerivedCaches:
+    """Values derived from sets of tensors, each computed again only when one of its
+    tensors changed; the last ``slots`` sets used are kept (least recently used out).
 
     Where :func:`cache_applies` does not hold (outside :func:`cached_weights`, gradients
-    on, tracing) it computes every time and keeps nothing. Copies and pickles of a module
-    holding it start empty.
+    on, tracing) it computes every time and keeps nothing. Copies and pickles start empty.
+    For callers without a module to hold a :class:`DerivedCache`.
+
+    Example::
+
+        >>> a, b = torch.ones(2), torch.zeros(2)
+        >>> caches = DerivedCaches(slots=2)
+        >>> with torch.no_grad(), cached_weights():
+        ...     first = caches.get([a], lambda: a + 1)
+        ...     _ = caches.get([b], lambda: b + 1)
+        ...     caches.get([a], lambda: a + 2) is first
+        True
+    """
+
+    def __init__(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"{type(self).__name__}: slots must be positive, got {slots}")
+        self.__setstate__({"slots": slots})
+
+    def get(self, sources: Sequence[torch.Tensor], compute: Callable[[], _V]) -> _V:
+        """``compute()``, or the value it gave for the same, unmodified ``sources``."""
+        if not cache_applies(sources):
+            return compute()
+        key = _fingerprint(sources)
+        with self._lock:  # shared by every thread that scores
+            for i, (kept, value) in enumerate(self._entries):
+                if _same(kept, key):
+                    self._entries.append(self._entries.pop(i))  # most recently used last
+                    return value  # type: ignore[return-value]
+            # entries whose sources are gone can never match again; the least recently
+            # used goes before the new value is made, so at most `slots` are ever held
+            self._entries = [e for e in self._entries if all(x[0]() is not None for x in e[0][:-1])]
+            del self._entries[: len(self._entries) - self.slots + 1]
+            value = compute()
+            self._entries.append((key, value))
+        _note_filled(self)
+        return value
+
+    def clear(self) -> None:
+        """Drop every kept value."""
+        with self._lock:
+            self._entries.clear()
+
+    def is_empty(self) -> bool:
+        """Whether nothing is kept."""
+        return not self._entries
+
+    def __getstate__(self) -> dict:
+        return {"slots": self.slots}  # copies and pickles keep no values
+
+    def __setstate__(self, state: dict) -> None:
+        self.slots = state["slots"]
+        self._entries: list[tuple[tuple, object]] = []
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo: dict) -> "DerivedCaches":
+        copy = object.__new__(type(self))
+        copy.__setstate__(self.__getstate__())
+        return copy
+
+
+class DerivedCache(DerivedCaches):
+    """One value derived from some tensors (a :class:`DerivedCaches` of one slot), held by
+    a module (:func:`derived_cache`).
 
     Example::
 
@@ -133,77 +196,7 @@ class DerivedCache:
     """
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._value: object = None
-
-    def get(self, sources: Sequence[torch.Tensor], compute: Callable[[], _V]) -> _V:
-        """``compute()``, or the value it gave for the same, unmodified ``sources``."""
-        if not cache_applies(sources):
-            return compute()
-        key = _fingerprint(sources)
-        if self._key is not None and _same(self._key, key):
-            return self._value  # type: ignore[return-value]
-        self.clear()  # the stale value goes before the new one is made
-        value = compute()
-        self._key, self._value = key, value
-        _note_filled(self)
-        return value
-
-    def clear(self) -> None:
-        """Drop the kept value."""
-        self._key, self._value = None, None
-
-    def __deepcopy__(self, memo: dict) -> "DerivedCache":
-        return DerivedCache()
-
-    def __getstate__(self) -> dict:
-        return {"_key": None, "_value": None}
-
-
-class DerivedCaches:
-    """Values derived from several sets of tensors, for callers without a module to hold a
-    :class:`DerivedCache`: the last ``slots`` sets used are kept (least recently used out).
-
-    Example::
-
-        >>> a, b = torch.ones(2), torch.zeros(2)
-        >>> caches = DerivedCaches(slots=2)
-        >>> with torch.no_grad(), cached_weights():
-        ...     first = caches.get([a], lambda: a + 1)
-        ...     _ = caches.get([b], lambda: b + 1)
-        ...     caches.get([a], lambda: a + 2) is first
-        True
-    """
-
-    def __init__(self, slots: int) -> None:
-        if slots < 1:
-            raise ValueError(f"DerivedCaches: slots must be positive, got {slots}")
-        self.slots = slots
-        self._entries: list[tuple[tuple, object]] = []
-        self._lock = threading.Lock()  # shared by every thread that scores
-
-    def get(self, sources: Sequence[torch.Tensor], compute: Callable[[], _V]) -> _V:
-        """``compute()``, or the value it gave for the same, unmodified ``sources``."""
-        if not cache_applies(sources):
-            return compute()
-        key = _fingerprint(sources)
-        with self._lock:
-            for i, (kept, value) in enumerate(self._entries):
-                if _same(kept, key):
-                    self._entries.append(self._entries.pop(i))  # most recently used last
-                    return value  # type: ignore[return-value]
-            # entries whose sources are gone can never match again
-            self._entries = [e for e in self._entries if all(x[0]() is not None for x in e[0][:-1])]
-            value = compute()
-            self._entries.append((key, value))
-            del self._entries[: -self.slots]
-        _note_filled(self)
-        return value
-
-    def clear(self) -> None:
-        """Drop every kept value."""
-        with self._lock:
-            self._entries.clear()
+        super().__init__(slots=1)
 
 
 def derived_cache(module: torch.nn.Module, name: str) -> DerivedCache:

@@ -70,8 +70,8 @@ def test_leaving_the_outermost_scope_drops_kept_values():
             with cached_weights():
                 cache.get([w], lambda: w + 1)
                 caches.get([w], lambda: w + 1)
-            assert cache._key is not None and caches._entries  # the inner exit keeps them
-        assert cache._key is None and not caches._entries
+            assert not cache.is_empty() and not caches.is_empty()  # the inner exit keeps them
+        assert cache.is_empty() and caches.is_empty()
 
 
 def test_inference_mode_values_are_not_reused_outside_it():
@@ -90,9 +90,9 @@ def test_copies_and_pickles_start_empty():
     layer = TTLinear(8, 6, rank=2, shape=((2, 4), (2, 3)))
     with torch.no_grad(), cached_weights():
         layer.scaled_cores()
-        assert derived_cache(layer, "scaled_cores")._key is not None
+        assert not derived_cache(layer, "scaled_cores").is_empty()
         for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
-            assert derived_cache(clone, "scaled_cores")._key is None
+            assert derived_cache(clone, "scaled_cores").is_empty()
             x = torch.randn(3, 8)
             torch.testing.assert_close(clone(x), layer(x), rtol=0, atol=0)
 
@@ -176,7 +176,7 @@ def test_stacked_lookup_scoring_follows_training(rows, cols):
             with torch.inference_mode():
                 first = stack(ids, offsets, trains)
                 again = stack(ids, offsets, trains)  # from the kept cores and layouts
-                assert derived_cache(stack, "scaled_cores")._key is not None
+                assert not derived_cache(stack, "scaled_cores").is_empty()
             torch.testing.assert_close(first, reference().detach())
             torch.testing.assert_close(again, first, rtol=0, atol=0)
             _train_step(stack, lambda: stack(ids, offsets, trains).square().sum())
