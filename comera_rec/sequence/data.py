@@ -49,6 +49,13 @@ __all__ = [
 # ----------------------------------------------------------------------------- synthetic sessions
 
 
+def _distinct_successors(rows: int, num_items: int, branching: int, rng: np.random.Generator) -> np.ndarray:
+    """``(rows, branching)`` int64: each row ``branching`` distinct items drawn uniformly."""
+    if num_items <= 4096:  # one shuffle per row, drawn at once
+        return np.argsort(rng.random((rows, num_items)), axis=1)[:, :branching].astype(np.int64)
+    return np.stack([rng.choice(num_items, branching, replace=False) for _ in range(rows)]).astype(np.int64)
+
+
 @dataclass
 class MarkovChain:
     """A first-order Markov chain over ``num_items`` items.
@@ -76,14 +83,9 @@ class MarkovChain:
     @classmethod
     def random(cls, num_items: int, branching: int, noise: float, seed: int) -> "MarkovChain":
         """Successors drawn uniformly (distinct per item); weights proportional to 1, 1/2, ..., 1/b."""
-        rng = np.random.default_rng(seed)
-        successors = (
-            np.argsort(rng.random((num_items, num_items)), axis=1)[:, :branching]
-            if num_items <= 4096
-            else (np.stack([rng.choice(num_items, branching, replace=False) for _ in range(num_items)]))
-        )
+        successors = _distinct_successors(num_items, num_items, branching, np.random.default_rng(seed))
         weights = 1.0 / np.arange(1, branching + 1)
-        return cls(successors.astype(np.int64), weights / weights.sum(), float(noise))
+        return cls(successors, weights / weights.sum(), float(noise))
 
     @classmethod
     def clustered(cls, num_items: int, branching: int, noise: float, clusters: int, seed: int) -> "MarkovChain":
@@ -100,10 +102,11 @@ class MarkovChain:
         """
         if not 1 <= clusters <= num_items:
             raise ValueError(f"MarkovChain.clustered: clusters={clusters} outside [1, num_items={num_items}]")
-        group_chain = cls.random(num_items, branching, noise, seed)  # row g: group g's successors
-        rng = np.random.default_rng(seed + 1)
-        group_of_item = rng.permutation(num_items) % clusters
-        return cls(group_chain.successors[:clusters][group_of_item], group_chain.weights, float(noise))
+        # row g: group g's successors, drawn as the first `clusters` rows of random()'s
+        group_successors = _distinct_successors(clusters, num_items, branching, np.random.default_rng(seed))
+        group_of_item = np.random.default_rng(seed + 1).permutation(num_items) % clusters
+        weights = 1.0 / np.arange(1, branching + 1)
+        return cls(group_successors[group_of_item], weights / weights.sum(), float(noise))
 
     @property
     def num_items(self) -> int:
