@@ -11,7 +11,7 @@ the checks of its input are in :mod:`~comera_rec.integration.collection_layout`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -228,6 +228,27 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         """
         return single_lookup(self.dense, self._dense_features)
 
+    def _plain_dense_pooled(
+        self, stream: Callable[[str], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    ) -> list[torch.Tensor]:
+        """The dense tables' pooled ``(B, D)`` bags, one per (table, feature) in the order of
+        the dense child's output, each by its ``nn.EmbeddingBag`` called as TorchRec's
+        ``EmbeddingBagCollection.forward`` calls it, on ``stream(feature)``'s slices.
+
+        For a plain (unsharded, unfused) child: its forward would split the KJT into one
+        JaggedTensor per feature and concatenate the outputs again, most of a scoring
+        batch's time at a few rows.
+        """
+        assert self.dense is not None
+        pieces: list[torch.Tensor] = []
+        for config, bag in zip(self.dense.embedding_bag_configs(), self.dense.embedding_bags.values()):
+            for feature in config.feature_names:
+                ids, lengths, weights = stream(feature)
+                offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+                pooled = bag(input=ids, offsets=offsets, per_sample_weights=weights if self._is_weighted else None)
+                pieces.append(pooled.float())
+        return pieces
+
     def _stream_constants_on(self, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(table index (S,), is mean (S,))`` of the group's streams on ``device``.
 
@@ -338,11 +359,16 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
                 pooled_tt.append(out.view(len(streams), batch, -1).unbind(0))
 
         dense_parts: list[torch.Tensor] = []
+        dense_pieces: list[torch.Tensor] | None = None  # the plain EBC's outputs, one per (table, feature)
         if dense_out is not None:
             kt = dense_out
             if not isinstance(kt, KeyedTensor) and hasattr(kt, "wait"):
                 kt = kt.wait()  # sharded under DMP: an awaitable KeyedTensor
             dense_values = kt.values()  # type: ignore[attr-defined]
+        elif type(self.dense) is EmbeddingBagCollection and by_blocks:
+            # a plain, unsharded EBC: its bags called on this collection's own slices, each
+            # (B, D) output a source of the gather below (no KJT split, no concatenation)
+            dense_pieces = self._plain_dense_pooled(stream)
         elif self.dense is not None:
             parts = [stream(f) for f in self._dense_features]
             lookup = self._direct_dense_lookup()
@@ -364,7 +390,7 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
                 if not isinstance(kt, KeyedTensor) and hasattr(kt, "wait"):
                     kt = kt.wait()
                 dense_values = kt.values()
-        if self.dense is not None:
+        if self.dense is not None and dense_pieces is None:
             if by_blocks:
                 sources.insert(0, dense_values)
             else:
@@ -372,6 +398,10 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
 
         if by_blocks:
             blocks = layout.column_blocks(self.dense is not None)
+            if dense_pieces is not None:  # source 0's block at column c is piece c / D, from column 0
+                dim = layout.lengths_per_embedding[0]
+                blocks = [(col // dim, 0) if s == 0 else (s + len(dense_pieces) - 1, col) for s, col in blocks]
+                sources[:0] = dense_pieces
             out_values = kernels.gather_column_blocks(
                 [v.float() for v in sources], blocks, layout.lengths_per_embedding[0]
             )

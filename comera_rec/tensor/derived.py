@@ -162,6 +162,10 @@ class DerivedCaches:
         """Whether nothing is kept."""
         return not self._entries
 
+    def __len__(self) -> int:
+        """How many values are kept."""
+        return len(self._entries)
+
     def __getstate__(self) -> dict:
         return {"slots": self.slots}  # copies and pickles keep no values
 

@@ -243,3 +243,32 @@ def test_dense_tables_called_directly_equal_the_fused_collection(weighted: bool,
         for name in ("b", "c"):
             assert not torch.equal(direct.table_weight(name), before[name])  # the update happened
             assert same(direct.table_weight(name), wrapped.table_weight(name))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_plain_dense_tables_called_one_by_one_equal_torchrec(weighted: bool, lookup_path: str) -> None:
+    # two plain dense tables, one read by two features, mean and sum pooling (weighted bags:
+    # sum only): with the kernels on, each nn.EmbeddingBag is called on the collection's own
+    # slices and its output gathered directly; values and gradients as TorchRec's EBC gives
+    pooling = PoolingType.SUM if weighted else PoolingType.MEAN
+    configs = [
+        EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=100, feature_names=["f1"]),
+        EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=90, feature_names=["f0", "f2"], pooling=pooling),
+        EmbeddingBagConfig(name="e", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
+    ]
+    pol = CompressionPolicy(rank=4, min_rows_to_compress=95, min_params_to_compress=0, min_gain=0.0)
+    ttm = TTMEmbeddingBagCollection(configs, pol, is_weighted=weighted)
+    assert ttm.dense_tables() == ["c"] and ttm.compressed_tables() == ["a", "e"]
+    calls = []
+    real = ttm._plain_dense_pooled
+    ttm._plain_dense_pooled = lambda stream: calls.append(1) or real(stream)  # type: ignore[method-assign]
+    ref = reference_ebc(ttm, configs, weighted=weighted)
+    features = kjt(weighted=weighted)
+    out, expected = ttm(features), ref(features)
+    assert bool(calls) == (lookup_path == "kernel")
+    assert out.keys() == expected.keys() == ["f1", "f0", "f2", "f3"]
+    torch.testing.assert_close(out.values(), expected.values(), rtol=1e-5, atol=1e-6)
+    grad = torch.randn(out.values().shape)
+    (out.values() * grad).sum().backward()
+    (expected.values() * grad).sum().backward()
+    torch.testing.assert_close(ttm.dense.embedding_bags["c"].weight.grad, ref.embedding_bags["c"].weight.grad)

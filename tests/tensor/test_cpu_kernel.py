@@ -182,3 +182,78 @@ def test_check_jagged_finds_the_first_problem(dtype) -> None:
     offsets = torch.tensor([0, 1, 2, 3, 4, 5, 7])  # bag 3 holds 1 id, lengths say 2
     assert kernels.check_jagged(values, lengths, offsets, 2, [5, -1, 3])[:2] == (2, 3)
     assert kernels.check_jagged(values[:0], torch.zeros(6, dtype=torch.long), None, 2, [1, 1, 1]) == (0, -1, 0, -1)
+
+
+# ---------------------------------------------------------------------------- scoring over whole halves
+
+
+def score(cores, rows, dim, ids, offsets, mode, weights, trains, stream_batch=0):
+    """The lookup with gradients off inside ``cached_weights``: over the kept whole halves."""
+    from comera_rec.tensor import cached_weights
+
+    with torch.no_grad(), cached_weights():
+        return kernels.ttm_embedding_bag_cpu(
+            cores, rows, dim, ids, offsets, mode, weights, trains, stream_batch=stream_batch
+        ), len(kernels.ttm_cpu._HALVES)
+
+
+@pytest.mark.parametrize("rows, cols, ranks", SHAPES)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_scoring_over_whole_halves_equals_the_lookup(rows, cols, ranks, mode, weighted) -> None:
+    tables = 3
+    cores = make_cores(tables, rows, cols, ranks)
+    ids, trains, offsets, weights = make_batch(tables, math.prod(rows), n_ids=63)
+    w = weights.detach() if weighted else None
+    dim = math.prod(cols) - 1
+    want = lookup(cores, rows, dim, ids, offsets, mode, w, trains, kernel=True).detach()
+    got, kept = score(cores, rows, dim, ids, offsets, mode, w, trains)
+    assert kept == 1  # the halves were made and used
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same per-id products, in the same order
+    # the bags as (batch, streams * dim): 9 bags = 3 streams of 3
+    by_streams = lookup(cores, rows, dim, ids, offsets, mode, w, trains, kernel=False).detach()
+    got, _ = score(cores, rows, dim, ids, offsets, mode, w, trains, stream_batch=3)
+    torch.testing.assert_close(got, by_streams.view(3, 3, dim).transpose(0, 1).reshape(3, 3 * dim))
+
+
+@pytest.mark.parametrize("rows, cols, ranks", SHAPES)
+def test_whole_halves_equal_the_halves_contracted_by_torch(rows, cols, ranks) -> None:
+    from comera_rec.tensor.halves import left_table, right_table, split_point
+
+    cores = [c.detach() for c in make_cores(2, rows, cols, ranks)]
+    h, r = split_point(len(cores)), ranks[(len(rows) + 1) // 2 - 1]
+    prefixes, suffixes = kernels.ttm_cpu.extension().ttm_halves(cores, [])
+    assert prefixes.nbytes + suffixes.nbytes == kernels.ttm_cpu.whole_halves_bytes(cores)
+    torch.testing.assert_close(prefixes[..., :r], left_table(cores[:h]))
+    right = right_table(cores[h:])  # (T N_r, m_b, r, m_a)
+    torch.testing.assert_close(suffixes[..., :r], right.permute(0, 3, 1, 2).reshape(suffixes.shape[0], -1, r))
+    assert not prefixes[..., r:].any() and not suffixes[..., r:].any()  # rank padding stays zero
+
+
+def test_whole_halves_only_when_scoring_within_the_budget(monkeypatch) -> None:
+    from comera_rec.tensor import cached_weights
+
+    rows, cols, ranks = SHAPES[2]
+    cores = make_cores(2, rows, cols, ranks)
+    ids, trains, offsets, _ = make_batch(2, math.prod(rows))
+    with cached_weights():  # gradients on: the per-batch lookup, nothing kept
+        out = kernels.ttm_embedding_bag_cpu(cores, rows, 4, ids, offsets, trains=trains)
+        assert out.requires_grad and len(kernels.ttm_cpu._HALVES) == 0
+    monkeypatch.setattr(kernels.ttm_cpu, "WHOLE_HALVES_MAX_BYTES", kernels.ttm_cpu.whole_halves_bytes(cores) - 1)
+    got, kept = score(cores, rows, 4, ids, offsets, "sum", None, trains)
+    assert kept == 0
+    torch.testing.assert_close(got, out.detach(), rtol=0, atol=0)
+
+
+def test_whole_halves_lookup_names_bad_ids_and_shapes() -> None:
+    cores = make_cores(2, (3, 4), (2, 2), [2])
+    offsets = torch.tensor([0, 2])
+    with pytest.raises(RuntimeError, match=r"id 12 out of range \[0, 12\)"):
+        score(cores, (3, 4), 4, torch.tensor([1, 12]), offsets, "sum", None, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match=r"table index 2 out of range \[0, 2\)"):
+        score(cores, (3, 4), 4, torch.tensor([1, 2]), offsets, "sum", None, torch.tensor([0, 2]))
+    prefixes, suffixes = kernels.ttm_cpu.extension().ttm_halves([c.detach() for c in cores], [])
+    with pytest.raises(RuntimeError, match="are not 2 tables with 5 suffixes"):
+        kernels.ttm_cpu.extension().ttm_bag_forward_halves(
+            prefixes, suffixes, torch.tensor([1]), torch.tensor([0]), torch.tensor([0, 1]), torch.empty(0), 4, 0, 2, 5
+        )

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -420,40 +421,22 @@ std::vector<torch::Tensor> ttm_forward_layouts(std::vector<torch::Tensor> cores)
 
 }  // namespace
 
-// Forward. Returns {out (B, D), prefix slot (N,), suffix slot (N,), distinct prefix keys,
-// distinct suffix keys, P table (U_l, M_l, rp), S table (U_r, M_r, rp)}.
-std::vector<torch::Tensor> ttm_bag_forward(
-    std::vector<torch::Tensor> cores, torch::Tensor ids, torch::Tensor trains, torch::Tensor offsets,
-    torch::Tensor weights, int64_t dim, int64_t batch, std::vector<torch::Tensor> layouts) {
-  const Train tr = describe(cores, "ttm_bag_forward", true, layouts);
-  const Half &L = tr.L, &R = tr.R;
-  const int64_t T = tr.T, r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
-  const int64_t num_rows = Nl * Nr;
-  TORCH_CHECK(dim >= 1 && dim <= Ml * Mr, "ttm_bag_forward: embedding_dim ", dim, " outside [1, ", Ml * Mr, "]");
-  ids = ids.to(torch::kLong).contiguous();
-  offsets = offsets.to(torch::kLong).contiguous();
-  const bool has_trains = trains.numel() > 0, weighted = weights.numel() > 0;
-  if (has_trains) trains = trains.to(torch::kLong).contiguous();
-  if (weighted) weights = weights.to(cores[0].scalar_type()).contiguous();
-  const int64_t N = ids.numel(), B = offsets.numel() - 1;
-  TORCH_CHECK(B >= 0, "ttm_bag_forward: offsets must hold at least one value");
-  TORCH_CHECK(batch >= 0 && (batch == 0 || B % batch == 0), "ttm_bag_forward: ", B, " bags are not whole streams of batch ",
-              batch);
-  const int64_t streams = batch > 0 ? B / batch : 1;
-  TORCH_CHECK(!has_trains || trains.numel() == N, "ttm_bag_forward: ", trains.numel(), " table indices for ", N, " ids");
-  TORCH_CHECK(!weighted || weights.numel() == N, "ttm_bag_forward: ", weights.numel(), " weights for ", N, " ids");
+namespace {
 
-  // 1. keys -> slots
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const int64_t* trp = has_trains ? trains.data_ptr<int64_t>() : nullptr;
-  std::vector<int64_t> pkeys(N), skeys(N);
+// Every id's prefix key t * N_l + id / N_r and suffix key t * N_r + id % N_r (Key: int64_t,
+// or int32_t where the keys are the rows of whole halves); an id outside the TT row shape
+// or a table index outside the stack is an error naming it.
+template <typename Key>
+void keys_of_ids(const int64_t* id, const int64_t* trp, int64_t N, int64_t T, int64_t Nl, int64_t Nr, Key* pkeys,
+                 Key* skeys) {
+  const int64_t num_rows = Nl * Nr;
   std::atomic<bool> bad{false};
   at::parallel_for(0, N, 2048, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t t = trp ? trp[i] : 0;
       if (id[i] < 0 || id[i] >= num_rows || t < 0 || t >= T) bad = true;
-      pkeys[i] = t * Nl + id[i] / Nr;
-      skeys[i] = t * Nr + id[i] % Nr;
+      pkeys[i] = static_cast<Key>(t * Nl + id[i] / Nr);
+      skeys[i] = static_cast<Key>(t * Nr + id[i] % Nr);
     }
   });
   if (bad) {  // name the first bad id or table index
@@ -464,6 +447,149 @@ std::vector<torch::Tensor> ttm_bag_forward(
       TORCH_CHECK(t >= 0 && t < T, "TTM lookup: table index ", t, " out of range [0, ", T, ")");
     }
   }
+}
+
+// P (M_l, rp) of each prefix key keys[0 .. U): row s of P for keys[s].
+template <typename T_>
+void contract_prefixes(const Train& tr, const std::vector<torch::Tensor>& cores, const int64_t* keys, int64_t U, T_* P) {
+  const Half& L = tr.L;
+  const int64_t Nl = tr.Nl, Ml = tr.Ml, r = tr.r, rp = tr.rp;
+  const T_* g0 = cores[0].data_ptr<T_>();
+  at::parallel_for(0, U, 64, [&](int64_t b, int64_t e) {
+    for (int64_t s = b; s < e; ++s) {
+      const int64_t t = keys[s] / Nl, pi = keys[s] % Nl;
+      T_* p = P + s * Ml * rp;
+      if (L.cores == 1) {  // P[x, :r] = G0[t, 0, pi, x, :]
+        for (int64_t x = 0; x < L.m0; ++x) {
+          const T_* src = g0 + ((t * L.n0 + pi) * L.m0 + x) * r;
+          std::copy(src, src + r, p + x * rp);
+        }
+      } else {  // P[x0, (x1, :)] = sum_j G0[t, 0, i0, x0, j] G1[t, j, i1, x1, :]
+        const T_* g1 = tr.left1.data_ptr<T_>();
+        const int64_t i0 = pi / L.n1, i1 = pi % L.n1, rm = L.r_mid, blk = L.m1 * rp;
+        const T_* rows = g1 + (t * rm * L.n1 + i1) * blk;  // row j at + j * n1 * blk
+        Contraction k;
+        k.rows = L.m0, k.cols = blk, k.ostride = blk, k.K1 = rm, k.ak1 = 1, k.aj = rm, k.bk1 = L.n1 * blk;
+        contract_one(p, k, g0 + (t * L.n0 + i0) * L.m0 * rm, rows);
+      }
+    }
+  });
+}
+
+// S (M_r, rp) of each suffix key keys[0 .. U), row (x0, x1) of the right half's columns.
+template <typename T_>
+void contract_suffixes(const Train& tr, const std::vector<torch::Tensor>& cores, const int64_t* keys, int64_t U,
+                       T_* S) {
+  const Half& R = tr.R;
+  const int64_t Nr = tr.Nr, Mr = tr.Mr, r = tr.r, rp = tr.rp;
+  at::parallel_for(0, U, 64, [&](int64_t b, int64_t e) {
+    for (int64_t s = b; s < e; ++s) {
+      const int64_t t = keys[s] / Nr, si = keys[s] % Nr;
+      T_* q = S + s * Mr * rp;
+      if (R.cores == 1) {  // S[a, k] = G[t, k, si, a, 0]
+        const T_* g = cores[tr.split].data_ptr<T_>();
+        for (int64_t k = 0; k < r; ++k)
+          for (int64_t a = 0; a < R.m0; ++a) q[a * rp + k] = g[((t * r + k) * R.n0 + si) * R.m0 + a];
+      } else {  // S[(x0, x1), :] = sum_j G1[t, j, i1, x1, 0] G0[t, :, i0, x0, j]
+        const T_* a0 = tr.right0.data_ptr<T_>();
+        const T_* c1 = cores[tr.split + 1].data_ptr<T_>();
+        const int64_t i0 = si / R.n1, i1 = si % R.n1, rm = R.r_mid;
+        const T_* coef = c1 + (t * rm * R.n1 + i1) * R.m1;  // (j, x1) at + j * n1 * m1 + x1
+        Contraction k;
+        k.rows = R.m1, k.cols = rp, k.ostride = rp, k.K1 = rm, k.ak1 = R.n1 * R.m1, k.aj = 1, k.bk1 = rp;
+        for (int64_t x0 = 0; x0 < R.m0; ++x0)  // rows j of G0 at + j * rp
+          contract_one(q + x0 * R.m1 * rp, k, coef, a0 + ((t * R.n0 + i0) * R.m0 + x0) * rm * rp);
+      }
+    }
+  });
+}
+
+// Shapes of the pooling pass: P rows (M_l, rp), S rows (M_r, rp), the output's layout.
+struct PoolShape {
+  int64_t Ml = 0, Mr = 0, rp = 0, dim = 0, batch = 0, streams = 1;
+};
+
+// out[bag] = sum over the bag's ids i of w_i P[ps[i]] S[ss[i]]^T (its first dim columns);
+// threads own bags, so every output value has one writer.
+template <typename T_>
+void pool_bags(const PoolShape& sh, const T_* P, const T_* S, const int32_t* ps, const int32_t* ss,
+               const int64_t* off, int64_t B, const T_* w, T_* o) {
+  const int64_t Ml = sh.Ml, Mr = sh.Mr, rp = sh.rp, dim = sh.dim;
+  const bool one_vector = std::is_same_v<T_, float> && Ml == 4 && Mr == 4 && dim == 16;
+  at::parallel_for(0, B, 128, [&](int64_t b, int64_t e) {
+    const int64_t last = off[e];
+    for (int64_t bag = b; bag < e; ++bag) {
+      T_* ob = o + bag_offset(bag, dim, sh.batch, sh.streams);
+      std::fill(ob, ob + dim, T_(0));
+      for (int64_t i = off[bag]; i < off[bag + 1]; ++i) {
+        if (i + kAhead < last) {
+          prefetch_range(P + ps[i + kAhead] * Ml * rp, Ml * rp * sizeof(T_));
+          prefetch_range(S + ss[i + kAhead] * Mr * rp, Mr * rp * sizeof(T_));
+        }
+        const T_ wi = w ? w[i] : T_(1);
+        const T_* p = P + ps[i] * Ml * rp;
+        const T_* q = S + ss[i] * Mr * rp;
+        if (one_vector && pool_one_vector(ob, p, q, rp, wi)) continue;
+        for (int64_t x = 0; x < Ml; ++x)
+          for (int64_t a = 0; a < Mr; ++a) {
+            const int64_t col = x * Mr + a;
+            if (col < dim) ob[col] += wi * dot(p + x * rp, q + a * rp, rp);
+          }
+      }
+    }
+  });
+}
+
+// The checks and conversions both forwards share. Returns the bags' count.
+struct BagInputs {
+  torch::Tensor ids, offsets, trains, weights;
+  bool has_trains = false, weighted = false;
+  int64_t N = 0, B = 0, streams = 1;
+};
+
+BagInputs bag_inputs(const char* who, torch::Tensor ids, torch::Tensor trains, torch::Tensor offsets,
+                     torch::Tensor weights, at::ScalarType dtype, int64_t batch) {
+  BagInputs in;
+  in.ids = ids.to(torch::kLong).contiguous();
+  in.offsets = offsets.to(torch::kLong).contiguous();
+  in.has_trains = trains.numel() > 0;
+  in.weighted = weights.numel() > 0;
+  if (in.has_trains) in.trains = trains.to(torch::kLong).contiguous();
+  if (in.weighted) in.weights = weights.to(dtype).contiguous();
+  in.N = in.ids.numel();
+  in.B = in.offsets.numel() - 1;
+  TORCH_CHECK(in.B >= 0, who, ": offsets must hold at least one value");
+  TORCH_CHECK(batch >= 0 && (batch == 0 || in.B % batch == 0), who, ": ", in.B, " bags are not whole streams of batch ",
+              batch);
+  in.streams = batch > 0 ? in.B / batch : 1;
+  TORCH_CHECK(!in.has_trains || in.trains.numel() == in.N, who, ": ", in.trains.numel(), " table indices for ", in.N,
+              " ids");
+  TORCH_CHECK(!in.weighted || in.weights.numel() == in.N, who, ": ", in.weights.numel(), " weights for ", in.N, " ids");
+  return in;
+}
+
+torch::Tensor bag_output(const BagInputs& in, int64_t dim, int64_t batch, const torch::TensorOptions& fopt) {
+  // each bag's dim values are zeroed by the thread that pools it (the bags tile the output)
+  return batch > 0 ? torch::empty({batch, in.streams * dim}, fopt) : torch::empty({in.B, dim}, fopt);
+}
+
+}  // namespace
+
+// Forward. Returns {out (B, D), prefix slot (N,), suffix slot (N,), distinct prefix keys,
+// distinct suffix keys, P table (U_l, M_l, rp), S table (U_r, M_r, rp)}.
+std::vector<torch::Tensor> ttm_bag_forward(
+    std::vector<torch::Tensor> cores, torch::Tensor ids, torch::Tensor trains, torch::Tensor offsets,
+    torch::Tensor weights, int64_t dim, int64_t batch, std::vector<torch::Tensor> layouts) {
+  const Train tr = describe(cores, "ttm_bag_forward", true, layouts);
+  const int64_t T = tr.T, r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
+  TORCH_CHECK(dim >= 1 && dim <= Ml * Mr, "ttm_bag_forward: embedding_dim ", dim, " outside [1, ", Ml * Mr, "]");
+  const BagInputs in = bag_inputs("ttm_bag_forward", ids, trains, offsets, weights, cores[0].scalar_type(), batch);
+  const int64_t N = in.N;
+
+  // 1. keys -> slots
+  std::vector<int64_t> pkeys(N), skeys(N);
+  keys_of_ids(in.ids.data_ptr<int64_t>(), in.has_trains ? in.trains.data_ptr<int64_t>() : nullptr, N, T, Nl, Nr,
+              pkeys.data(), skeys.data());
   auto iopt = torch::TensorOptions().dtype(torch::kInt);
   auto pslot = torch::empty({N}, iopt), sslot = torch::empty({N}, iopt);
   std::vector<int64_t> pdistinct, sdistinct;
@@ -482,87 +608,70 @@ std::vector<torch::Tensor> ttm_bag_forward(
   // every value of P and S is written below; only rank padding (rp > r) needs zeros
   auto table = [&](int64_t U, int64_t M) { return rp == r ? torch::empty({U, M, rp}, fopt) : torch::zeros({U, M, rp}, fopt); };
   auto ptab = table(Ul, Ml), stab = table(Ur, Mr);
-  // each bag's dim values are zeroed by the thread that pools it (the bags tile the output)
-  auto out = batch > 0 ? torch::empty({batch, streams * dim}, fopt) : torch::empty({B, dim}, fopt);
+  auto out = bag_output(in, dim, batch, fopt);
+  const PoolShape sh{Ml, Mr, rp, dim, batch, in.streams};
 
   AT_DISPATCH_FLOATING_TYPES(cores[0].scalar_type(), "ttm_bag_forward", [&] {
     using T_ = scalar_t;
-    const T_* g0 = cores[0].data_ptr<T_>();
     T_* P = ptab.data_ptr<T_>();
     T_* S = stab.data_ptr<T_>();
-
-    // 2a. distinct prefixes: P (M_l, rp)
-    at::parallel_for(0, Ul, 64, [&](int64_t b, int64_t e) {
-      for (int64_t s = b; s < e; ++s) {
-        const int64_t t = pdistinct[s] / Nl, pi = pdistinct[s] % Nl;
-        T_* p = P + s * Ml * rp;
-        if (L.cores == 1) {  // P[x, :r] = G0[t, 0, pi, x, :]
-          for (int64_t x = 0; x < L.m0; ++x) {
-            const T_* src = g0 + ((t * L.n0 + pi) * L.m0 + x) * r;
-            std::copy(src, src + r, p + x * rp);
-          }
-        } else {  // P[x0, (x1, :)] = sum_j G0[t, 0, i0, x0, j] G1[t, j, i1, x1, :]
-          const T_* g1 = tr.left1.data_ptr<T_>();
-          const int64_t i0 = pi / L.n1, i1 = pi % L.n1, rm = L.r_mid, blk = L.m1 * rp;
-          const T_* rows = g1 + (t * rm * L.n1 + i1) * blk;  // row j at + j * n1 * blk
-          Contraction k;
-          k.rows = L.m0, k.cols = blk, k.ostride = blk, k.K1 = rm, k.ak1 = 1, k.aj = rm, k.bk1 = L.n1 * blk;
-          contract_one(p, k, g0 + (t * L.n0 + i0) * L.m0 * rm, rows);
-        }
-      }
-    });
-    // 2b. distinct suffixes: S (M_r, rp), row (x0, x1) of the right half's columns
-    at::parallel_for(0, Ur, 64, [&](int64_t b, int64_t e) {
-      for (int64_t s = b; s < e; ++s) {
-        const int64_t t = sdistinct[s] / Nr, si = sdistinct[s] % Nr;
-        T_* q = S + s * Mr * rp;
-        if (R.cores == 1) {  // S[a, k] = G[t, k, si, a, 0]
-          const T_* g = cores[tr.split].data_ptr<T_>();
-          for (int64_t k = 0; k < r; ++k)
-            for (int64_t a = 0; a < R.m0; ++a) q[a * rp + k] = g[((t * r + k) * R.n0 + si) * R.m0 + a];
-        } else {  // S[(x0, x1), :] = sum_j G1[t, j, i1, x1, 0] G0[t, :, i0, x0, j]
-          const T_* a0 = tr.right0.data_ptr<T_>();
-          const T_* c1 = cores[tr.split + 1].data_ptr<T_>();
-          const int64_t i0 = si / R.n1, i1 = si % R.n1, rm = R.r_mid;
-          const T_* coef = c1 + (t * rm * R.n1 + i1) * R.m1;  // (j, x1) at + j * n1 * m1 + x1
-          Contraction k;
-          k.rows = R.m1, k.cols = rp, k.ostride = rp, k.K1 = rm, k.ak1 = R.n1 * R.m1, k.aj = 1, k.bk1 = rp;
-          for (int64_t x0 = 0; x0 < R.m0; ++x0)  // rows j of G0 at + j * rp
-            contract_one(q + x0 * R.m1 * rp, k, coef, a0 + ((t * R.n0 + i0) * R.m0 + x0) * rm * rp);
-        }
-      }
-    });
-    // 3. contract and pool per bag
-    const int64_t* off = offsets.data_ptr<int64_t>();
-    const int32_t* ps = pslot.data_ptr<int32_t>();
-    const int32_t* ss = sslot.data_ptr<int32_t>();
-    const T_* w = weighted ? weights.data_ptr<T_>() : nullptr;
-    T_* o = out.data_ptr<T_>();
-    const bool one_vector = std::is_same_v<T_, float> && Ml == 4 && Mr == 4 && dim == 16;
-    at::parallel_for(0, B, 128, [&](int64_t b, int64_t e) {
-      const int64_t last = off[e];
-      for (int64_t bag = b; bag < e; ++bag) {
-        T_* ob = o + bag_offset(bag, dim, batch, streams);
-        std::fill(ob, ob + dim, T_(0));
-        for (int64_t i = off[bag]; i < off[bag + 1]; ++i) {
-          if (i + kAhead < last) {
-            prefetch_range(P + ps[i + kAhead] * Ml * rp, Ml * rp * sizeof(T_));
-            prefetch_range(S + ss[i + kAhead] * Mr * rp, Mr * rp * sizeof(T_));
-          }
-          const T_ wi = w ? w[i] : T_(1);
-          const T_* p = P + ps[i] * Ml * rp;
-          const T_* q = S + ss[i] * Mr * rp;
-          if (one_vector && pool_one_vector(ob, p, q, rp, wi)) continue;
-          for (int64_t x = 0; x < Ml; ++x)
-            for (int64_t a = 0; a < Mr; ++a) {
-              const int64_t col = x * Mr + a;
-              if (col < dim) ob[col] += wi * dot(p + x * rp, q + a * rp, rp);
-            }
-        }
-      }
-    });
+    contract_prefixes(tr, cores, pdistinct.data(), Ul, P);  // 2. each distinct prefix and suffix once
+    contract_suffixes(tr, cores, sdistinct.data(), Ur, S);
+    pool_bags(sh, P, S, pslot.data_ptr<int32_t>(), sslot.data_ptr<int32_t>(), in.offsets.data_ptr<int64_t>(), in.B,
+              in.weighted ? in.weights.data_ptr<T_>() : nullptr, out.data_ptr<T_>());  // 3.
   });
   return {out, pslot, sslot, pkey_t, skey_t, ptab, stab};
+}
+
+// Both halves contracted over all their row indices: {P (T * N_l, M_l, rp), S (T * N_r,
+// M_r, rp)}, row t * N + i for index i of table t. For scoring: a lookup over these
+// (ttm_bag_forward_halves) reads two rows per id and contracts nothing else.
+std::vector<torch::Tensor> ttm_halves(std::vector<torch::Tensor> cores, std::vector<torch::Tensor> layouts) {
+  const Train tr = describe(cores, "ttm_halves", true, layouts);
+  const int64_t Ul = tr.T * tr.Nl, Ur = tr.T * tr.Nr;
+  TORCH_CHECK(std::max(Ul, Ur) < (int64_t(1) << 31), "ttm_halves: ", std::max(Ul, Ur), " rows of a half exceed int32");
+  auto fopt = cores[0].options();
+  auto table = [&](int64_t U, int64_t M) {
+    return tr.rp == tr.r ? torch::empty({U, M, tr.rp}, fopt) : torch::zeros({U, M, tr.rp}, fopt);
+  };
+  auto ptab = table(Ul, tr.Ml), stab = table(Ur, tr.Mr);
+  std::vector<int64_t> pkeys(Ul), skeys(Ur);
+  std::iota(pkeys.begin(), pkeys.end(), int64_t(0));
+  std::iota(skeys.begin(), skeys.end(), int64_t(0));
+  AT_DISPATCH_FLOATING_TYPES(cores[0].scalar_type(), "ttm_halves", [&] {
+    contract_prefixes(tr, cores, pkeys.data(), Ul, ptab.data_ptr<scalar_t>());
+    contract_suffixes(tr, cores, skeys.data(), Ur, stab.data_ptr<scalar_t>());
+  });
+  return {ptab, stab};
+}
+
+// The forward over whole halves (ttm_halves of T tables whose suffix index has N_r
+// values): out (B, D) as ttm_bag_forward gives it, nothing kept for a backward.
+torch::Tensor ttm_bag_forward_halves(torch::Tensor ptab, torch::Tensor stab, torch::Tensor ids, torch::Tensor trains,
+                                     torch::Tensor offsets, torch::Tensor weights, int64_t dim, int64_t batch,
+                                     int64_t T, int64_t Nr) {
+  TORCH_CHECK(ptab.dim() == 3 && stab.dim() == 3 && ptab.size(2) == stab.size(2) && ptab.is_contiguous() &&
+                  stab.is_contiguous() && ptab.scalar_type() == stab.scalar_type(),
+              "ttm_bag_forward_halves: halves must be contiguous (U, M, rp) of one rank and dtype, got ", ptab.sizes(),
+              " and ", stab.sizes());
+  TORCH_CHECK(T >= 1 && Nr >= 1 && ptab.size(0) % T == 0 && stab.size(0) == T * Nr, "ttm_bag_forward_halves: halves of ",
+              ptab.size(0), " and ", stab.size(0), " rows are not ", T, " tables with ", Nr, " suffixes");
+  const int64_t Nl = ptab.size(0) / T, Ml = ptab.size(1), Mr = stab.size(1), rp = ptab.size(2);
+  TORCH_CHECK(dim >= 1 && dim <= Ml * Mr, "ttm_bag_forward_halves: embedding_dim ", dim, " outside [1, ", Ml * Mr, "]");
+  const BagInputs in = bag_inputs("ttm_bag_forward_halves", ids, trains, offsets, weights, ptab.scalar_type(), batch);
+  auto iopt = torch::TensorOptions().dtype(torch::kInt);
+  auto pkeys = torch::empty({in.N}, iopt), skeys = torch::empty({in.N}, iopt);
+  keys_of_ids(in.ids.data_ptr<int64_t>(), in.has_trains ? in.trains.data_ptr<int64_t>() : nullptr, in.N, T, Nl, Nr,
+              pkeys.data_ptr<int32_t>(), skeys.data_ptr<int32_t>());
+  auto out = bag_output(in, dim, batch, ptab.options());
+  const PoolShape sh{Ml, Mr, rp, dim, batch, in.streams};
+  AT_DISPATCH_FLOATING_TYPES(ptab.scalar_type(), "ttm_bag_forward_halves", [&] {
+    using T_ = scalar_t;
+    pool_bags(sh, ptab.data_ptr<T_>(), stab.data_ptr<T_>(), pkeys.data_ptr<int32_t>(), skeys.data_ptr<int32_t>(),
+              in.offsets.data_ptr<int64_t>(), in.B, in.weighted ? in.weights.data_ptr<T_>() : nullptr,
+              out.data_ptr<T_>());
+  });
+  return out;
 }
 
 // Backward. Returns the gradients of the d cores, then of the weights (undefined unless
@@ -897,6 +1006,8 @@ std::vector<int64_t> check_jagged(torch::Tensor values, torch::Tensor lengths, t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_bytes", [] { return comera::kVectorBytes; }, "the vector width this build's kernels use");
   m.def("ttm_bag_forward", &ttm_bag_forward, "fused de-duplicated TTM embedding-bag lookup (forward)");
+  m.def("ttm_halves", &ttm_halves, "both halves of a TTM train contracted over all their row indices");
+  m.def("ttm_bag_forward_halves", &ttm_bag_forward_halves, "the TTM embedding-bag lookup over whole halves (scoring)");
   m.def("ttm_forward_layouts", &ttm_forward_layouts, "the lookup forward's permuted, padded core layouts");
   m.def("ttm_bag_backward", &ttm_bag_backward, "fused de-duplicated TTM embedding-bag lookup (backward)");
   m.def("gather_blocks", &gather_blocks, "column blocks of several matrices side by side");
