@@ -155,8 +155,10 @@ class _ServingTTMGroup(nn.Module):
             h = split_point(len(cores))
             left = left_table(cores[:h])  # (T * N_l, M_l, r)
             right = right_table(cores[h:])  # (T * N_r, m_b, r, m_a)
+            # (T * N_r, r, m_a m_b): a row's product is then one bmm, its columns (x, a, b)
+            right = right.permute(0, 2, 3, 1).reshape(right.shape[0], right.shape[2], -1)
         self.left = nn.Parameter(left.clone(), requires_grad=False)
-        self.right = nn.Parameter(right.clone(), requires_grad=False)
+        self.right = nn.Parameter(right.contiguous(), requires_grad=False)
         self.num_rows = math.prod(stack.row_shape)
         self.n_left, self.n_right = math.prod(stack.row_shape[:h]), math.prod(stack.row_shape[h:])
         self.dim = stack.embedding_dim
@@ -174,8 +176,8 @@ class _ServingTTMGroup(nn.Module):
         distinct, key_of = torch.unique(keys, return_inverse=True)  # each (table, id) once
         train, row = distinct // self.num_rows, distinct % self.num_rows
         prefix = self.left.index_select(0, train * self.n_left + row // self.n_right)  # (U, M_l, r)
-        suffix = self.right.index_select(0, train * self.n_right + row % self.n_right)  # (U, m_b, r, m_a)
-        rows = torch.einsum("uxr,ubra->uxab", prefix, suffix)  # (U, M_l, m_a, m_b)
+        suffix = self.right.index_select(0, train * self.n_right + row % self.n_right)  # (U, r, m_a m_b)
+        rows = torch.bmm(prefix, suffix)  # (U, M_l, m_a m_b)
         rows = rows.reshape(rows.shape[0], -1)[:, : self.dim]
         weights = on.to(rows.dtype) if on is not None else None
         return F.embedding_bag(key_of, rows, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True)

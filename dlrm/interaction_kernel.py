@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from comera_rec.tensor.kernels.cpu_extension import CpuExtension, register_cpu_extension
-from comera_rec.tensor.kernels.ttm_cpu import cpu_float_operands
+from comera_rec.tensor.kernels.ttm_cpu import cpu_float_operands, records_grad
 
 EXTENSION = register_cpu_extension(
     CpuExtension(
@@ -52,4 +52,6 @@ def pairwise_dots_cpu(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor
     products of every pair ``i < j`` of ``[dense, sparse_1 .. sparse_F]`` in row-major
     order (TorchRec's dot interaction layout). The caller checks
     :func:`pairwise_kernel_applies` first."""
+    if not records_grad(dense, sparse):
+        return EXTENSION.load().pairwise_dots_forward(dense, sparse)
     return _FusedPairwiseDots.apply(dense, sparse)

@@ -67,6 +67,23 @@ def test_values_and_gradients_equal_the_float64_reference(batch, n_in, n_out, ra
         torch.testing.assert_close(got, ref)
 
 
+@pytest.mark.parametrize("batch,n_in,n_out,rank", CASES[:3])
+def test_without_gradients_the_kernel_is_called_directly(batch, n_in, n_out, rank) -> None:
+    # scoring: no autograd node, the values of the recorded call
+    x, left, right, b = make(batch, n_in, n_out, rank)
+    recorded = kernels.tt_linear_cpu(x, left, right, b, True)
+    with torch.no_grad():
+        plain = kernels.tt_linear_cpu(x, left, right, b, True)
+    with torch.inference_mode():
+        inference = kernels.tt_linear_cpu(x, left, right, b, True)
+    detached = kernels.tt_linear_cpu(*(t.detach() for t in (x, left, right, b)), relu=True)
+    assert recorded.grad_fn is not None
+    for y in (plain, inference, detached):
+        assert y.grad_fn is None
+        torch.testing.assert_close(y, recorded.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(plain, reference(x, left, right, b, True).detach())
+
+
 @pytest.mark.parametrize("rank", [16, 40, 64])
 def test_float32_against_float64(rank: int) -> None:
     x, left, right, b = make(300, 96, 80, rank, dtype=torch.float32)

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from comera_rec.tensor.kernels.cpu_extension import cpu_vector_bytes, extension
-from comera_rec.tensor.kernels.ttm_cpu import cpu_float_tensors_apply
+from comera_rec.tensor.kernels.ttm_cpu import cpu_float_tensors_apply, records_grad
 
 _MAX_RANK_BYTES = 256  # the kernel keeps a row's rank vectors in registers: r <= 64 float32
 _MAX_RANK_VECTORS = 8  # ... in at most 8 vectors (the widths the kernel is built for)
@@ -79,6 +79,10 @@ def tt_linear_cpu(
     Returns:
         ``(B, N_out)``.
     """
+    if not records_grad(x, left, right, bias):
+        return extension().tt_linear_forward(
+            x, left, right, bias if bias is not None else _EMPTY.to(x.dtype), bool(relu)
+        )[0]
     return _FusedTTLinear.apply(x, left, right, bias, bool(relu))
 
 

@@ -59,6 +59,13 @@ def cpu_float_operands(*tensors: torch.Tensor) -> bool:
     )
 
 
+def records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd would record an op on these: gradients on and one of them needs a
+    gradient. When it would not (scoring), a kernel is called without its autograd
+    function, whose ``apply`` costs as much as a one-row batch's arithmetic."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def cpu_float_tensors_apply(*tensors: torch.Tensor) -> bool:
     """Whether the tensor core's CPU kernels may take these operands: real CPU float32 /
     float64 tensors of one dtype, outside tracing and ``torch.compile``, kernels enabled
@@ -145,7 +152,8 @@ def _whole_halves(cores: Sequence[torch.Tensor], row_shape: Sequence[int]) -> tu
     """
     if not cache_applies(cores) or whole_halves_bytes(cores) > WHOLE_HALVES_MAX_BYTES:
         return None
-    return _HALVES.get(cores, lambda: tuple(extension().ttm_halves(list(cores), _forward_layouts(cores))))
+    # the kernel makes the core layouts it needs for this once and drops them (not kept)
+    return _HALVES.get(cores, lambda: tuple(extension().ttm_halves(list(cores), [])))
 
 
 def _own_layouts(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -212,6 +220,8 @@ def gather_column_blocks(
     """
     src = [int(s) for s, _ in blocks]
     col = [int(c) for _, c in blocks]
+    if not records_grad(*sources):
+        return extension().gather_blocks(list(sources), src, col, int(width))
     return _GatherBlocks.apply(src, col, int(width), *sources)
 
 
@@ -260,6 +270,10 @@ def ttm_embedding_bag_cpu(
             int(cores[0].shape[0]),
             suffix_rows,
         )
+    elif not records_grad(weights, *cores):
+        out = extension().ttm_bag_forward(
+            list(cores), ids, trains, offsets, weights, int(embedding_dim), batch, _forward_layouts(cores)
+        )[0]
     else:
         out = _FusedTTMBag.apply(ids, offsets, trains, weights, int(embedding_dim), batch, *cores)
     # out: (B, D), or (batch, streams * D)
