@@ -65,12 +65,14 @@ class ServingTTLinear(nn.Module):
         self.relu = layer.relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
+        # a DLRM's layers see (B, in) rows: no reshapes in the graph (each node costs
+        # microseconds of a one-row batch's time); other leading dims are flattened
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         t = rows @ self.left  # (B, r)
         y = t @ self.right if self.bias is None else torch.addmm(self.bias, t, self.right)
         if self.relu:
             y = torch.relu(y)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class ServingPairwiseDot(nn.Module):

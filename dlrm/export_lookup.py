@@ -94,30 +94,36 @@ class ServingLookup(nn.Module):
         weight = torch.cat(parts) if self.has_dense else torch.zeros(1, self.dim)
         self.dense_weight = nn.Parameter(weight, requires_grad=False)
         self.register_buffer("dense_base", torch.tensor(base, dtype=torch.long))
-        self.register_buffer("dense_on", torch.tensor(on))
+        self.register_buffer("dense_take", torch.tensor(on, dtype=torch.long))  # 0: another feature's id reads row 0
+        self.register_buffer("dense_weight_of", torch.tensor(on, dtype=weight.dtype))
 
-        # ---- TTM groups: halves contracted once over all their row indices
+        # ---- TTM groups: halves contracted once over all their row indices; stacks whose
+        # halves have one row block shape share one lookup (fewer graph nodes a batch)
         self.groups = nn.ModuleList()
         if isinstance(ebc, TTMEmbeddingBagCollection):
+            buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, int, int, dict[int, int]]]] = {}
             for g, stack in enumerate(ebc.groups):
                 members = ebc._group_tables[g]
-                train, member_on = [0] * num_features, [False] * num_features
-                for i, f in enumerate(feature_names):
-                    if table_of[f] in members:
-                        train[i], member_on[i] = members.index(table_of[f]), True
-                if any(member_on):
-                    self.groups.append(_ServingTTMGroup(stack, train, member_on))
+                trains = {i: members.index(table_of[f]) for i, f in enumerate(feature_names) if table_of[f] in members}
+                if trains:
+                    left, right, n_left, n_right = _whole_halves(stack)
+                    key = (tuple(left.shape[1:]), tuple(right.shape[1:]), left.dtype)
+                    buckets.setdefault(key, []).append((left, right, n_left, n_right, trains))
+            for parts in buckets.values():
+                self.groups.append(_ServingTTMHalves(parts, num_features, self.dim))
 
     def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """``values (N,)`` ids and ``lengths (F, B)`` bag lengths -> ``(B, F, D)`` pooled."""
         num_features, batch = lengths.shape
-        flat = lengths.reshape(-1).long()
-        offsets = torch.cat([flat.new_zeros(1), torch.cumsum(flat, 0)])  # (F * B + 1,)
+        # int64 inputs (kjt_inputs) take no conversion: each op is a node of a one-row batch's time
+        flat = lengths.reshape(-1)
+        flat = flat if flat.dtype == torch.long else flat.long()
+        offsets = F.pad(torch.cumsum(flat, 0), (1, 0))  # (F * B + 1,)
         bag = torch.repeat_interleave(
             torch.arange(num_features * batch, device=flat.device), flat, output_size=values.shape[0]
         )
         feature = bag // batch  # (N,) the feature of every id
-        ids = values.long()
+        ids = values if values.dtype == torch.long else values.long()
         pooled: Optional[torch.Tensor] = None
         if self.has_dense:
             if self.all_dense:
@@ -125,14 +131,13 @@ class ServingLookup(nn.Module):
                     ids + self.dense_base[feature], self.dense_weight, offsets, mode="sum", include_last_offset=True
                 )
             else:
-                on = self.dense_on[feature]
-                rows = torch.where(on, ids + self.dense_base[feature], torch.zeros_like(ids))
+                rows = ids * self.dense_take[feature] + self.dense_base[feature]
                 pooled = F.embedding_bag(
                     rows,
                     self.dense_weight,
                     offsets,
                     mode="sum",
-                    per_sample_weights=on.to(self.dense_weight.dtype),
+                    per_sample_weights=self.dense_weight_of[feature],
                     include_last_offset=True,
                 )
         for group in self.groups:
@@ -145,39 +150,67 @@ class ServingLookup(nn.Module):
         return pooled.view(num_features, batch, self.dim).transpose(0, 1)
 
 
-class _ServingTTMGroup(nn.Module):
-    """One stack of TTM tables: precontracted halves and which features read which train."""
+def _whole_halves(stack: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """A stack's halves over all their row indices, controllers folded in: ``left (T N_l,
+    M_l, r)``, ``right (T N_r, r, m_a m_b)`` (a row's product one bmm, its columns ``(x, a,
+    b)``), and ``N_l``, ``N_r``."""
+    with torch.no_grad():
+        cores = [c.detach() for c in stack.scaled_cores()]
+        h = split_point(len(cores))
+        left = left_table(cores[:h])  # (T * N_l, M_l, r)
+        right = right_table(cores[h:])  # (T * N_r, m_b, r, m_a)
+        right = right.permute(0, 2, 3, 1).reshape(right.shape[0], right.shape[2], -1)
+    return left, right, math.prod(stack.row_shape[:h]), math.prod(stack.row_shape[h:])
 
-    def __init__(self, stack: nn.Module, train: list[int], on: list[bool]) -> None:
+
+class _ServingTTMHalves(nn.Module):
+    """TTM stacks whose halves have one row block shape, their halves concatenated: one
+    de-duplicated lookup for all their features.
+
+    Args:
+        parts: per stack ``(left, right, N_l, N_r, trains)`` (:func:`_whole_halves`),
+            ``trains`` mapping each feature index the stack reads to its table in the stack.
+        num_features: features of the input.
+        dim: the embedding dim.
+    """
+
+    def __init__(
+        self, parts: list[tuple[torch.Tensor, torch.Tensor, int, int, dict[int, int]]], num_features: int, dim: int
+    ) -> None:
         super().__init__()
-        with torch.no_grad():
-            cores = [c.detach() for c in stack.scaled_cores()]  # controllers folded in
-            h = split_point(len(cores))
-            left = left_table(cores[:h])  # (T * N_l, M_l, r)
-            right = right_table(cores[h:])  # (T * N_r, m_b, r, m_a)
-            # (T * N_r, r, m_a m_b): a row's product is then one bmm, its columns (x, a, b)
-            right = right.permute(0, 2, 3, 1).reshape(right.shape[0], right.shape[2], -1)
-        self.left = nn.Parameter(left.clone(), requires_grad=False)
-        self.right = nn.Parameter(right.contiguous(), requires_grad=False)
-        self.num_rows = math.prod(stack.row_shape)
-        self.n_left, self.n_right = math.prod(stack.row_shape[:h]), math.prod(stack.row_shape[h:])
-        self.dim = stack.embedding_dim
+        prefix_base, suffix_base = [0] * num_features, [0] * num_features
+        n_right, on = [1] * num_features, [False] * num_features
+        left_rows = right_rows = 0
+        for left, right, n_l, n_r, trains in parts:
+            for i, t in trains.items():  # feature i's rows start at its table's in the concatenated halves
+                prefix_base[i], suffix_base[i] = left_rows + t * n_l, right_rows + t * n_r
+                n_right[i], on[i] = n_r, True
+            left_rows += left.shape[0]
+            right_rows += right.shape[0]
+        # clones: cat of one part would be the part itself, whose storage the program keeps whole
+        self.left = nn.Parameter(torch.cat([p[0] for p in parts]).clone(), requires_grad=False)
+        self.right = nn.Parameter(torch.cat([p[1] for p in parts]).contiguous().clone(), requires_grad=False)
+        self.suffix_rows = right_rows
+        self.dim = dim
         self.all_on = all(on)
-        self.register_buffer("train_of", torch.tensor(train, dtype=torch.long))
-        self.register_buffer("on_of", torch.tensor(on))
+        self.register_buffer("prefix_base", torch.tensor(prefix_base, dtype=torch.long))
+        self.register_buffer("suffix_base", torch.tensor(suffix_base, dtype=torch.long))
+        self.register_buffer("n_right", torch.tensor(n_right, dtype=torch.long))
+        self.register_buffer("take", torch.tensor(on, dtype=torch.long))
+        self.register_buffer("weight_of", torch.tensor(on, dtype=self.left.dtype))
 
     def forward(self, ids: torch.Tensor, feature: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """``(F * B, D)`` bags pooled from this group's tables (zero for other features)."""
-        keys = self.train_of[feature] * self.num_rows + ids
-        on = None
+        """``(F * B, D)`` bags pooled from these tables (zero for other features)."""
         if not self.all_on:
-            on = self.on_of[feature]
-            keys = torch.where(on, keys, torch.zeros_like(keys))  # any valid key; weight 0 below
-        distinct, key_of = torch.unique(keys, return_inverse=True)  # each (table, id) once
-        train, row = distinct // self.num_rows, distinct % self.num_rows
-        prefix = self.left.index_select(0, train * self.n_left + row // self.n_right)  # (U, M_l, r)
-        suffix = self.right.index_select(0, train * self.n_right + row % self.n_right)  # (U, r, m_a m_b)
-        rows = torch.bmm(prefix, suffix)  # (U, M_l, m_a m_b)
+            ids = ids * self.take[feature]  # other features' ids read a valid row, weighted 0 below
+        n_right = self.n_right[feature]
+        prefix = self.prefix_base[feature] + ids // n_right
+        suffix = self.suffix_base[feature] + ids % n_right
+        # each (prefix, suffix) pair, i.e. each (table, id), contracted once
+        distinct, key_of = torch.unique(prefix * self.suffix_rows + suffix, return_inverse=True)
+        left = self.left.index_select(0, distinct // self.suffix_rows)  # (U, M_l, r)
+        right = self.right.index_select(0, distinct % self.suffix_rows)  # (U, r, m_a m_b)
+        rows = torch.bmm(left, right)  # (U, M_l, m_a m_b)
         rows = rows.reshape(rows.shape[0], -1)[:, : self.dim]
-        weights = on.to(rows.dtype) if on is not None else None
+        weights = None if self.all_on else self.weight_of[feature]
         return F.embedding_bag(key_of, rows, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True)

@@ -187,3 +187,46 @@ def test_parts_without_inference_form_are_named() -> None:
         ServingLookup(["f"], weighted, "sparse_arch.embedding_bag_collection")
     with pytest.raises(ExportError, match=r"model \(Linear\)"):
         serving_model(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_stacks_with_one_row_block_shape_share_a_lookup(mean: bool) -> None:
+    # a and b: other row shapes, the same (M_l, r) and (r, M_r) blocks: one concatenated
+    # lookup; d: other blocks, a lookup of its own; c: dense. The same pooled bags as the
+    # collection, with features of every kind in one batch and in any order
+    from torchrec.modules.embedding_configs import PoolingType
+
+    from comera_rec.integration import CompressionPolicy, TableOverride
+    from tests.integration.helpers import kjt
+
+    pooling = PoolingType.MEAN if mean else PoolingType.SUM
+    tables = [
+        EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=100, feature_names=["f1"], pooling=pooling),
+        EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=90, feature_names=["f2"]),
+        EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=10, feature_names=["f0"], pooling=pooling),
+        EmbeddingBagConfig(name="d", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
+    ]
+    policy = CompressionPolicy(
+        rank=4,
+        min_rows_to_compress=50,
+        min_params_to_compress=0,
+        min_gain=0.0,
+        per_table={
+            "a": TableOverride(shape=((10, 10), (2, 4))),
+            "b": TableOverride(shape=((9, 10), (2, 4))),
+            "d": TableOverride(shape=((5, 6, 10), (2, 2, 2))),
+        },
+    )
+    torch.manual_seed(0)
+    ebc = TTMEmbeddingBagCollection(tables, policy).eval()
+    assert len(ebc.groups) == 3 and ebc.dense_tables() == ["c"]
+    order = ["f3", "f1", "f0", "f2"]
+    lookup = ServingLookup(order, ebc, "ebc")
+    assert len(lookup.groups) == 2  # a and b together, d alone
+    features = kjt(batch=5, seed=1)
+    values, lengths = kjt_inputs(features, order)
+    with torch.no_grad():
+        want = ebc(features).to_dict()
+        got = lookup(values, lengths)  # (B, F, D)
+    for i, name in enumerate(order):
+        torch.testing.assert_close(got[:, i], want[name], **TOL)
