@@ -124,7 +124,7 @@ def _forward_layouts(cores: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 # both halves of a stack contracted over all their row indices, kept while scoring
 _HALVES = DerivedCaches(slots=8)
 
-WHOLE_HALVES_MAX_BYTES = 64 << 20
+WHOLE_HALVES_MAX_BYTES = 256 << 20
 """The most bytes a stack's two whole halves may take to be kept for scoring
 (:func:`_whole_halves`); a larger stack contracts its distinct prefixes and suffixes per batch."""
 
