@@ -8,7 +8,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
 from comera_rec.dlrm.config import DLRMConfig
 
 VARIANTS = ("dense_eager", "dense_export", "tt_eager", "tt_export")
@@ -83,6 +82,10 @@ def model_config(kind: str, setup: ServingSetup) -> DLRMConfig:
 
 def batches(setup: ServingSetup, batch_size: int) -> list:
     """``setup.distinct`` synthetic Criteo batches of ``batch_size`` rows, Zipf ids."""
+    # imported here: the measuring processes read their inputs from a file, and a server
+    # imports no data readers (their pyarrow is ~40 MB of a process's RSS)
+    from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
+
     data = SyntheticCriteo(
         SyntheticCriteoConfig(
             num_embeddings_per_feature=list(model_config("dense", setup).table_sizes),
