@@ -79,10 +79,22 @@ def _fingerprint(tensors: Sequence[torch.Tensor]) -> tuple:
     ) + (torch.is_inference_mode_enabled(),)
 
 
-def _same(a: tuple, b: tuple) -> bool:
-    if len(a) != len(b) or a[-1] != b[-1]:
+def _matches(kept: tuple, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` still have the fingerprint ``kept`` (compared in place: making a
+    fingerprint, weak references included, costs more than a one-row layer's arithmetic)."""
+    if len(kept) != len(tensors) + 1 or kept[-1] != torch.is_inference_mode_enabled():
         return False
-    return all(x[0]() is not None and x[0]() is y[0]() and x[1:] == y[1:] for x, y in zip(a[:-1], b[:-1]))
+    for (ref, ptr, version, shape, dtype, device), t in zip(kept, tensors):
+        if (
+            ref() is not t
+            or t.data_ptr() != ptr
+            or (-1 if t.is_inference() else t._version) != version
+            or t.shape != shape
+            or t.dtype != dtype
+            or t.device != device
+        ):
+            return False
+    return True
 
 
 def _capturing() -> bool:
@@ -138,16 +150,16 @@ class DerivedCaches:
         """``compute()``, or the value it gave for the same, unmodified ``sources``."""
         if not cache_applies(sources):
             return compute()
-        key = _fingerprint(sources)
         with self._lock:  # shared by every thread that scores
             for i, (kept, value) in enumerate(self._entries):
-                if _same(kept, key):
+                if _matches(kept, sources):
                     self._entries.append(self._entries.pop(i))  # most recently used last
                     return value  # type: ignore[return-value]
             # entries whose sources are gone can never match again; the least recently
             # used goes before the new value is made, so at most `slots` are ever held
             self._entries = [e for e in self._entries if all(x[0]() is not None for x in e[0][:-1])]
             del self._entries[: len(self._entries) - self.slots + 1]
+            key = _fingerprint(sources)  # the sources as compute() reads them
             value = compute()
             self._entries.append((key, value))
         _note_filled(self)

@@ -143,10 +143,11 @@ class TTLinear(TensorTrainModule):
         if isinstance(x, torch.fx.Proxy):
             return _fx_leaf_call(self, x)
         self._check_input(x)
-        if kernels.tt_chains_kernel_applies(self.cores, self.controllers):
+        sources = self.train_tensors()
+        if kernels.tt_chains_kernel_applies(sources, ()):  # cores and controllers alike
             # the chains merged in one C++ call each way (the controllers scale the running
             # products), not ~50 small autograd operators
-            left, right = derived_cache(self, "chains").get([*self.cores, *self.controllers], self._merged_chains)
+            left, right = derived_cache(self, "chains").get(sources, self._merged_chains)
             return linear_from_chains(x, left, right, self.bias, relu=self.relu)
         inputs, outputs = self._split()
         return tt_linear(x, inputs, outputs, self.out_features, self.bias, relu=self.relu)

@@ -135,6 +135,14 @@ class TensorTrainModule(InitOnMaterialize):
             [nn.Parameter(torch.ones(tuple(s), device=device, dtype=dtype)) for s in controller_shapes]
         )
 
+    def train_tensors(self) -> list[torch.Tensor]:
+        """The cores, then the controllers, in one list: what every derived value comes from.
+
+        Read from the parameter lists' registries: iterating an ``nn.ParameterList``
+        indexes it element by element, ~3 µs a tensor, a large part of a one-row forward.
+        """
+        return [*self.cores._parameters.values(), *self.controllers._parameters.values()]
+
     # ------------------------------------------------------------------ ranks
     @property
     def num_cores(self) -> int:
@@ -290,7 +298,7 @@ class TensorTrainModule(InitOnMaterialize):
         (:class:`~comera_rec.tensor.derived.DerivedCache`), so scoring does not fold the
         controllers again on every batch."""
         # a copy of the kept list: a caller may change its own
-        return list(derived_cache(self, "scaled_cores").get([*self.cores, *self.controllers], self._fold_controllers))
+        return list(derived_cache(self, "scaled_cores").get(self.train_tensors(), self._fold_controllers))
 
     def _fold_controllers(self) -> list[torch.Tensor]:
         out = list(self.cores)
