@@ -66,3 +66,14 @@ def test_kept_indices_match_truncation() -> None:
     old = layer.controllers[1].detach().clone()
     layer.truncate_ranks(1e-2)
     torch.testing.assert_close(layer.controllers[1].detach(), old[kept[1]])
+
+
+def test_train_tensors_are_the_cores_then_the_controllers_after_a_truncation() -> None:
+    layer = TTLinear(16, 8, rank=4)
+    assert all(a is b for a, b in zip(layer.train_tensors(), [*layer.cores, *layer.controllers], strict=True))
+    with torch.no_grad():
+        layer.controllers[0][:2] = 0.0  # two dead slices of the first bond
+    assert layer.truncate_ranks(1e-6)  # replaces entries of both parameter lists
+    now = layer.train_tensors()
+    assert all(a is b for a, b in zip(now, [*layer.cores, *layer.controllers], strict=True))
+    assert now[len(layer.cores)].shape[-1] == 2
