@@ -62,6 +62,18 @@ def test_fused_rank_limit_is_256_bytes_of_rank() -> None:
     assert not kernels.tt_linear_kernel_applies(x, torch.randn(8, r + 1), torch.randn(r + 1, 5))
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 widths")
+def test_emulated_widths_build_at_o1_native_ones_at_o3(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_extension, "_cpu_flags_line", lambda: "flags\t\t: sse2 avx avx2 fma")  # an AVX2 host
+    for width, level in (("", "-O3"), ("16", "-O3"), ("32", "-O3"), ("64", "-O1")):
+        monkeypatch.setenv(cpu_extension.VECTOR_BYTES_ENV, width)
+        flags = cpu_extension._build_spec()[2]
+        assert level in flags and ({"-O1", "-O3"} - {level}).isdisjoint(flags), (width, flags)
+    monkeypatch.setattr(cpu_extension, "_cpu_flags_line", lambda: "flags\t\t: avx avx2 avx512f")  # AVX-512
+    monkeypatch.setenv(cpu_extension.VECTOR_BYTES_ENV, "64")
+    assert "-O3" in cpu_extension._build_spec()[2]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(bool(os.environ.get(cpu_extension.VECTOR_BYTES_ENV)), reason="already a forced-width run")
 def test_kernel_tests_pass_at_another_width(tmp_path) -> None:
