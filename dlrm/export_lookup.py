@@ -106,7 +106,7 @@ class ServingLookup(nn.Module):
                 members = ebc._group_tables[g]
                 trains = {i: members.index(table_of[f]) for i, f in enumerate(feature_names) if table_of[f] in members}
                 if trains:
-                    left, right, n_left, n_right = _whole_halves(stack)
+                    left, right, n_left, n_right = _stack_halves(stack)
                     key = (tuple(left.shape[1:]), tuple(right.shape[1:]), left.dtype)
                     buckets.setdefault(key, []).append((left, right, n_left, n_right, trains))
             for parts in buckets.values():
@@ -150,7 +150,7 @@ class ServingLookup(nn.Module):
         return pooled.view(num_features, batch, self.dim).transpose(0, 1)
 
 
-def _whole_halves(stack: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+def _stack_halves(stack: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """A stack's halves over all their row indices, controllers folded in: ``left (T N_l,
     M_l, r)``, ``right (T N_r, r, m_a m_b)`` (a row's product one bmm, its columns ``(x, a,
     b)``), and ``N_l``, ``N_r``."""
@@ -168,7 +168,7 @@ class _ServingTTMHalves(nn.Module):
     de-duplicated lookup for all their features.
 
     Args:
-        parts: per stack ``(left, right, N_l, N_r, trains)`` (:func:`_whole_halves`),
+        parts: per stack ``(left, right, N_l, N_r, trains)`` (:func:`_stack_halves`),
             ``trains`` mapping each feature index the stack reads to its table in the stack.
         num_features: features of the input.
         dim: the embedding dim.

@@ -222,7 +222,7 @@ def test_whole_halves_equal_the_halves_contracted_by_torch(rows, cols, ranks) ->
 
     cores = [c.detach() for c in make_cores(2, rows, cols, ranks)]
     h, r = split_point(len(cores)), ranks[(len(rows) + 1) // 2 - 1]
-    prefixes, suffixes = kernels.ttm_cpu.extension().ttm_halves(cores, [])
+    prefixes, suffixes = kernels.ttm_cpu.extension().ttm_halves(cores)
     assert prefixes.nbytes + suffixes.nbytes == kernels.ttm_cpu.whole_halves_bytes(cores)
     torch.testing.assert_close(prefixes[..., :r], left_table(cores[:h]))
     right = right_table(cores[h:])  # (T N_r, m_b, r, m_a)
@@ -252,7 +252,7 @@ def test_whole_halves_lookup_names_bad_ids_and_shapes() -> None:
         score(cores, (3, 4), 4, torch.tensor([1, 12]), offsets, "sum", None, torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match=r"table index 2 out of range \[0, 2\)"):
         score(cores, (3, 4), 4, torch.tensor([1, 2]), offsets, "sum", None, torch.tensor([0, 2]))
-    prefixes, suffixes = kernels.ttm_cpu.extension().ttm_halves([c.detach() for c in cores], [])
+    prefixes, suffixes = kernels.ttm_cpu.extension().ttm_halves([c.detach() for c in cores])
     with pytest.raises(RuntimeError, match="are not 2 tables with 5 suffixes"):
         kernels.ttm_cpu.extension().ttm_bag_forward_halves(
             prefixes, suffixes, torch.tensor([1]), torch.tensor([0]), torch.tensor([0, 1]), torch.empty(0), 4, 0, 2, 5

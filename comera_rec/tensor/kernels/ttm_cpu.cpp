@@ -626,8 +626,8 @@ std::vector<torch::Tensor> ttm_bag_forward(
 // Both halves contracted over all their row indices: {P (T * N_l, M_l, rp), S (T * N_r,
 // M_r, rp)}, row t * N + i for index i of table t. For scoring: a lookup over these
 // (ttm_bag_forward_halves) reads two rows per id and contracts nothing else.
-std::vector<torch::Tensor> ttm_halves(std::vector<torch::Tensor> cores, std::vector<torch::Tensor> layouts) {
-  const Train tr = describe(cores, "ttm_halves", true, layouts);
+std::vector<torch::Tensor> ttm_halves(std::vector<torch::Tensor> cores) {
+  const Train tr = describe(cores, "ttm_halves", true);  // its own core layouts, dropped after
   const int64_t Ul = tr.T * tr.Nl, Ur = tr.T * tr.Nr;
   TORCH_CHECK(std::max(Ul, Ur) < (int64_t(1) << 31), "ttm_halves: ", std::max(Ul, Ur), " rows of a half exceed int32");
   auto fopt = cores[0].options();

@@ -141,7 +141,7 @@ def whole_halves_bytes(cores: Sequence[torch.Tensor]) -> int:
     return T * (left + right) * padded * cores[0].element_size()
 
 
-def _whole_halves(cores: Sequence[torch.Tensor], row_shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The kept ``(P, S)`` halves of these unchanged cores when scoring (inside
     :func:`~comera_rec.tensor.cached_weights`, gradients off) and they take at most
     :data:`WHOLE_HALVES_MAX_BYTES`; else ``None``.
@@ -153,7 +153,7 @@ def _whole_halves(cores: Sequence[torch.Tensor], row_shape: Sequence[int]) -> tu
     if not cache_applies(cores) or whole_halves_bytes(cores) > WHOLE_HALVES_MAX_BYTES:
         return None
     # the kernel makes the core layouts it needs for this once and drops them (not kept)
-    return _HALVES.get(cores, lambda: tuple(extension().ttm_halves(list(cores), [])))
+    return _HALVES.get(cores, lambda: tuple(extension().ttm_halves(list(cores))))
 
 
 def _own_layouts(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -254,7 +254,7 @@ def ttm_embedding_bag_cpu(
     weights = per_sample_weights if per_sample_weights is not None else EMPTY.to(cores[0].dtype)
     batch = int(stream_batch)
     trains = trains if trains is not None else EMPTY
-    halves = _whole_halves(cores, row_shape)
+    halves = _whole_halves(cores)
     if halves is not None:  # scoring: two rows of the kept halves per id, nothing contracted
         prefixes, suffixes = halves
         suffix_rows = math.prod(int(n) for n in row_shape[split_point(len(cores)) :])
