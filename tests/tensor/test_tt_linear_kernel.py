@@ -39,10 +39,12 @@ def grads(y, inputs, g):
     return torch.autograd.grad(y, inputs, g.to(y.dtype))
 
 
-# (batch, N_in, N_out, r): ranks 5 / 17 / 31 not whole vectors; batches not whole 8-row
-# tiles; 700 rows: several row chunks with a short last one; 300 rows: chunks of two
-# whole 64-row backward blocks and a short one, and 84 outputs: an odd number of
-# vectors, 4- or 8-lane (a one-vector last panel of the packed right)
+# (batch, N_in, N_out, r): ranks 5 / 17 / 31 not whole vectors; batches not whole tiles
+# (8 rows with AVX-512, 12 with AVX2); 700 rows: several row chunks with a short last one;
+# 300 rows: chunks of whole backward blocks (64 or 96 rows) and a short one, and 84
+# outputs: an odd number of vectors, 4- or 8-lane (a one-vector last panel of the packed
+# right); ranks 17 and 24 in float64: an odd number of rank vectors with AVX2 (a one-vector
+# last panel of the packed left and right^T)
 CASES = [
     (1, 3, 2, 1),
     (37, 13, 29, 5),

@@ -4,9 +4,9 @@
 // weight (contract.tt_linear); r is small (a few vectors), N_in / N_out are the layer's
 // widths, x is (B, N_in). As BLAS calls this is two skinny GEMMs forward and four
 // backward, plus passes of their own for the bias, the ReLU and its mask, each reading or
-// writing a (B, N) activation: memory-bound work. Here a tile of 8 rows goes through
-// the forward, and a block of 64 rows through the backward, every step while the rows
-// are in cache:
+// writing a (B, N) activation: memory-bound work. Here a tile of rows (8 with AVX-512, 12
+// with AVX2) goes through the forward, and a block of 8 tiles through the backward, every
+// step while the rows are in cache:
 //
 //   forward:  t = x @ left (kept for backward), y = relu(t @ right + bias)
 //   backward: g = dy * (y > 0); grad_bias += sum g; grad_right += t^T g;
@@ -29,19 +29,9 @@ namespace {
 
 using namespace comera;
 
-constexpr int64_t kTile = 8;  // rows that share every load of left / right
-
-// Rows whose (rows x V) rank accumulators are made at once in the two products with a rank
-// output (t = x @ left, dt = g @ right^T): they and the V loaded vectors must fit the vector
-// registers. All 8 of a tile with AVX-512's 32; with AVX2's 16 the tile goes in groups of
-// fewer rows for more rank vectors (8 rows of 4 vectors spilled, several times slower).
-template <int V>
-constexpr int64_t group_rows() {
-  if constexpr (kVectorRegisters >= 32) return kTile;
-  int64_t g = kTile;
-  while (g > 1 && g * V + V + 1 > kVectorRegisters) g /= 2;
-  return g;
-}
+// Rows that share every load of left / right: 8 with AVX-512's 32 registers; 12 with 16,
+// so that the products with a rank input run 6 rows x 2 vectors (rank_product).
+constexpr int64_t kTile = kVectorRegisters >= 32 ? 8 : 12;
 
 // The most rank vectors a tile takes: 256 bytes of rank (r <= 64 float32), at most 8 vectors.
 constexpr int kMaxVectors = std::min<int>(8, 256 / kVectorBytes);
@@ -56,7 +46,7 @@ struct Layer {
   int64_t Np = 0;   // n_out padded to whole vectors
   int64_t Nip = 0;  // n_in padded to whole vectors
   const T* x = nullptr;      // (B, n_in)
-  const T* left = nullptr;   // (n_in, R)
+  const T* left = nullptr;   // (n_in, R) (in panels with 16 registers)
   const T* right = nullptr;  // (r, Np) in panels (pack_panels)
   const T* bias = nullptr;   // (Np) or null
   const T* zeros = nullptr;  // max(n_in, Np, R) zeros: the rows of a tile past B
@@ -75,9 +65,11 @@ inline void store_head(T* p, vec_t<T> v, int64_t n) {
 // The products of a tile's rank rows with a matrix of rank rows, m (r, cols) held as
 // panels (pack_panels): for the columns [0, cols) (whole vectors), out(i, c) = init(c) +
 // sum_{j < r} s[i * lds + j] m[j, c] for the tile's rows i, each (row, vector) handed to
-// done(i, c, value). Made in blocks of 8 sums kept in registers: 8 rows x 1 vector with
-// AVX-512 (one load of m and 8 broadcasts per j), 4 rows x 2 vectors with 16 registers (2
-// loads and 4 broadcasts per 8 multiply-adds, where 9 loads per 8 bound the loop).
+// done(i, c, value). Made in blocks of sums kept in registers: 8 rows x 1 vector with
+// AVX-512 (one load of m and 8 broadcasts per j), 6 rows x 2 vectors with 16 registers (2
+// loads and 6 broadcasts per 12 multiply-adds). 4 rows x 2 vectors ran at half the speed
+// on an AVX2 EPYC: 8 sums are just the multiply-adds in flight that two FMA units of
+// latency 4 need, and any stall left them idle.
 constexpr int kOutVectors = kVectorRegisters >= 32 ? 1 : 2;
 
 // m (r, cols) in panels of kOutVectors vectors of columns (one vector for the last when
@@ -132,41 +124,79 @@ inline void rank_product(const T* s, int64_t lds, const T* panels, int64_t r, in
   for (; c < cols; c += W) rank_block<T, 1>(s, lds, panels + c * r, r, c, init, done);
 }
 
+// The products with a rank output on 16-register machines (t = x @ left, dt = g @ right^T):
+// out[i * R + c] = sum_{k < K} rows[i][k] m[k, c] for a tile's rows, m (K, R) held as panels
+// (pack_panels), in blocks of 6 rows x 2 vectors (12 rows x 1 for an odd last vector): 2
+// loads and 6 broadcasts per 12 multiply-adds. Rows x every rank vector at once, as with
+// AVX-512, leaves 2 rows x 4 vectors at rank 32 here: 8 sums, and the tile reads m 6 times
+// (1.2x slower on an AVX2 EPYC, x @ left at 512 x 32 alone).
+template <typename T, int PV>
+inline void panel_block(const T* const* rows, int64_t K, const T* panel, T* out, int64_t R, int64_t c) {
+  constexpr int64_t W = kLanes<T>;
+  constexpr int64_t kRows = kTile / PV;
+  for (int64_t i0 = 0; i0 < kTile; i0 += kRows) {
+    vec_t<T> a[kRows][PV];
+    for (int64_t i = 0; i < kRows; ++i)
+      for (int u = 0; u < PV; ++u) a[i][u] = vzero<T>();
+    for (int64_t k = 0; k < K; ++k) {
+      vec_t<T> m[PV];
+      for (int u = 0; u < PV; ++u) {
+        m[u] = vload(panel + (k * PV + u) * W);
+        hold_in_register(m[u]);
+      }
+      for (int64_t i = 0; i < kRows; ++i) {
+        const T s = rows[i0 + i][k];
+        for (int u = 0; u < PV; ++u) a[i][u] += s * m[u];
+      }
+    }
+    for (int64_t i = 0; i < kRows; ++i)
+      for (int u = 0; u < PV; ++u) vstore(out + (i0 + i) * R + c + u * W, a[i][u]);
+  }
+}
+
+template <typename T>
+inline void panel_product(const T* const* rows, int64_t K, const T* panels, int64_t R, T* out) {
+  constexpr int64_t W = kLanes<T>;
+  int64_t c = 0;
+  for (; c + 2 * W <= R; c += 2 * W) panel_block<T, 2>(rows, K, panels + c * K, out, R, c);
+  for (; c < R; c += W) panel_block<T, 1>(rows, K, panels + c * K, out, R, c);
+}
+
+// The same product with 32 registers: the tile's rows x all V rank vectors at once, m (K, R)
+// row-major (one load of m per vector, shared by the 8 rows).
+template <typename T, int V>
+inline void rank_output_rows(const T* const* rows, int64_t K, const T* m, T* out) {
+  constexpr int64_t W = kLanes<T>;
+  vec_t<T> a[kTile][V];
+  for (int64_t i = 0; i < kTile; ++i)
+    for (int v = 0; v < V; ++v) a[i][v] = vzero<T>();
+  for (int64_t k = 0; k < K; ++k) {
+    vec_t<T> mk[V];
+    for (int v = 0; v < V; ++v) mk[v] = vload(m + (k * V + v) * W);
+    for (int64_t i = 0; i < kTile; ++i) {
+      const T s = rows[i][k];
+      for (int v = 0; v < V; ++v) a[i][v] += s * mk[v];
+    }
+  }
+  for (int64_t i = 0; i < kTile; ++i)
+    for (int v = 0; v < V; ++v) vstore(out + (i * V + v) * W, a[i][v]);
+}
+
 template <typename T, int V>
 void forward_tile(const Layer<T>& L, int64_t b0, bool relu, T* t_out, T* y) {
   constexpr int64_t W = kLanes<T>;
-  constexpr int64_t kGroup = group_rows<V>();
   const int64_t rows = std::min(kTile, L.B - b0);
   const T* xr[kTile];
   for (int64_t i = 0; i < kTile; ++i) xr[i] = i < rows ? L.x + (b0 + i) * L.n_in : L.zeros;
 
-  // t = x @ left: (kTile, R), kGroup rows at a time
+  // t = x @ left: (kTile, R)
   alignas(64) T t[kTile][V * W];
-  for (int64_t i0 = 0; i0 < kTile; i0 += kGroup) {
-    vec_t<T> acc[kGroup][V];
-    for (int64_t i = 0; i < kGroup; ++i)
-      for (int v = 0; v < V; ++v) acc[i][v] = vzero<T>();
-    for (int64_t k = 0; k < L.n_in; ++k) {
-      vec_t<T> lk[V];
-      for (int v = 0; v < V; ++v) {
-        lk[v] = vload(L.left + k * L.R + v * W);
-        // with 16 registers (2 to 4 rows a group) the folded loads bound this loop: 10
-        // loads per 8 multiply-adds at 2 rows x 4 vectors. Held, the forward ran 1.11-1.24x
-        // faster (512 -> 256 at rank 32 and 16, 256 -> 64; not 367 -> 512: AVX2, builds
-        // alternating in one process); in dt = g @ right^T below it gained nothing.
-        if constexpr (kVectorRegisters < 32 && kGroup > 1) hold_in_register(lk[v]);
-      }
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const T xik = xr[i0 + i][k];
-        for (int v = 0; v < V; ++v) acc[i][v] += xik * lk[v];
-      }
-    }
-    for (int64_t i = 0; i < kGroup; ++i)
-      for (int v = 0; v < V; ++v) {
-        vstore(&t[i0 + i][v * W], acc[i][v]);
-        if (i0 + i < rows) vstore(t_out + (b0 + i0 + i) * L.R + v * W, acc[i][v]);
-      }
+  if constexpr (kVectorRegisters < 32) {
+    panel_product(xr, L.n_in, L.left, V * W, &t[0][0]);  // left in panels
+  } else {
+    rank_output_rows<T, V>(xr, L.n_in, L.left, &t[0][0]);
   }
+  for (int64_t i = 0; i < rows; ++i) std::copy(t[i], t[i] + V * W, t_out + (b0 + i) * L.R);
 
   // y = t @ right + bias, then the activation
   const vec_t<T> zero = vzero<T>();
@@ -184,7 +214,7 @@ struct Grads {
   const T* gy = nullptr;       // (B, n_out)
   const T* y = nullptr;        // (B, n_out) the activation's output, or null: no ReLU
   const T* t = nullptr;        // (B, R) from forward
-  const T* right_t = nullptr;  // (n_out, R): right transposed
+  const T* right_t = nullptr;  // (n_out, R): right transposed (in panels with 16 registers)
   const T* left_t = nullptr;   // (r, Nip): left transposed, in panels
   T* gx = nullptr;             // (B, n_in) or null
   bool left = true;            // grad_left wanted (else dt is needed only for gx)
@@ -194,7 +224,7 @@ struct Grads {
 // block's weight-gradient sums run over all its rows in registers, so a chunk's partials
 // (grad_left is n_in x R: 64 KB at 512 x 32) are read and written once per block, not per
 // few rows: with 8-row updates, that traffic to L2 bound the loops.
-constexpr int64_t kBlockRows = 64;
+constexpr int64_t kBlockRows = kTile * (64 / 8);  // whole tiles: 64 rows with AVX-512, 96 with AVX2
 // Accumulators of a weight-gradient register tile: most of the registers, the rest for
 // the loaded operands.
 constexpr int kGradAccumulators = kVectorRegisters >= 32 ? 24 : 12;
@@ -243,9 +273,16 @@ inline void grad_left_tile(const T* const* xr, int64_t k0, const T* dts, int64_t
     const T* di = dts + i * V * W;
     // the next tiles' x: each row's next cache line, ahead of the loads that reach it
     __builtin_prefetch(xr[i] + k0 + 64 / sizeof(T));
+    vec_t<T> dv[V];
+    for (int v = 0; v < V; ++v) {
+      dv[v] = vload(di + v * W);
+      // held where they fit (16 registers: 2 x 4 at rank 32), else GCC folds a load of
+      // dt into every multiply-add
+      if constexpr (K * V + V + 1 <= kVectorRegisters) hold_in_register(dv[v]);
+    }
     for (int u = 0; u < K; ++u) {
       const T x = xr[i][k0 + u];
-      for (int v = 0; v < V; ++v) a[u][v] += x * vload(di + v * W);
+      for (int v = 0; v < V; ++v) a[u][v] += x * dv[v];
     }
   }
   for (int u = 0; u < K; ++u)
@@ -259,7 +296,6 @@ template <typename T, int V>
 void backward_block(const Layer<T>& L, const Grads<T>& d, int64_t b0, int64_t end, T* gL, T* gR, T* gB, T* G,
                     T* dts) {
   constexpr int64_t W = kLanes<T>;
-  constexpr int64_t kGroup = group_rows<V>();
   constexpr int64_t R = V * W;
   const int64_t rows = std::min(kBlockRows, end - b0);
   const int64_t tiles_rows = padded(rows, kTile);  // the rank products go by whole tiles
@@ -310,23 +346,15 @@ void backward_block(const Layer<T>& L, const Grads<T>& d, int64_t b0, int64_t en
 
   if (!d.gx && !d.left) return;  // a constant left (NarrowLinear's identity): no dt
 
-  // dt = g @ right^T: (rows, R), kGroup rows at a time (the loop of t = x @ left in
-  // forward_tile over other operands: one helper for both made that forward 20% slower at
-  // rank 16 with AVX2, alternating builds)
-  for (int64_t i0 = 0; i0 < tiles_rows; i0 += kGroup) {
-    vec_t<T> dt[kGroup][V];
-    for (int64_t i = 0; i < kGroup; ++i)
-      for (int v = 0; v < V; ++v) dt[i][v] = vzero<T>();
-    for (int64_t c = 0; c < L.n_out; ++c) {
-      vec_t<T> rc[V];
-      for (int v = 0; v < V; ++v) rc[v] = vload(d.right_t + c * L.R + v * W);
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const T gic = G[(i0 + i) * L.Np + c];
-        for (int v = 0; v < V; ++v) dt[i][v] += gic * rc[v];
-      }
+  // dt = g @ right^T: (rows, R), a tile of rows at a time
+  for (int64_t s = 0; s < tiles_rows; s += kTile) {
+    const T* gr[kTile];
+    for (int64_t i = 0; i < kTile; ++i) gr[i] = G + (s + i) * L.Np;
+    if constexpr (kVectorRegisters < 32) {
+      panel_product(gr, L.n_out, d.right_t, R, dts + s * R);  // right^T in panels
+    } else {
+      rank_output_rows<T, V>(gr, L.n_out, d.right_t, dts + s * R);
     }
-    for (int64_t i = 0; i < kGroup; ++i)
-      for (int v = 0; v < V; ++v) vstore(dts + (i0 + i) * R + v * W, dt[i][v]);
   }
 
   // dx = dt @ left^T, a tile of rows at a time
@@ -342,7 +370,9 @@ void backward_block(const Layer<T>& L, const Grads<T>& d, int64_t b0, int64_t en
   // grad_left += x^T dt
   const T* xr[kBlockRows];
   for (int64_t i = 0; i < rows; ++i) xr[i] = L.x + (b0 + i) * L.n_in;
-  constexpr int K = std::max(1, kGradAccumulators / V);
+  // input rows a tile: with 16 registers as many as leave room for dt's V vectors
+  constexpr int K = kVectorRegisters >= 32 ? std::max(1, kGradAccumulators / V)
+                                           : std::max(1, std::min(kGradAccumulators, (kVectorRegisters - 1 - V) / V));
   int64_t k = 0;
   for (; k + K <= L.n_in; k += K) grad_left_tile<T, V, K>(xr, k, dts, rows, gL, L.R);
   for (; k < L.n_in; ++k) grad_left_tile<T, V, 1>(xr, k, dts, rows, gL, L.R);
@@ -451,6 +481,9 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
     auto L = layer_of<scalar_t>(x, left_p, right_p, bias_p, r, n_out, zeros);
     const auto right_panels = pack_panels<scalar_t>(right_p);
     L.right = right_panels.data_ptr<scalar_t>();
+    // with 16 registers t = x @ left reads left in panels too (panel_product)
+    const auto left_panels = kVectorRegisters < 32 ? pack_panels<scalar_t>(left_p) : left_p;
+    L.left = left_panels.data_ptr<scalar_t>();
     with_vectors<scalar_t, ForwardRows>(R / W, L, relu, t.data_ptr<scalar_t>(), y.data_ptr<scalar_t>());
   });
   return {y, t};
@@ -484,7 +517,9 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
     d.gy = grad_y.data_ptr<T>();
     d.y = y.numel() ? y.data_ptr<T>() : nullptr;
     d.t = t.data_ptr<T>();
-    d.right_t = right_t.data_ptr<T>();
+    // with 16 registers dt = g @ right^T reads right^T in panels (panel_product)
+    const auto right_t_panels = kVectorRegisters < 32 ? pack_panels<T>(right_t) : right_t;
+    d.right_t = right_t_panels.data_ptr<T>();
     const auto left_t_panels = pack_panels<T>(left_t);
     d.left_t = left_t_panels.data_ptr<T>();
     d.gx = need_grad_x ? grad_x.data_ptr<T>() : nullptr;
