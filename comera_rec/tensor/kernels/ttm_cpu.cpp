@@ -342,24 +342,26 @@ struct Train {
 
 // A core (T, r, ...) with its first rank moved last and zero-padded to whole vectors:
 // (T, r, n, m, r') -> (T, n, m, r', rp), the same as pad_last(core.permute({0, 2, 3, 4, 1})).
-// Each table's (r, X) matrix is transposed in blocks of 64 columns that stay in L1 (a
-// strided copy of the permuted view gathers every value from another cache line).
+// Each table's (r, X) matrix is transposed in blocks of 16 columns that stay in L1 (a
+// strided copy of the permuted view gathers every value from another cache line), each
+// output row written whole (k inner: 2x faster than x inner over blocks of 64 on an AVX2
+// EPYC, G1 of the Kaggle 4-core group, 2.2 MB).
 torch::Tensor rank_last(const torch::Tensor& core, int64_t lanes) {
   const auto c = core.contiguous();
   const int64_t T = c.size(0), r = c.size(1), X = c.numel() / std::max<int64_t>(1, T * r), rp = padded(r, lanes);
   auto out = rp == r ? torch::empty({T, X, rp}, c.options()) : torch::zeros({T, X, rp}, c.options());
-  constexpr int64_t kCols = 64;
+  constexpr int64_t kCols = 16;
   const int64_t blocks = (X + kCols - 1) / kCols;
   AT_DISPATCH_FLOATING_TYPES(c.scalar_type(), "rank_last", [&] {
     const scalar_t* src = c.data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T * blocks, 16, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, T * blocks, 64, [&](int64_t b, int64_t e) {
       for (int64_t tb = b; tb < e; ++tb) {
         const int64_t t = tb / blocks, x0 = tb % blocks * kCols, x1 = std::min(X, x0 + kCols);
         const scalar_t* in = src + t * r * X;
         scalar_t* o = dst + t * X * rp;
-        for (int64_t k = 0; k < r; ++k)
-          for (int64_t x = x0; x < x1; ++x) o[x * rp + k] = in[k * X + x];
+        for (int64_t x = x0; x < x1; ++x)
+          for (int64_t k = 0; k < r; ++k) o[x * rp + k] = in[k * X + x];
       }
     });
   });
