@@ -43,7 +43,7 @@ def grads(y, inputs, g):
 # (8 rows with AVX-512, 12 with AVX2); 700 rows: several row chunks with a short last one;
 # 300 rows: chunks of whole backward blocks (64 or 96 rows) and a short one, and 84
 # outputs: an odd number of vectors, 4- or 8-lane (a one-vector last panel of the packed
-# right); ranks 17 and 24 in float64: an odd number of rank vectors with AVX2 (a one-vector
+# right); rank 17 in float64: an odd number of rank vectors (5 with AVX2: a one-vector
 # last panel of the packed left and right^T)
 CASES = [
     (1, 3, 2, 1),
