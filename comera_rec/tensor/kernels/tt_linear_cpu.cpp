@@ -276,9 +276,9 @@ inline void grad_left_tile(const T* const* xr, int64_t k0, const T* dts, int64_t
     vec_t<T> dv[V];
     for (int v = 0; v < V; ++v) {
       dv[v] = vload(di + v * W);
-      // held where they fit (16 registers: 2 x 4 at rank 32), else GCC folds a load of
-      // dt into every multiply-add
-      if constexpr (K * V + V + 1 <= kVectorRegisters) hold_in_register(dv[v]);
+      // held with 16 registers where they fit (2 x 4 at rank 32), else GCC folds a load of
+      // dt into every multiply-add (AVX-512's tiles left as they were measured)
+      if constexpr (kVectorRegisters < 32 && K * V + V + 1 <= kVectorRegisters) hold_in_register(dv[v]);
     }
     for (int u = 0; u < K; ++u) {
       const T x = xr[i][k0 + u];
