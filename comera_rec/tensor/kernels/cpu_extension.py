@@ -79,17 +79,26 @@ def _host_tag() -> str:
     return hashlib.sha1((platform.machine() + _cpu_flags_line()).encode()).hexdigest()[:8]
 
 
+def _x86_vectors() -> tuple[str, int] | None:
+    """This x86 host's widest vector instructions and their bytes, from its CPU flags:
+    ``("AVX2", 32)``; ``None`` on another machine or without a flags line."""
+    flags = set(_cpu_flags_line().partition(":")[2].split())
+    if platform.machine() not in ("x86_64", "AMD64") or not flags:
+        return None
+    for flag, name, size in (("avx512f", "AVX-512", 64), ("avx2", "AVX2", 32), ("avx", "AVX", 32)):
+        if flag in flags:
+            return name, size
+    return "SSE2", 16
+
+
 def _target_description(width: str) -> str:
     """What the build targets, for the log: ``"AVX2 (32-byte vectors)"``, or the forced width."""
     if width:
         return f"{width}-byte vectors ({VECTOR_BYTES_ENV}={width})"
     machine = platform.machine()
-    flags = set(_cpu_flags_line().partition(":")[2].split())
-    if machine in ("x86_64", "AMD64") and flags:
-        for flag, name, size in (("avx512f", "AVX-512", 64), ("avx2", "AVX2", 32), ("avx", "AVX", 32)):
-            if flag in flags:
-                return f"{name} ({size}-byte vectors)"
-        return "SSE2 (16-byte vectors)"
+    x86 = _x86_vectors()
+    if x86 is not None:
+        return f"{x86[0]} ({x86[1]}-byte vectors)"
     if machine in ("aarch64", "arm64"):
         return "NEON (16-byte vectors)"
     return f"{machine} (this CPU's widest vectors)"
@@ -100,9 +109,8 @@ def _emulated(width: str) -> bool:
     AVX-512, 32 without AVX)."""
     if not width or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    flags = set(_cpu_flags_line().partition(":")[2].split())
-    native = 64 if "avx512f" in flags else 32 if "avx" in flags else 16
-    return int(width) > native
+    x86 = _x86_vectors()
+    return int(width) > (x86[1] if x86 is not None else 16)
 
 
 def _source_tag(sources: Sequence[Path] | None = None) -> str:
