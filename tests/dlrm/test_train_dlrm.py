@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,17 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_log(run_dir) if r["kind"] == "train"}
 
 
+def copy_up_to(run_dir: Path, copy: Path, step: int) -> None:
+    """``run_dir`` as it stood after ``step``: its checkpoints up to ``step`` and its log up to
+    ``step``, so that a resume of the copy must train and log the later steps itself."""
+    shutil.copytree(run_dir, copy)
+    for later in (copy / "checkpoints").glob("step_*"):
+        if int(later.name.removeprefix("step_")) > step:
+            shutil.rmtree(later)
+    kept = [r for r in read_log(run_dir) if r.get("step", step + 1) <= step]  # not the run's summary
+    (copy / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
 def test_resume_continues_the_same_run_across_a_truncation(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     # threshold 2 > every controller: step 4 cuts every bond to rank 1 (a real truncation)
     common = TINY + [
@@ -41,7 +53,8 @@ def test_resume_continues_the_same_run_across_a_truncation(tmp_path: Path, capfd
         ["--config", str(ROOT / "configs/dlrm_demo.yaml"), *common, "trainer.max_steps=12", f"trainer.run_dir={whole}"]
     )
     assert summary["truncations"] >= 1
-    main(["--config", str(ROOT / "configs/dlrm_demo.yaml"), *common, "trainer.max_steps=6", f"trainer.run_dir={part}"])
+    # the uninterrupted run's own step-6 checkpoint, in a copy, is what the resume starts from
+    copy_up_to(whole, part, 6)
     capfd.readouterr()
     main(
         [
@@ -152,7 +165,8 @@ def test_two_process_resume_with_sharded_tables(tmp_path: Path) -> None:
 
     whole, part = tmp_path / "whole", tmp_path / "part"
     run(whole, 9)
-    run(part, 6)
+    # a copy of the run at its step-6 checkpoint resumes (one launch fewer than a run to 6)
+    copy_up_to(whole, part, 6)
     run(part, 9, "--resume")
     a, b = train_losses(whole), train_losses(part)
     for step in range(7, 10):
