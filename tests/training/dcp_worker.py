@@ -1,10 +1,12 @@
 """Worker of test_checkpoint_resharding.py: the tiny DLRM run, alone or under torchrun.
 
-    python tests/training/dcp_worker.py --config configs/dlrm_demo.yaml [section.key=value ...]
+    python tests/training/dcp_worker.py --config configs/dlrm_demo.yaml [--resume [--save-on-resume]] [section.key=value ...]
 
 The same as launch/train_dlrm.py, except that ``embedding_optim.sharding_type=column_wise``
 splits every table into column shards of 4 (TorchRec's planner keeps columns of at least
-128 together, which would leave the tiny run's 8-wide tables whole).
+128 together, which would leave the tiny run's 8-wide tables whole), and that
+``--save-on-resume`` writes the checkpoint of the step it resumed at again before the first
+step (the state as this run's processes and plan hold it), then trains on.
 """
 
 from __future__ import annotations
@@ -50,11 +52,24 @@ class SplitColumnsTask(DLRMTask):
         return self._wrapped
 
 
+class SaveOnResumeTrainer(Trainer):
+    """A :class:`Trainer` that, resuming, writes the checkpoint it resumed from again before
+    its first step (one launch checks the state loaded and trains on from it)."""
+
+    def _start_run(self):
+        started = super()._start_run()
+        if self.config.resume:
+            self.save()
+        return started
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Train the tiny DLRM as launch/train_dlrm.py does, with :class:`SplitColumnsTask`."""
     setup_logging()
-    config = run_config_from_args(DLRMRunConfig, argv, __doc__)
-    Trainer(SplitColumnsTask(config), config.trainer, config.schedule, config.optim, run_config=config).fit()
+    args = list(sys.argv[1:] if argv is None else argv)
+    trainer = SaveOnResumeTrainer if "--save-on-resume" in args else Trainer
+    config = run_config_from_args(DLRMRunConfig, [a for a in args if a != "--save-on-resume"], __doc__)
+    trainer(SplitColumnsTask(config), config.trainer, config.schedule, config.optim, run_config=config).fit()
 
 
 if __name__ == "__main__":

@@ -104,15 +104,18 @@ def _resume_elsewhere(
     train_on: bool = False,
 ) -> Path:
     """Resume a copy of ``source`` with ``nproc`` processes and ``plan``: the state written
-    again equals the state loaded; with ``train_on`` training continues to step 6 (asked of
-    one resume only: each costs a launch, and the state it starts from is the one checked)."""
+    again equals the state loaded; with ``train_on`` the same launch writes it before its
+    first step (dcp_worker.py --save-on-resume) and trains on to step 6."""
     run = tmp / "resumed"
     shutil.copytree(source, run)
     for later in (run / "checkpoints").glob("step_*"):
         if later.name > "step_000000004":  # the copy resumes from step 4
             shutil.rmtree(later)
     extra = [f"embedding_optim.sharding_type={plan}"] if plan else []
-    _train(tmp, run, nproc, 4, "trainer.checkpoint_every=0", *extra, resume=True)
+    if train_on:
+        _train(tmp, run, nproc, 6, "trainer.checkpoint_every=0", *extra, "--save-on-resume", resume=True)
+    else:
+        _train(tmp, run, nproc, 4, "trainer.checkpoint_every=0", *extra, resume=True)
     saved, saved_meta = load_checkpoint(source / STEP4)
     again, again_meta = load_checkpoint(run / STEP4)
     assert again_meta["world_size"] == nproc and saved_meta["run_id"] == again_meta["run_id"]
@@ -120,7 +123,6 @@ def _resume_elsewhere(
     diffs = _differences(saved, again, "", rowwise)
     assert not diffs, diffs[:20]
     if train_on:
-        _train(tmp, run, nproc, 6, "trainer.checkpoint_every=0", *extra, resume=True)
         losses = train_losses(run)
         assert {5, 6} <= set(losses) and all(math.isfinite(losses[s]) for s in (5, 6)), losses
     return run
