@@ -5,66 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
+from comera_rec.data.criteo import KAGGLE_NUM_EMBEDDINGS, TERABYTE_NUM_EMBEDDINGS
 from comera_rec.integration.policy import CompressionPolicy, TableRule
 
-# Criteo Kaggle (DLRM reference script): 26 tables, 33.8M rows.
-KAGGLE_TABLE_SIZES: tuple[int, ...] = (
-    1460,
-    583,
-    10131227,
-    2202608,
-    305,
-    24,
-    12517,
-    633,
-    3,
-    93145,
-    5683,
-    8351593,
-    3194,
-    27,
-    14992,
-    5461306,
-    10,
-    5652,
-    2173,
-    4,
-    7046547,
-    18,
-    15,
-    286181,
-    105,
-    142572,
-)
-# MLPerf DLRM-DCNv2 (Criteo 1TB multi-hot): 26 tables, 204M rows.
-MLPERF_TABLE_SIZES: tuple[int, ...] = (
-    40000000,
-    39060,
-    17295,
-    7424,
-    20265,
-    3,
-    7122,
-    1543,
-    63,
-    40000000,
-    3067956,
-    405282,
-    10,
-    2209,
-    11938,
-    155,
-    4,
-    976,
-    14,
-    40000000,
-    40000000,
-    40000000,
-    590152,
-    12973,
-    108,
-    36,
-)
+# Criteo Kaggle (DLRM reference script): 26 tables, 33.8M rows; MLPerf DLRM-DCNv2 (Criteo
+# 1TB multi-hot): 26 tables, 204M rows. The data readers' lists, as tuples.
+KAGGLE_TABLE_SIZES: tuple[int, ...] = tuple(KAGGLE_NUM_EMBEDDINGS)
+MLPERF_TABLE_SIZES: tuple[int, ...] = tuple(TERABYTE_NUM_EMBEDDINGS)
 
 
 @dataclass

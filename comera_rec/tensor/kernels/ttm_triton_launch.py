@@ -191,59 +191,42 @@ def launch_backward_halves(
     block_ml, block_mr = _pow2(m_l), _pow2(m_r)
     block_r = min(_pow2(r), max(2, 2 * block_elems // (block_ml * block_mr)))
     warps = _num_warps(block_ml * block_mr * block_r // 2)
+
+    def slot_gradients(kernel, other: torch.Tensor, other_of_id: torch.Tensor, slot_of_id: torch.Tensor, shape):
+        # one half's slot gradients, each slot's ids summed by one program (both halves alike)
+        buf = torch.zeros(*shape, device=prefix.device, dtype=acc_torch)
+        order, key, lo, hi = segments_static(slot_of_id, chunk) if static else segments(slot_of_id, shape[0], chunk)
+        if key.numel():
+            jit_kernel(kernel)[(key.numel(), triton.cdiv(r, block_r))](
+                grad_out,
+                other,
+                other_of_id,
+                bag_of_id,
+                coef,
+                order,
+                key,
+                lo,
+                hi,
+                buf,
+                dim,
+                m_l,
+                m_r,
+                r,
+                ACC=acc,
+                BLOCK_ML=block_ml,
+                BLOCK_MR=block_mr,
+                BLOCK_R=block_r,
+                num_warps=warps,
+            )
+        return buf
+
     grad_prefix = grad_suffix = None
-    if need_prefix:
-        buf = torch.zeros(k_p, m_l, r, device=prefix.device, dtype=acc_torch)  # (K_p, M_l, r)
-        order, key, lo, hi = segments_static(p_of_id, chunk) if static else segments(p_of_id, k_p, chunk)
-        if key.numel():
-            jit_kernel(ttm_bag_bwd_prefix_kernel)[(key.numel(), triton.cdiv(r, block_r))](
-                grad_out,
-                suffix,
-                s_of_id,
-                bag_of_id,
-                coef,
-                order,
-                key,
-                lo,
-                hi,
-                buf,
-                dim,
-                m_l,
-                m_r,
-                r,
-                ACC=acc,
-                BLOCK_ML=block_ml,
-                BLOCK_MR=block_mr,
-                BLOCK_R=block_r,
-                num_warps=warps,
-            )
-        grad_prefix = buf.to(prefix.dtype)
-    if need_suffix:
-        buf = torch.zeros(k_s, r, m_r, device=suffix.device, dtype=acc_torch)  # (K_s, r, M_r)
-        order, key, lo, hi = segments_static(s_of_id, chunk) if static else segments(s_of_id, k_s, chunk)
-        if key.numel():
-            jit_kernel(ttm_bag_bwd_suffix_kernel)[(key.numel(), triton.cdiv(r, block_r))](
-                grad_out,
-                prefix,
-                p_of_id,
-                bag_of_id,
-                coef,
-                order,
-                key,
-                lo,
-                hi,
-                buf,
-                dim,
-                m_l,
-                m_r,
-                r,
-                ACC=acc,
-                BLOCK_ML=block_ml,
-                BLOCK_MR=block_mr,
-                BLOCK_R=block_r,
-                num_warps=warps,
-            )
-        grad_suffix = buf.to(suffix.dtype)
+    if need_prefix:  # (K_p, M_l, r)
+        grad_prefix = slot_gradients(ttm_bag_bwd_prefix_kernel, suffix, s_of_id, p_of_id, (k_p, m_l, r))
+        grad_prefix = grad_prefix.to(prefix.dtype)
+    if need_suffix:  # (K_s, r, M_r)
+        grad_suffix = slot_gradients(ttm_bag_bwd_suffix_kernel, prefix, p_of_id, s_of_id, (k_s, r, m_r))
+        grad_suffix = grad_suffix.to(suffix.dtype)
     return grad_prefix, grad_suffix
 
 
