@@ -4,8 +4,8 @@ Each test resumes the tiny DLRM's step-4 checkpoint with another number of proce
 another table sharding, with ``max_steps=4``: the run loads, validates and writes step 4
 again, now with its own world size and plan. Globally (every table gathered whole, read in
 this one process) that checkpoint must equal the one it loaded, the row-wise Adagrad
-accumulators converted where the column shards changed; the column-wise resume then trains
-on to step 6.
+accumulators converted where the column shards changed. The four-process and column-wise
+resumes train on to step 6 in the same launch, writing step 4 again before their first step.
 Bit-equality with an uninterrupted run cannot be asked: another world size feeds other
 batches (docs/reliability.md).
 """
