@@ -8,6 +8,7 @@ AVX-512 code (and an AVX-512 machine the AVX2 code) for correctness.
 
 import os
 import platform
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,14 @@ KERNEL_TESTS = [
     "tests/tensor/test_cpu_kernel.py",
     "tests/integration/test_rowwise_bag_kernel.py",
     "tests/dlrm/test_interaction.py",
+]
+# the kernels' three extensions (the tensor core's, DLRM's interaction, the row-wise Adagrad
+# tables), each built in a process of its own so that the three builds at the other width run
+# at once (one process builds one extension at a time); the tests above then find them built
+BUILDS = [
+    "from comera_rec.tensor import kernels; assert kernels.cpu_kernel_enabled()",
+    "from comera_rec.dlrm.interaction_kernel import EXTENSION; assert EXTENSION.enabled()",
+    "from comera_rec.integration.rowwise_bag_kernel import EXTENSION; assert EXTENSION.enabled()",
 ]
 
 
@@ -81,6 +90,27 @@ def test_kernel_tests_pass_at_another_width(tmp_path) -> None:
     # same code and the same results; 32-byte vectors run natively on an AVX-512 host
     other = "32" if kernels.cpu_vector_bytes() == 64 else "64"
     env = {**os.environ, cpu_extension.VECTOR_BYTES_ENV: other}
+    builds = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for code in BUILDS
+    ]
+    try:
+        for code, build in zip(BUILDS, builds):
+            out = build.communicate(timeout=1500)[0]
+            assert build.returncode == 0, f"{code!r} at {other}-byte vectors failed:\n{out[-4000:]}"
+    finally:
+        for build in builds:  # after a failed build, the others (and their compilers) are not left running
+            if build.poll() is None:
+                os.killpg(build.pid, signal.SIGKILL)
+                build.wait()
     run = subprocess.run(
         [
             sys.executable,
