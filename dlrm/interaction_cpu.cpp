@@ -6,11 +6,11 @@
 // zero-padded gather into the grid and a second batched GEMM. Here each sample is done
 // in one go while its n rows are in cache: forward, the rows are transposed into a
 // (D, n) block so that one multiply-add gives a vector of dot products (n = 27, D = 16:
-// 16 multiply-adds per 16 pairs), four rows at a time (each load of the block feeds four
-// rows' sums, which do not wait on each other), the dots kept in a small grid and packed
-// into the output by whole vectors (below); backward, grad e_i = sum_{j != i} g_ij e_j for eight rows
-// i at a time (each load of e_j feeds eight multiply-adds). Samples are independent: the
-// result does not depend on the number of threads.
+// 16 multiply-adds per 16 pairs), in register tiles of rows x column vectors (3 x 4 with 16
+// registers: each step 3 broadcasts and 4 loads for 12 multiply-adds), the dots kept in a
+// small grid and packed into the output by whole vectors (below); backward, grad e_i =
+// sum_{j != i} g_ij e_j in tiles of rows x vectors over D (6 x 2 with 16 registers). Samples
+// are independent: the result does not depend on the number of threads.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -31,10 +31,48 @@ inline const T* row_of(const T* dense, const T* sparse, int64_t b, int64_t i, in
   return i == 0 ? dense + b * D : sparse + (b * F + (i - 1)) * D;
 }
 
+// dots of rows i0 .. i0 + R - 1 with the CB column vectors from j0 of the transposed block:
+// R x CB sums in registers over d, each step R broadcasts and CB loads of the block for
+// R * CB multiply-adds (R = 3, CB = 4 with 16 registers: 12 sums)
+template <typename T, int R, int CB>
+inline void dot_tile(const T* et, int64_t np, int64_t D, int64_t i0, int64_t j0, T* grid) {
+  constexpr int64_t W = kLanes<T>;
+  vec_t<T> a[R][CB];
+  for (int u = 0; u < R; ++u)
+    for (int c = 0; c < CB; ++c) a[u][c] = vzero<T>();
+  for (int64_t d = 0; d < D; ++d) {
+    const T* row = et + d * np;
+    vec_t<T> v[CB];
+    for (int c = 0; c < CB; ++c) v[c] = vload(row + j0 + c * W);
+    for (int u = 0; u < R; ++u) {
+      const T s = row[i0 + u];
+      for (int c = 0; c < CB; ++c) a[u][c] += s * v[c];
+    }
+  }
+  for (int u = 0; u < R; ++u)
+    for (int c = 0; c < CB; ++c) vstore(grid + (i0 + u) * np + j0 + c * W, a[u][c]);
+}
+
+template <typename T, int R>
+inline void dot_rows(const T* et, int64_t np, int64_t D, int64_t i0, T* grid) {
+  constexpr int64_t W = kLanes<T>;
+  const int64_t j0 = (i0 + 1) / W * W;  // the first vector block holding a pair (i0, j > i0)
+  int64_t j = j0;
+  for (; j + 4 * W <= np; j += 4 * W) dot_tile<T, R, 4>(et, np, D, i0, j, grid);
+  switch ((np - j) / W) {
+    case 3: dot_tile<T, R, 3>(et, np, D, i0, j, grid); break;
+    case 2: dot_tile<T, R, 2>(et, np, D, i0, j, grid); break;
+    case 1: dot_tile<T, R, 1>(et, np, D, i0, j, grid); break;
+    default: break;
+  }
+}
+
 template <typename T>
 void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F, int64_t D) {
+  // rows whose dot products share every load of the transposed block: with 16 registers 3 x 4
+  // vectors of sums, with 32 (64-byte vectors: at most 2 column vectors) 6 x 2
+  constexpr int64_t kRows = kVectorRegisters >= 32 ? 6 : 3;
   constexpr int64_t W = kLanes<T>;
-  constexpr int64_t kRows = 4;  // rows whose dot products share every load of the transposed block
   const int64_t n = F + 1, np = padded(n, W), width = D + n * (n - 1) / 2;
   at::parallel_for(0, B, 64, [&](int64_t lo, int64_t hi) {
     std::vector<T> et(D * np, T(0));  // (D, np): the sample's rows transposed, zero past n
@@ -42,36 +80,20 @@ void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F,
     // one spare row for the packing's last loads
     std::vector<T> grid((n + 1) * np, T(0));
     for (int64_t b = lo; b < hi; ++b) {
+      // the next sample's rows, ahead of the transposition that reads them
+      if (b + 1 < hi) {
+        const char* next = reinterpret_cast<const char*>(sparse + (b + 1) * F * D);
+        for (int64_t k = 0; k < F * D * int64_t(sizeof(T)); k += 64) __builtin_prefetch(next + k);
+      }
       for (int64_t i = 0; i < n; ++i) {
         const T* e = row_of(dense, sparse, b, i, F, D);
         for (int64_t d = 0; d < D; ++d) et[d * np + i] = e[d];
       }
       T* o = out + b * width;
       std::copy(dense + b * D, dense + (b + 1) * D, o);
-      // dots of rows i0 .. i0 + 3 with e_j for j in the vector blocks from the one holding
-      // i0 + 1: each load of a block of et feeds four rows (eight independent sums)
-      for (int64_t i0 = 0; i0 + 1 < n; i0 += kRows) {
-        const int64_t rows_here = std::min<int64_t>(kRows, n - 1 - i0);
-        const T* e[kRows];
-        for (int64_t u = 0; u < kRows; ++u) e[u] = row_of(dense, sparse, b, u < rows_here ? i0 + u : i0, F, D);
-        for (int64_t j0 = (i0 + 1) / W * W; j0 < n; j0 += W) {
-          vec_t<T> a0[kRows], a1[kRows];
-          for (int64_t u = 0; u < kRows; ++u) a0[u] = a1[u] = vzero<T>();
-          int64_t d = 0;
-          for (; d + 2 <= D; d += 2) {
-            const vec_t<T> v0 = vload(&et[d * np + j0]), v1 = vload(&et[(d + 1) * np + j0]);
-            for (int64_t u = 0; u < kRows; ++u) {
-              a0[u] += e[u][d] * v0;
-              a1[u] += e[u][d + 1] * v1;
-            }
-          }
-          if (d < D) {
-            const vec_t<T> v0 = vload(&et[d * np + j0]);
-            for (int64_t u = 0; u < kRows; ++u) a0[u] += e[u][d] * v0;
-          }
-          for (int64_t u = 0; u < rows_here; ++u) vstore(&grid[(i0 + u) * np + j0], a0[u] + a1[u]);
-        }
-      }
+      int64_t i0 = 0;
+      for (; i0 + kRows <= n - 1; i0 += kRows) dot_rows<T, kRows>(et.data(), np, D, i0, grid.data());
+      for (; i0 < n - 1; ++i0) dot_rows<T, 1>(et.data(), np, D, i0, grid.data());
       // row i's pairs (i, i + 1 .. n - 1) follow row i - 1's in the output: copied by whole
       // vectors, each row's last one spilling into the next row's place (written next),
       // where a masked store per (row, vector) cost a third of the pass (AMD Zen 3); lanes
@@ -90,11 +112,45 @@ void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F,
   });
 }
 
+// out_i[d .. d + CV W) = sum_j g_ij e_j[..] (+ grad[b][..] for i = 0, the dense features' own
+// gradient) for the R rows i0 ..: R x CV sums in registers over j, each step CV loads of
+// e_j and R broadcasts of g for R * CV multiply-adds
+template <typename T, int R, int CV, typename OutRow>
+inline void grad_tile(const T* g, int64_t n, const T* const* rows, const T* gb, int64_t i0, int64_t d,
+                      OutRow out_row) {
+  constexpr int64_t W = kLanes<T>;
+  vec_t<T> acc[R][CV];
+  for (int u = 0; u < R; ++u)
+    for (int c = 0; c < CV; ++c) acc[u][c] = i0 + u == 0 ? vload(gb + d + c * W) : vzero<T>();
+  for (int64_t j = 0; j < n; ++j) {
+    vec_t<T> e[CV];
+    for (int c = 0; c < CV; ++c) e[c] = vload(rows[j] + d + c * W);
+    for (int u = 0; u < R; ++u) {
+      const T s = g[(i0 + u) * n + j];
+      for (int c = 0; c < CV; ++c) acc[u][c] += s * e[c];
+    }
+  }
+  for (int u = 0; u < R; ++u)
+    for (int c = 0; c < CV; ++c) vstore(out_row(i0 + u) + d + c * W, acc[u][c]);
+}
+
+// grad_tile with the block's row count as a compile-time constant (the last block has fewer)
+template <typename T, int R, int CV, typename OutRow>
+inline void grad_rows(const T* g, int64_t n, const T* const* rows, const T* gb, int64_t i0, int64_t rows_here,
+                      int64_t d, OutRow out_row) {
+  if constexpr (R > 1) {
+    if (rows_here < R) return grad_rows<T, R - 1, CV>(g, n, rows, gb, i0, rows_here, d, out_row);
+  }
+  grad_tile<T, R, CV>(g, n, rows, gb, i0, d, out_row);
+}
+
 template <typename T>
 void backward_rows(const T* grad, const T* dense, const T* sparse, T* grad_dense, T* grad_sparse,
                    int64_t B, int64_t F, int64_t D) {
   constexpr int64_t W = kLanes<T>;
-  constexpr int64_t kRows = 8;  // gradient rows summed together: one load of e_j feeds kRows multiply-adds
+  // gradient rows summed together, each load of e_j feeding kRows multiply-adds: 6 x 2 vectors
+  // of sums with 16 registers, 8 x up to 2 with 32
+  constexpr int64_t kRows = kVectorRegisters >= 32 ? 8 : 6;
   const int64_t n = F + 1, width = D + n * (n - 1) / 2;
   at::parallel_for(0, B, 64, [&](int64_t lo, int64_t hi) {
     std::vector<T> g(n * n);  // the sample's symmetric grid of pair gradients, zero diagonal
@@ -110,30 +166,14 @@ void backward_rows(const T* grad, const T* dense, const T* sparse, T* grad_dense
         rows[i] = row_of(dense, sparse, b, i, F, D);
       }
       auto out_row = [&](int64_t i) { return i == 0 ? grad_dense + b * D : grad_sparse + (b * F + (i - 1)) * D; };
-      // out_i = sum_j g_ij e_j (+ the dense features' own gradient for i = 0): kRows rows at a
-      // time by vectors over D, the tail by scalars
+      // out_i = sum_j g_ij e_j (+ the dense features' own gradient for i = 0): kRows rows x
+      // up to 2 vectors over D at a time (grad_tile), the tail of D by scalars
       for (int64_t i0 = 0; i0 < n; i0 += kRows) {
         const int64_t rows_here = std::min(kRows, n - i0);
         int64_t d = 0;
-        for (; d + W <= D; d += W) {
-          vec_t<T> acc[kRows];
-          for (int64_t u = 0; u < kRows; ++u) acc[u] = (i0 + u == 0) ? vload(gb + d) : vzero<T>();
-          // the same loop twice: with the count a compile-time constant the whole block's
-          // accumulators stay in registers (one loop with a run-time count, or a lambda
-          // over both, measured ~7% slower)
-          if (rows_here == kRows) {
-            for (int64_t j = 0; j < n; ++j) {
-              const vec_t<T> e = vload(rows[j] + d);
-              for (int64_t u = 0; u < kRows; ++u) acc[u] += g[(i0 + u) * n + j] * e;
-            }
-          } else {
-            for (int64_t j = 0; j < n; ++j) {
-              const vec_t<T> e = vload(rows[j] + d);
-              for (int64_t u = 0; u < rows_here; ++u) acc[u] += g[(i0 + u) * n + j] * e;
-            }
-          }
-          for (int64_t u = 0; u < rows_here; ++u) vstore(out_row(i0 + u) + d, acc[u]);
-        }
+        for (; d + 2 * W <= D; d += 2 * W)
+          grad_rows<T, kRows, 2>(g.data(), n, rows.data(), gb, i0, rows_here, d, out_row);
+        for (; d + W <= D; d += W) grad_rows<T, kRows, 1>(g.data(), n, rows.data(), gb, i0, rows_here, d, out_row);
         for (; d < D; ++d)
           for (int64_t u = 0; u < rows_here; ++u) {
             const int64_t i = i0 + u;
