@@ -73,6 +73,30 @@ def test_values_and_gradients_equal_the_torch_path(rows, cols, ranks, mode, weig
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("rows, cols, ranks", SHAPES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_repeated_rows_equal_the_torch_path(rows, cols, ranks, weighted) -> None:
+    # The backward runs its per-row products once per distinct (table, id) on the sum of
+    # its ids' gradients: a skewed batch, one hot row in every bag (twice in some), others
+    # shared between tables and bags.
+    cores = make_cores(2, rows, cols, ranks)
+    g = torch.Generator().manual_seed(3)
+    hot = [0, math.prod(rows) - 1, 5]
+    ids = torch.tensor(hot)[torch.randint(0, 3, (40,), generator=g)]
+    ids[::7] = torch.randint(0, math.prod(rows), (6,), generator=g)
+    trains = (torch.arange(40) % 5 == 0).long()
+    offsets = torch.tensor([0, 2, 2, 9, 20, 21, 33, 40])
+    weights = torch.rand(40, generator=g, dtype=DT).requires_grad_() if weighted else None
+    dim = math.prod(cols)
+    inputs = cores + ([weights] if weighted else [])
+    got = lookup(cores, rows, dim, ids, offsets, "sum", weights, trains, kernel=True)
+    want = lookup(cores, rows, dim, ids, offsets, "sum", weights, trains, kernel=False)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 # float32 runs whole 16-lane vectors (float64 runs 8); a 4 x 4 row of 16 floats is pooled
 # as one vector (kernels/ttm_cpu.cpp, pool_one_vector): ranks of one, two and (padded) three vectors
 @pytest.mark.parametrize(

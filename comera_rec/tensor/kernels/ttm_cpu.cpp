@@ -284,6 +284,46 @@ Groups group_by(const Index* slot, int64_t n, int64_t num_slots) {
   return g;
 }
 
+// The distinct rows among a batch's ids (the same prefix and the same suffix slot): ids
+// drawn from a skewed distribution repeat within a batch (the Kaggle bench's Zipf(1.1)
+// batch: 5,049 rows for the 10,240 ids of its 4-core group), and the backward's per-id
+// products need running only once per row, on the sum of its ids' gradients. Rows are
+// numbered in prefix-slot order, each prefix slot's in the order its ids first name them.
+struct DistinctRows {
+  Groups by_prefix;                     // rows of each prefix slot: start[p] .. start[p + 1] (order: 0, 1, ...)
+  Groups by_suffix;                     // rows of each suffix slot
+  std::vector<int32_t> pslot, sslot;    // each row's prefix / suffix slot
+  std::vector<int64_t> of_id;           // each id's row
+};
+
+DistinctRows distinct_rows(const Groups& ids_by_prefix, const int32_t* sslot, int64_t num_prefix,
+                           int64_t num_suffix) {
+  DistinctRows d;
+  const int64_t n = static_cast<int64_t>(ids_by_prefix.order.size());
+  d.of_id.resize(n);
+  d.by_prefix.start.resize(num_prefix + 1);
+  std::vector<int64_t> seen_in(num_suffix, -1), row_of(num_suffix);  // per suffix slot: the prefix slot it last met
+  int64_t rows = 0;
+  for (int64_t p = 0; p < num_prefix; ++p) {
+    d.by_prefix.start[p] = rows;
+    for (int64_t k = ids_by_prefix.start[p]; k < ids_by_prefix.start[p + 1]; ++k) {
+      const int64_t i = ids_by_prefix.order[k], s = sslot[i];
+      if (seen_in[s] != p) {
+        seen_in[s] = p;
+        row_of[s] = rows++;
+        d.pslot.push_back(static_cast<int32_t>(p));
+        d.sslot.push_back(static_cast<int32_t>(s));
+      }
+      d.of_id[i] = row_of[s];
+    }
+  }
+  d.by_prefix.start[num_prefix] = rows;
+  d.by_prefix.order.resize(rows);
+  std::iota(d.by_prefix.order.begin(), d.by_prefix.order.end(), int64_t(0));
+  d.by_suffix = group_by(d.sslot.data(), rows, num_suffix);
+  return d;
+}
+
 // The slots of a 2-core half grouped by the index of each of its cores: by (t, i0) and
 // by (t, i1), from the slots' keys t * N + i0 * n1 + i1; key0 / key1 are each slot's
 // (t, i0) / (t, i1).
@@ -342,10 +382,49 @@ struct Train {
 
 // A core (T, r, ...) with its first rank moved last and zero-padded to whole vectors:
 // (T, r, n, m, r') -> (T, n, m, r', rp), the same as pad_last(core.permute({0, 2, 3, 4, 1})).
-// Each table's (r, X) matrix is transposed in blocks of 16 columns that stay in L1 (a
-// strided copy of the permuted view gathers every value from another cache line), each
-// output row written whole (k inner: 2x faster than x inner over blocks of 64 on an AVX2
-// EPYC, G1 of the Kaggle 4-core group, 2.2 MB).
+// Each table's (r, X) matrix is transposed in 8 x 8 blocks of float32 held in registers
+// (8 row loads, 24 shuffles, 8 row stores), the blocks of one run of 16 columns in turn so
+// that the source lines read stay in L1. A scalar copy, one value per load and store, ran
+// at 8x the time of a plain copy (0.9 ms for G1 of the Kaggle 4-core group, 2.2 MB, on an
+// AVX2 EPYC); float64 and the blocks' edges are copied value by value.
+using Lanes8 = float __attribute__((vector_size(32)));
+using Index8 = int32_t __attribute__((vector_size(32)));
+
+#if defined(__clang__)
+#define COMERA_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define COMERA_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, Index8{__VA_ARGS__})
+#endif
+
+// out[j * out_stride + i] = in[i * in_stride + j] for i, j < 8.
+template <typename T>
+inline void transpose_8x8(const T* in, int64_t in_stride, T* out, int64_t out_stride) {
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) out[j * out_stride + i] = in[i * in_stride + j];
+}
+
+template <>
+inline void transpose_8x8<float>(const float* in, int64_t in_stride, float* out, int64_t out_stride) {
+  Lanes8 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) std::memcpy(&r[i], in + i * in_stride, sizeof(Lanes8));
+  for (int i = 0; i < 4; ++i) {  // pairs of rows interleaved: t[2i] lanes 0, 1, 4, 5; t[2i + 1] lanes 2, 3, 6, 7
+    t[2 * i] = COMERA_SHUFFLE8(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[2 * i + 1] = COMERA_SHUFFLE8(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int h = 0; h < 2; ++h)  // rows 4h .. 4h + 3: four columns in each 128-bit half
+    for (int q = 0; q < 2; ++q) {
+      u[4 * h + 2 * q] = COMERA_SHUFFLE8(t[4 * h + q], t[4 * h + q + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[4 * h + 2 * q + 1] = COMERA_SHUFFLE8(t[4 * h + q], t[4 * h + q + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  for (int c = 0; c < 4; ++c) {  // column c from the low halves, column c + 4 from the high
+    const Lanes8 lo = COMERA_SHUFFLE8(u[c], u[c + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    const Lanes8 hi = COMERA_SHUFFLE8(u[c], u[c + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    std::memcpy(out + c * out_stride, &lo, sizeof(Lanes8));
+    std::memcpy(out + (c + 4) * out_stride, &hi, sizeof(Lanes8));
+  }
+}
+#undef COMERA_SHUFFLE8
+
 torch::Tensor rank_last(const torch::Tensor& core, int64_t lanes) {
   const auto c = core.contiguous();
   const int64_t T = c.size(0), r = c.size(1), X = c.numel() / std::max<int64_t>(1, T * r), rp = padded(r, lanes);
@@ -360,8 +439,11 @@ torch::Tensor rank_last(const torch::Tensor& core, int64_t lanes) {
         const int64_t t = tb / blocks, x0 = tb % blocks * kCols, x1 = std::min(X, x0 + kCols);
         const scalar_t* in = src + t * r * X;
         scalar_t* o = dst + t * X * rp;
-        for (int64_t x = x0; x < x1; ++x)
-          for (int64_t k = 0; k < r; ++k) o[x * rp + k] = in[k * X + x];
+        const int64_t x8 = x0 + (x1 - x0) / 8 * 8, k8 = r / 8 * 8;  // the 8 x 8 blocks' end
+        for (int64_t x = x0; x < x8; x += 8)
+          for (int64_t k = 0; k < k8; k += 8) transpose_8x8(in + k * X + x, X, o + x * rp + k, rp);
+        for (int64_t x = x0; x < x1; ++x)  // the edges: ranks past the blocks, columns past them
+          for (int64_t k = x < x8 ? k8 : 0; k < r; ++k) o[x * rp + k] = in[k * X + x];
       }
     });
   });
@@ -708,19 +790,22 @@ std::vector<torch::Tensor> ttm_bag_backward(
   const int32_t* ss = sslot.data_ptr<int32_t>();
   const int64_t* pk = pkeys.data_ptr<int64_t>();
   const int64_t* sk = skeys.data_ptr<int64_t>();
-  // The ids of every prefix / suffix slot, and the slots of every core slice of a 2-core
-  // half: four counting sorts, two per thread (prefix ids with the left half's slots,
-  // suffix ids with the right half's: about equal work).
-  Groups by_prefix, by_suffix;
+  // The distinct rows of the ids, grouped by prefix and by suffix slot, and the slots of
+  // every core slice of a 2-core half: counting sorts, one chain per task.
+  Groups ids_by_prefix;
+  DistinctRows rows;
   CoreGroups left_groups, right_groups;
-  at::parallel_for(0, 4, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, 3, 1, [&](int64_t b, int64_t e) {
     for (int64_t task = b; task < e; ++task) {
-      if (task == 0) by_prefix = group_by(ps, N, Ul);
+      if (task == 0) {
+        ids_by_prefix = group_by(ps, N, Ul);
+        rows = distinct_rows(ids_by_prefix, ss, Ul, Ur);
+      }
       if (task == 1 && L.cores == 2) left_groups = group_by_cores(pk, Ul, L.n0, L.n1, tr.T);
-      if (task == 2) by_suffix = group_by(ss, N, Ur);
-      if (task == 3 && R.cores == 2) right_groups = group_by_cores(sk, Ur, R.n0, R.n1, tr.T);
+      if (task == 2 && R.cores == 2) right_groups = group_by_cores(sk, Ur, R.n0, R.n1, tr.T);
     }
   });
+  const int64_t U = static_cast<int64_t>(rows.pslot.size());
 
   AT_DISPATCH_FLOATING_TYPES(cores[0].scalar_type(), "ttm_bag_backward", [&] {
     using T_ = scalar_t;
@@ -765,28 +850,41 @@ std::vector<torch::Tensor> ttm_bag_backward(
       }
     });
     const T_* grows = direct ? g : gpad.data();
-    // Slot gradients, each id read once; a slot's rows stay in L1 while its ids are summed
-    // into them. For slot s of one half: d[s][u, :] = sum over its ids of
-    // sum_v g[u * row_step + v * stride] other[v, :], with `other` the id's row of the other half.
+    // Each distinct row's gradient, the sum of its ids' (M_l, M_r) row gradients; a prefix
+    // slot's rows take only its own ids, so threads own whole prefix slots.
+    std::vector<T_> row_grads(U * MM);
+    for_each_group_range(ids_by_prefix, [&](int64_t b, int64_t e) {
+      std::fill(row_grads.begin() + rows.by_prefix.start[b] * MM, row_grads.begin() + rows.by_prefix.start[e] * MM, T_(0));
+      for (int64_t k = ids_by_prefix.start[b]; k < ids_by_prefix.start[e]; ++k) {
+        const int64_t i = ids_by_prefix.order[k];
+        const T_* src = grows + goff[i];
+        T_* dst = row_grads.data() + rows.of_id[i] * MM;
+        for (int64_t c = 0; c < MM; ++c) dst[c] += src[c];
+      }
+    });
+    // Slot gradients, each distinct row read once; a slot's rows stay in L1 while its rows
+    // are summed into them. For slot s of one half: d[s][u, :] = sum over its rows of
+    // sum_v g[u * row_step + v * stride] other[v, :], g the row's gradient and `other` its
+    // row of the other half.
     auto slot_grads = [&](const Groups& by, T_* out, int64_t n_out, const T_* other, const int32_t* other_slot,
                           int64_t n_other, int64_t row_step, int64_t stride) {
       Contraction k;
       k.rows = n_out, k.cols = rp, k.ostride = rp, k.K1 = n_other, k.ak1 = stride, k.aj = row_step, k.bk1 = rp;
-      auto a_of = [&](int64_t i) { return grows + goff[i]; };
-      auto b_of = [&](int64_t i) { return other + other_slot[i] * n_other * rp; };
-      auto ahead = [&](int64_t i) {
-        prefetch_range(grows + goff[i], n_out * n_other * sizeof(T_));
-        prefetch_range(other + other_slot[i] * n_other * rp, n_other * rp * sizeof(T_));
+      auto a_of = [&](int64_t q) { return row_grads.data() + q * MM; };
+      auto b_of = [&](int64_t q) { return other + other_slot[q] * n_other * rp; };
+      auto ahead = [&](int64_t q) {
+        prefetch_range(row_grads.data() + q * MM, MM * sizeof(T_));
+        prefetch_range(other + other_slot[q] * n_other * rp, n_other * rp * sizeof(T_));
       };
       for_each_group_range(by, [&](int64_t b, int64_t e) {
         for (int64_t s = b; s < e; ++s)
           contract(out + s * n_out * rp, k, by.order.data() + by.start[s], by.start[s + 1] - by.start[s], a_of, b_of, ahead);
       });
     };
-    // 1a. prefix slots: dP[s][x, :] = sum over its ids of sum_a g[x, a] S[a, :]
-    slot_grads(by_prefix, dP, Ml, S, ss, Mr, Mr, 1);
-    // 1b. suffix slots: dS[s][a, :] = sum over its ids of sum_x g[x, a] P[x, :]
-    slot_grads(by_suffix, dS, Mr, P, ps, Ml, 1, Mr);
+    // 1a. prefix slots: dP[s][x, :] = sum over its rows of sum_a g[x, a] S[a, :]
+    slot_grads(rows.by_prefix, dP, Ml, S, rows.sslot.data(), Mr, Mr, 1);
+    // 1b. suffix slots: dS[s][a, :] = sum over its rows of sum_x g[x, a] P[x, :]
+    slot_grads(rows.by_suffix, dS, Mr, P, rows.pslot.data(), Ml, 1, Mr);
 
     // 2. prefix slot gradients -> left cores. Slots sharing a core slice are summed into it
     // by one thread (slots grouped by that core's index), so there are no write conflicts.
