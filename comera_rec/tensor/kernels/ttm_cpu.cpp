@@ -14,8 +14,9 @@
 //   2. contracts each distinct prefix and suffix once (a few small matrix products);
 //   3. contracts and pools per bag: out[b] = sum_i w_i row_i (threads own bags).
 //
-// Backward: per id, the row gradient is sent into its prefix's and its suffix's slot
-// gradient; then each slot gradient into the core slices it came from. Every write has
+// Backward: the ids' row gradients summed per distinct row (ids of one table and id);
+// per row, that gradient is sent into its prefix's and its suffix's slot gradient; then
+// each slot gradient into the core slices it came from. Every write has
 // one owner thread (slot or core index modulo the thread count), so there are no
 // atomics and the result does not depend on the number of threads except for the order
 // of additions. Nothing of the size of a table or a half table is formed.
