@@ -385,9 +385,10 @@ struct Train {
 // (T, r, n, m, r') -> (T, n, m, r', rp), the same as pad_last(core.permute({0, 2, 3, 4, 1})).
 // Each table's (r, X) matrix is transposed in 8 x 8 blocks of float32 held in registers
 // (8 row loads, 24 shuffles, 8 row stores), the blocks of one run of 16 columns in turn so
-// that the source lines read stay in L1. A scalar copy, one value per load and store, ran
-// at 8x the time of a plain copy (0.9 ms for G1 of the Kaggle 4-core group, 2.2 MB, on an
-// AVX2 EPYC); float64 and the blocks' edges are copied value by value.
+// that the source lines read stay in L1: 1.5x faster than a copy of one value per load
+// and store (a right core of the Kaggle 4-core group alone, AVX2 EPYC). The loads and
+// stores are unaligned vectors: through memcpy, GCC moved each row in 16-byte halves via
+// the stack. float64 and the blocks' edges are copied value by value.
 using Lanes8 = float __attribute__((vector_size(32)));
 using Lanes8u = float __attribute__((vector_size(32), aligned(4)));  // loads and stores at any float
 using Index8 = int32_t __attribute__((vector_size(32)));
