@@ -67,6 +67,15 @@ inline void dot_rows(const T* et, int64_t np, int64_t D, int64_t i0, T* grid) {
   }
 }
 
+// dot_rows with the block's row count a compile-time constant (the last block has fewer)
+template <typename T, int R>
+inline void dot_rows_upto(const T* et, int64_t np, int64_t D, int64_t i0, int64_t rows_here, T* grid) {
+  if constexpr (R > 1) {
+    if (rows_here < R) return dot_rows_upto<T, R - 1>(et, np, D, i0, rows_here, grid);
+  }
+  dot_rows<T, R>(et, np, D, i0, grid);
+}
+
 template <typename T>
 void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F, int64_t D) {
   // rows whose dot products share every load of the transposed block: with 16 registers 3 x 4
@@ -91,9 +100,8 @@ void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F,
       }
       T* o = out + b * width;
       std::copy(dense + b * D, dense + (b + 1) * D, o);
-      int64_t i0 = 0;
-      for (; i0 + kRows <= n - 1; i0 += kRows) dot_rows<T, kRows>(et.data(), np, D, i0, grid.data());
-      for (; i0 < n - 1; ++i0) dot_rows<T, 1>(et.data(), np, D, i0, grid.data());
+      for (int64_t i0 = 0; i0 < n - 1; i0 += kRows)
+        dot_rows_upto<T, kRows>(et.data(), np, D, i0, std::min<int64_t>(kRows, n - 1 - i0), grid.data());
       // row i's pairs (i, i + 1 .. n - 1) follow row i - 1's in the output: copied by whole
       // vectors, each row's last one spilling into the next row's place (written next),
       // where a masked store per (row, vector) cost a third of the pass (AMD Zen 3); lanes
