@@ -22,6 +22,9 @@ from comera_rec.integration.torchrec_internals import (
     set_perceptron_activation,
     set_perceptron_linear,
 )
+from comera_rec.tensor import kernels
+from comera_rec.tensor.derived import derived_cache
+from comera_rec.tensor.kernels.ttm_cpu import records_grad
 from comera_rec.tensor.linear import NarrowLinear, TTLinear
 from comera_rec.tensor.train import InitOnMaterialize
 
@@ -98,6 +101,29 @@ def fuse_narrow_layers(mlp: MLP) -> MLP:
     return mlp
 
 
+def merge_projections(v: TTLinear, w: TTLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w(v(x)) = x @ left @ right`` for bias-free TT layers ``v: N -> L``, ``w: L -> M``.
+
+    Each layer's chains are ``(left, right)`` (:meth:`TTLinear.forward`); the small middle
+    product ``right_v @ left_w`` (``r_v x r_w``) is folded into the side of the higher rank,
+    so the merged weight keeps the lower one.
+
+    Example::
+
+        >>> v, w = TTLinear(64, 32, rank=4, bias=False), TTLinear(32, 64, rank=4, bias=False)
+        >>> left, right = merge_projections(v, w)
+        >>> x = torch.randn(3, 64)
+        >>> torch.allclose(x @ left @ right, w(v(x)), atol=1e-5)
+        True
+    """
+    left_v, right_v = v.chains()  # (N, r_v), (r_v, L)
+    left_w, right_w = w.chains()  # (L, r_w), (r_w, M)
+    middle = right_v @ left_w  # (r_v, r_w)
+    if left_w.shape[1] <= left_v.shape[1]:
+        return (left_v @ middle).contiguous(), right_w.contiguous()
+    return left_v.contiguous(), (middle @ right_w).contiguous()
+
+
 def is_relu(activation: Activation) -> bool:
     """Whether an ``MLP`` activation is the plain ReLU (which a ``TTLinear`` can fuse)."""
     return activation is torch.relu or activation is torch.nn.functional.relu or type(activation) is nn.ReLU
@@ -170,7 +196,17 @@ class TTLowRankCrossNet(InitOnMaterialize):
                 b.zero_()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        """``(B, N) -> (B, N)``."""
+        """``(B, N) -> (B, N)``.
+
+        Scoring (no gradient recorded) with every projection a ``TTLinear``, each layer's
+        two projections are merged into one TT weight ``N -> N`` and the whole net runs in
+        one call of the fused CPU kernel (:func:`~comera_rec.tensor.kernels.tt_cross_cpu`):
+        ``4 r N`` multiply-adds a row per layer instead of ``4 r (N + low_rank)``, and each
+        ``(B, N)`` activation read from memory once, not once per layer and pass.
+        """
+        merged = self._merged_layers(input)
+        if merged is not None:
+            return kernels.tt_cross_cpu(input, merged)
         x0 = input
         x = x0
         for v, w, b in zip(self.V, self.W, self.bias):
@@ -179,6 +215,29 @@ class TTLowRankCrossNet(InitOnMaterialize):
             y = y + b if torch.is_grad_enabled() else y.add_(b)
             x = torch.addcmul(x, x0, y)
         return x
+
+    def _merged_layers(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+        """``(left (N, r), right (r, N), bias)`` per layer, ``W_i(V_i(x)) = x @ left @ right``,
+        where the fused cross kernel can score the net: no gradient recorded, every
+        projection a ``TTLinear`` without bias or ReLU, a 2-D input the kernel takes. The
+        merged weights are kept between forwards inside
+        :func:`~comera_rec.tensor.cached_weights`."""
+        if x.dim() != 2 or records_grad(x, *self.bias):
+            return None
+        layers = []
+        for i, (v, w, b) in enumerate(zip(self.V, self.W, self.bias)):
+            if not (isinstance(v, TTLinear) and isinstance(w, TTLinear)):
+                return None
+            if v.bias is not None or w.bias is not None or v.relu or w.relu:
+                return None
+            sources = [*v.train_tensors(), *w.train_tensors()]
+            if records_grad(*sources) or not kernels.tt_chains_kernel_applies(sources, ()):
+                return None
+            left, right = derived_cache(self, f"cross_{i}").get(sources, lambda v=v, w=w: merge_projections(v, w))
+            if not kernels.tt_linear_kernel_applies(x, left, right):
+                return None
+            layers.append((left, right, b))
+        return layers
 
     @classmethod
     def from_crossnet(cls, net: LowRankCrossNet, tt_rank: int, *, min_gain: float = 2.0) -> "TTLowRankCrossNet":

@@ -152,6 +152,26 @@ class TTLinear(TensorTrainModule):
         inputs, outputs = self._split()
         return tt_linear(x, inputs, outputs, self.out_features, self.bias, relu=self.relu)
 
+    def chains(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight as its two merged chains, ``W^T = left @ right``: ``left
+        (in_features, r)`` and ``right (r, out_features)``, the controllers folded in
+        (differentiable; kept between forwards inside
+        :func:`~comera_rec.tensor.cached_weights`).
+
+        Example::
+
+            >>> layer = TTLinear(16, 8, rank=2, bias=False)
+            >>> left, right = layer.chains()
+            >>> x = torch.randn(3, 16)
+            >>> torch.allclose(x @ left @ right, layer(x), atol=1e-6)
+            True
+        """
+        sources = self.train_tensors()
+        if kernels.tt_chains_kernel_applies(sources, ()):
+            return derived_cache(self, "chains").get(sources, self._merged_chains)
+        inputs, outputs = self._split()
+        return merge_input_chain(inputs)[: self.in_features], merge_output_chain(outputs)[:, : self.out_features]
+
     def _merged_chains(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(left (in, r), right (r, out))`` by the C++ chain merge (kept between forwards
         without gradients while the parameters do not change)."""

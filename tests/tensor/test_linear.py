@@ -223,3 +223,21 @@ def test_narrow_linear_float32_weight_gradient_against_float64() -> None:
     torch.relu(F.linear(x.double(), ref.weight, ref.bias)).backward(g.double())
     torch.testing.assert_close(layer.weight.grad.double(), ref.weight.grad, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(layer.bias.grad.double(), ref.bias.grad, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_chains_make_the_dense_weight(kernel: bool) -> None:
+    layer = TTLinear(30, 20, rank=[3, 5, 4, 5, 2], shape=((2, 3, 5), (4, 5, 1)), dtype=torch.float64)
+    with torch.no_grad():
+        for c in layer.controllers:
+            c.uniform_(0.5, 1.5)
+    was = kernels.cpu_kernel_enabled()
+    kernels.set_cpu_kernel_enabled(kernel)
+    try:
+        left, right = layer.chains()
+    finally:
+        kernels.set_cpu_kernel_enabled(was)
+    assert left.shape == (30, 4) and right.shape == (4, 20)  # the middle bond's rank
+    torch.testing.assert_close((left @ right).t(), layer.dense_weight())
+    grads = torch.autograd.grad((left @ right).square().sum(), list(layer.cores))  # differentiable
+    assert all(g.abs().sum() > 0 for g in grads)

@@ -218,3 +218,82 @@ def test_blas_function_unchanged_by_the_kernel() -> None:
     # TTLinearFunction is still the path off the CPU kernel: same values as the kernel
     x, left, right, b = make(16, 10, 12, 4)
     torch.testing.assert_close(TTLinearFunction.apply(x, left, right, b), kernels.tt_linear_cpu(x, left, right, b))
+
+
+# ---------------------------------------------------------------- the cross net (scoring)
+
+
+def cross_reference(x0, layers):
+    """``x_{k+1} = x_k + x0 * (x_k @ left @ right + bias)`` in float64 by plain operators."""
+    x0 = x0.double()
+    x = x0
+    for left, right, bias in layers:
+        x = x + x0 * reference(x, left, right, bias, relu=False)
+    return x
+
+
+def make_cross(batch, n, ranks, bias=True, dtype=DT, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(batch, n, generator=g, dtype=dtype)
+    layers = []
+    for r in ranks:
+        left = torch.randn(n, r, generator=g, dtype=dtype) / n**0.5
+        right = torch.randn(r, n, generator=g, dtype=dtype) / r**0.5
+        layers.append((left, right, torch.randn(n, generator=g, dtype=dtype) if bias else None))
+    return x0, layers
+
+
+# (batch, N, ranks per layer): batches not whole tiles, widths with a partial last vector
+# (84, 13, 5), ranks not whole vectors, layers of different ranks (as after a truncation)
+CROSS_CASES = [(1, 5, [1]), (13, 84, [5, 7]), (37, 96, [17, 3, 32]), (300, 13, [31, 31]), (25, 512, [32, 16, 8])]
+
+
+@pytest.mark.parametrize("batch,n,ranks", CROSS_CASES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("block_rows", [None, 1, 7, 24])
+def test_cross_equals_the_float64_reference(batch, n, ranks, bias, block_rows) -> None:
+    x0, layers = make_cross(batch, n, ranks, bias)
+    kept = x0.clone()
+    out = kernels.tt_cross_cpu(x0, layers, block_rows)
+    torch.testing.assert_close(out, cross_reference(x0, layers))
+    assert torch.equal(x0, kept)  # the input is left as it was
+
+
+@pytest.mark.parametrize("rank", [16, 40, 64])
+def test_cross_float32_against_float64(rank: int) -> None:
+    x0, layers = make_cross(50, 200, [rank, rank], dtype=torch.float32)
+    got = kernels.tt_cross_cpu(x0, layers, block_rows=24)
+    torch.testing.assert_close(got.double(), cross_reference(x0, layers), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_cross_thread_counts_give_identical_results(threads: int) -> None:
+    x0, layers = make_cross(1000, 40, [9, 4], dtype=torch.float32)
+    run = lambda: [kernels.tt_cross_cpu(x0, layers, block_rows=48)]  # noqa: E731
+    assert_bit_identical(at_thread_counts(run, (1, threads)))
+
+
+@given(
+    batch=st.integers(1, 30),
+    n=st.integers(1, 40),
+    ranks=st.lists(st.integers(1, 32), min_size=1, max_size=3),
+    block_rows=st.integers(1, 40),
+    seed=st.integers(0, 10_000),
+)
+def test_cross_property_shapes_and_ranks(batch, n, ranks, block_rows, seed) -> None:
+    x0, layers = make_cross(batch, n, ranks, seed=seed)
+    torch.testing.assert_close(kernels.tt_cross_cpu(x0, layers, block_rows), cross_reference(x0, layers))
+
+
+def test_cross_bad_inputs_name_what_was_wrong() -> None:
+    x0, ((left, right, b),) = make_cross(4, 6, [3])
+    with pytest.raises(RuntimeError, match="layer 0 has 5 outputs for 6 input features; a cross layer keeps its width"):
+        kernels.tt_cross_cpu(x0, [(left, right[:, :5], b[:5])])
+    with pytest.raises(RuntimeError, match="left has 7 rows for 6 input features"):
+        kernels.tt_cross_cpu(x0, [(torch.randn(7, 3, dtype=DT), right, b)])
+    with pytest.raises(RuntimeError, match="0 lefts, 0 rights and 0 biases"):
+        kernels.tt_cross_cpu(x0, [])
+    with pytest.raises(RuntimeError, match="block_rows must be positive, got 0"):
+        kernels.tt_cross_cpu(x0, [(left, right, b)], block_rows=0)
+    with pytest.raises(RuntimeError, match="scoring only"):
+        kernels.tt_cross_cpu(x0, [(left.requires_grad_(), right, b)])

@@ -40,6 +40,7 @@ from comera_rec.tensor.kernels.cpu_extension import (  # the build of all the CP
 from comera_rec.tensor.kernels.tt_linear_cpu import (  # the fused CPU TT linear and its chains
     tt_chains_cpu,
     tt_chains_kernel_applies,
+    tt_cross_cpu,
     tt_linear_cpu,
     tt_linear_kernel_applies,
 )
@@ -120,6 +121,7 @@ __all__ = [
     "ttm_embedding_bag_cpu",
     "tt_chains_cpu",
     "tt_chains_kernel_applies",
+    "tt_cross_cpu",
     "tt_linear_cpu",
     "tt_linear_kernel_applies",
     "register_cpu_extension",

@@ -50,6 +50,7 @@ struct Layer {
   const T* right = nullptr;  // (r, Np) in panels (pack_panels)
   const T* bias = nullptr;   // (Np) or null
   const T* zeros = nullptr;  // max(n_in, Np, R) zeros: the rows of a tile past B
+  const T* x0 = nullptr;     // (B, n_out) a cross layer's first input (tt_cross_forward), else null
 };
 
 // Store lanes [0, n) of v at p (n <= one vector).
@@ -60,6 +61,15 @@ inline void store_head(T* p, vec_t<T> v, int64_t n) {
   } else {
     for (int64_t l = 0; l < n; ++l) p[l] = v[l];
   }
+}
+
+// Lanes [0, n) of p, the rest zero (n <= one vector).
+template <typename T>
+inline vec_t<T> load_head(const T* p, int64_t n) {
+  if (n >= kLanes<T>) return vload(p);
+  vec_t<T> v = vzero<T>();
+  for (int64_t l = 0; l < n; ++l) v[l] = p[l];
+  return v;
 }
 
 // The products of a tile's rank rows with a matrix of rank rows, m (r, cols) held as
@@ -182,7 +192,10 @@ inline void rank_output_rows(const T* const* rows, int64_t K, const T* m, T* out
     for (int v = 0; v < V; ++v) vstore(out + (i * V + v) * W, a[i][v]);
 }
 
-template <typename T, int V>
+// Cross: y = x + x0 * (t @ right + bias) (a cross layer, n_in == n_out), with no ReLU; y may
+// be x itself, the tile's rows of x being read (t, then each vector's residual) before that
+// vector is written. t_out null: t is not kept.
+template <typename T, int V, bool Cross = false>
 void forward_tile(const Layer<T>& L, int64_t b0, bool relu, T* t_out, T* y) {
   constexpr int64_t W = kLanes<T>;
   const int64_t rows = std::min(kTile, L.B - b0);
@@ -196,16 +209,22 @@ void forward_tile(const Layer<T>& L, int64_t b0, bool relu, T* t_out, T* y) {
   } else {
     rank_output_rows<T, V>(xr, L.n_in, L.left, &t[0][0]);
   }
-  for (int64_t i = 0; i < rows; ++i) std::copy(t[i], t[i] + V * W, t_out + (b0 + i) * L.R);
+  if (t_out)
+    for (int64_t i = 0; i < rows; ++i) std::copy(t[i], t[i] + V * W, t_out + (b0 + i) * L.R);
 
-  // y = t @ right + bias, then the activation
+  // y = t @ right + bias, then the activation (or the cross layer's residual)
   const vec_t<T> zero = vzero<T>();
   rank_product(
       &t[0][0], V * W, L.right, L.r, L.Np, [&](int64_t c) { return L.bias ? vload(L.bias + c) : zero; },
       [&](int64_t i, int64_t c, vec_t<T> a) {
         if (i >= rows) return;
-        if (relu) a = a > zero ? a : zero;
-        store_head(y + (b0 + i) * L.n_out + c, a, L.n_out - c);
+        const int64_t at = (b0 + i) * L.n_out + c, n = L.n_out - c;
+        if constexpr (Cross) {
+          a = load_head(xr[i] + c, n) + load_head(L.x0 + at, n) * a;
+        } else if (relu) {
+          a = a > zero ? a : zero;
+        }
+        store_head(y + at, a, n);
       });
 }
 
@@ -428,6 +447,14 @@ struct ForwardRows {
   }
 };
 
+// One cross layer over a block of rows (L.B of them), tile after tile, in the calling thread.
+template <typename T, int V>
+struct CrossTiles {
+  static void run(const Layer<T>& L, T* out) {
+    for (int64_t b0 = 0; b0 < L.B; b0 += kTile) forward_tile<T, V, true>(L, b0, false, nullptr, out);
+  }
+};
+
 template <typename T, int V>
 struct BackwardRows {
   static void run(const Layer<T>& L, const Grads<T>& d, int64_t chunks, int64_t chunk_rows, T* gL, T* gR, T* gB) {
@@ -487,6 +514,65 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
     with_vectors<scalar_t, ForwardRows>(R / W, L, relu, t.data_ptr<scalar_t>(), y.data_ptr<scalar_t>());
   });
   return {y, t};
+}
+
+// A DCN cross net for scoring (nothing is kept for a backward): x_0 = x0, then for each
+// layer k, x_{k+1} = x_k + x0 * ((x_k @ left_k) @ right_k + bias_k), its two projections
+// merged into one TT weight (left_k (N, r_k), right_k (r_k, N)). Each thread takes blocks of
+// block_rows rows through every layer, so that between layers a block's x_k and x0 are still
+// in its core's cache: a (B, N) activation is read from memory once and written once, not
+// read twice and written once per layer, and the threads meet once, not once per layer.
+// Each layer after the first overwrites the block's x_k in place: a tile reads its rows of
+// x_k (t, then each vector's residual) before it writes them.
+torch::Tensor tt_cross_forward(torch::Tensor x0, std::vector<torch::Tensor> lefts, std::vector<torch::Tensor> rights,
+                               std::vector<torch::Tensor> biases, int64_t block_rows) {
+  const auto layers = lefts.size();
+  TORCH_CHECK(layers >= 1 && rights.size() == layers && biases.size() == layers, "tt_cross: ", lefts.size(),
+              " lefts, ", rights.size(), " rights and ", biases.size(), " biases; one each per layer, at least one");
+  TORCH_CHECK(block_rows >= 1, "tt_cross: block_rows must be positive, got ", block_rows);
+  for (size_t k = 0; k < layers; ++k) {
+    check_inputs(x0, lefts[k], rights[k], biases[k]);
+    TORCH_CHECK(rights[k].size(1) == x0.size(1), "tt_cross: layer ", k, " has ", rights[k].size(1),
+                " outputs for ", x0.size(1), " input features; a cross layer keeps its width");
+  }
+  x0 = x0.contiguous();
+  const int64_t B = x0.size(0), n = x0.size(1);
+  auto out = torch::empty_like(x0);
+  AT_DISPATCH_FLOATING_TYPES(x0.scalar_type(), "tt_cross_forward", [&] {
+    using T = scalar_t;
+    constexpr int64_t W = kLanes<T>;
+    std::vector<torch::Tensor> kept;  // the padded and packed operands, alive for the call
+    std::vector<Layer<T>> L(layers);
+    int64_t widest = 0;
+    for (size_t k = 0; k < layers; ++k) widest = std::max(widest, padded(lefts[k].size(1), W));
+    const auto zeros = torch::zeros({std::max({n, padded(n, W), widest})}, x0.options());
+    for (size_t k = 0; k < layers; ++k) {
+      const auto left_p = pad_last(lefts[k], W), right_p = pad_last(rights[k], W);
+      const auto bias_p = biases[k].numel() ? pad_last(biases[k].to(x0.scalar_type()), W) : biases[k];
+      L[k] = layer_of<T>(x0, left_p, right_p, bias_p, lefts[k].size(1), n, zeros);
+      const auto right_panels = pack_panels<T>(right_p);
+      const auto left_panels = kVectorRegisters < 32 ? pack_panels<T>(left_p) : left_p;
+      L[k].right = right_panels.data_ptr<T>();
+      L[k].left = left_panels.data_ptr<T>();
+      kept.insert(kept.end(), {left_p, right_p, bias_p, right_panels, left_panels});
+    }
+    const T* x0_ptr = x0.data_ptr<T>();
+    T* out_ptr = out.data_ptr<T>();
+    const int64_t blocks = (B + block_rows - 1) / block_rows;
+    at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t blk = lo; blk < hi; ++blk) {
+        const int64_t b0 = blk * block_rows;
+        for (size_t k = 0; k < layers; ++k) {
+          Layer<T> block = L[k];
+          block.B = std::min(block_rows, B - b0);
+          block.x = (k == 0 ? x0_ptr : out_ptr) + b0 * n;
+          block.x0 = x0_ptr + b0 * n;
+          with_vectors<T, CrossTiles>(block.R / W, block, out_ptr + b0 * n);
+        }
+      }
+    });
+  });
+  return out;
 }
 
 // (grad_x or empty, grad_left (n_in, r) or empty, grad_right (r, n_out), grad_bias or empty).

@@ -86,6 +86,62 @@ def tt_linear_cpu(
     return _FusedTTLinear.apply(x, left, right, bias, bool(relu))
 
 
+# Rows a thread of the cross kernel takes through every layer at a time: two tiles of 12
+# (AVX2) or three of 8 (AVX-512). The block's input and running activation then stay in its
+# core's cache between layers. At MLPerf's width (3456), 3 layers at rank 32, 4096 rows on
+# the 2-core AVX2 host: 24-row blocks 107.7 ms (one thread) / 58.5 ms (two), 144-row blocks
+# 121.9 / 69.5 ms, the whole batch as one block 132.0 ms (one thread).
+CROSS_BLOCK_ROWS = 24
+
+
+def tt_cross_cpu(
+    x0: torch.Tensor,
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    block_rows: int | None = None,
+) -> torch.Tensor:
+    """A DCN cross net for scoring: ``x_{k+1} = x_k + x0 * ((x_k @ left_k) @ right_k +
+    bias_k)`` from ``x_0 = x0``, each layer's two projections merged into one TT weight, in
+    one call of the fused kernel (no gradient).
+
+    Each thread takes blocks of ``block_rows`` rows through every layer, so each ``(B, N)``
+    activation is read from memory once and written once instead of once per layer, and
+    each layer's bias and residual are applied while a tile's rows are in registers. The caller checks :func:`tt_linear_kernel_applies` for every layer first.
+
+    Args:
+        x0: ``(B, N)``, the cross net's input.
+        layers: ``(left (N, r_k), right (r_k, N), bias (N,) or None)`` per layer.
+        block_rows: rows a thread takes through every layer at a time
+            (:data:`CROSS_BLOCK_ROWS` by default).
+
+    Returns:
+        ``(B, N)``, a new tensor.
+
+    Raises:
+        RuntimeError: gradients would be needed, no layers, or shapes that do not fit
+            (named).
+
+    Example::
+
+        >>> x0 = torch.randn(4, 16)
+        >>> left, right = torch.randn(16, 2), torch.randn(2, 16)
+        >>> want = x0 + x0 * (x0 @ left @ right)
+        >>> torch.allclose(tt_cross_cpu(x0, [(left, right, None)]), want, atol=1e-5)
+        True
+    """
+    if records_grad(x0, *(t for layer in layers for t in layer)):
+        raise RuntimeError("tt_cross_cpu: scoring only; with gradients call the layers one by one")
+    if block_rows is None:
+        block_rows = CROSS_BLOCK_ROWS
+    empty = _EMPTY.to(x0.dtype)
+    return extension().tt_cross_forward(
+        x0,
+        [left for left, _, _ in layers],
+        [right for _, right, _ in layers],
+        [bias if bias is not None else empty for _, _, bias in layers],
+        int(block_rows),
+    )
+
+
 def tt_chains_kernel_applies(cores: Sequence[torch.Tensor], controllers: Sequence[torch.Tensor]) -> bool:
     """Whether :func:`tt_chains_cpu` may merge these: real CPU float32 / float64 tensors of
     one dtype, outside tracing and ``torch.compile``, kernels enabled."""

@@ -1095,6 +1095,8 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
 std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tensor x, torch::Tensor left,
                                               torch::Tensor right, torch::Tensor t, torch::Tensor y,
                                               bool need_grad_x, bool need_grad_bias, bool need_grad_left);
+torch::Tensor tt_cross_forward(torch::Tensor x0, std::vector<torch::Tensor> lefts, std::vector<torch::Tensor> rights,
+                               std::vector<torch::Tensor> biases, int64_t block_rows);
 std::vector<torch::Tensor> tt_chains_forward(std::vector<torch::Tensor> cores, std::vector<torch::Tensor> controllers,
                                              int64_t d, int64_t in_features, int64_t out_features);
 std::vector<torch::Tensor> tt_chains_backward(torch::Tensor grad_left, torch::Tensor grad_right,
@@ -1117,6 +1119,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_blocks", &scatter_blocks, "the gradient of gather_blocks");
   m.def("tt_linear_forward", &tt_linear_forward, "fused TT linear (+ ReLU): forward");
   m.def("tt_linear_backward", &tt_linear_backward, "fused TT linear (+ ReLU): backward");
+  m.def("tt_cross_forward", &tt_cross_forward, "a DCN cross net, each layer's projections one TT weight (scoring)");
   m.def("tt_chains_forward", &tt_chains_forward, "a TT weight's cores and controllers merged into its two chains");
   m.def("tt_chains_backward", &tt_chains_backward, "the gradient of tt_chains_forward");
   m.def("check_jagged", &check_jagged, "input checks of a jagged batch in one pass");
