@@ -44,6 +44,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 # re-exported: importable from here as before the split
 from comera_rec.dlrm.export_layers import (  # noqa: F401
     ExportError,
+    ServingCrossNet,
     ServingLinear,
     ServingPairwiseDot,
     ServingTTLinear,

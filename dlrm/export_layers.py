@@ -1,5 +1,6 @@
 """The dense parts of a DLRM's inference form (:mod:`comera_rec.dlrm.export`): linear and
-TT layers with their chains merged, the pairwise-dot interaction without its kernel, and
+TT layers with their chains merged, a TT cross net with each layer's projections merged into
+one weight, the pairwise-dot interaction without its kernel, and
 :func:`serving_dense_part`, which swaps them into a copy of a dense arch."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_rec.dlrm.interaction import PairwiseDotInteraction
+from comera_rec.integration.mlp import TTLowRankCrossNet, merge_projections
 from comera_rec.tensor.contract import merge_input_chain, merge_output_chain
 from comera_rec.tensor.linear import NarrowLinear, TTLinear
 from comera_rec.tensor.train import TensorTrainModule
@@ -98,6 +100,39 @@ class ServingPairwiseDot(nn.Module):
         return torch.cat([dense_features, pairs], dim=1)
 
 
+class ServingCrossNet(nn.Module):
+    """A ``TTLowRankCrossNet`` whose projections are all ``TTLinear``, each layer's two
+    merged into one TT weight (:func:`~comera_rec.integration.mlp.merge_projections`):
+    ``x_{k+1} = x_k + x0 * ((x_k @ left_k) @ right_k + bias_k)``, ``4 r N`` multiply-adds a
+    row per layer instead of ``4 r (N + low_rank)``.
+
+    Args:
+        net: the cross net (weights detached).
+    """
+
+    __module__ = "comera_rec.dlrm.export"  # its public home (re-exported there): exported programs and pickles name it
+
+    def __init__(self, net: TTLowRankCrossNet) -> None:
+        super().__init__()
+        with torch.no_grad():
+            merged = [merge_projections(v, w) for v, w in zip(net.V, net.W)]
+        self.lefts = nn.ParameterList([nn.Parameter(left.detach().clone(), requires_grad=False) for left, _ in merged])
+        self.rights = nn.ParameterList([nn.Parameter(r.detach().clone(), requires_grad=False) for _, r in merged])
+        self.biases = nn.ParameterList([nn.Parameter(b.detach().clone(), requires_grad=False) for b in net.bias])
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x0 = input
+        x = x0
+        for left, right, bias in zip(self.lefts, self.rights, self.biases):
+            x = torch.addcmul(x, x0, torch.addmm(bias, x @ left, right))
+        return x
+
+
+def _all_tt_projections(net: TTLowRankCrossNet) -> bool:
+    """Whether every projection of ``net`` is a ``TTLinear`` without bias or ReLU."""
+    return all(isinstance(p, TTLinear) and p.bias is None and not p.relu for p in (*net.V, *net.W))
+
+
 def serving_dense_part(module: nn.Module, where: str) -> nn.Module:
     """A copy of ``module`` with every compressed or fused layer in its inference form.
 
@@ -106,6 +141,8 @@ def serving_dense_part(module: nn.Module, where: str) -> nn.Module:
     """
     if isinstance(module, TTLinear):
         return ServingTTLinear(module)
+    if isinstance(module, TTLowRankCrossNet) and _all_tt_projections(module):
+        return ServingCrossNet(module)
     if isinstance(module, NarrowLinear):
         return ServingLinear(module, relu=module.relu)
     if isinstance(module, PairwiseDotInteraction):

@@ -28,6 +28,7 @@ from comera_rec.dlrm.export import (
 from comera_rec.dlrm.model import build_dlrm
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
 from comera_rec.rank.truncation import truncate_model
+from comera_rec.tensor.linear import TTLinear
 from comera_rec.tensor.train import tensor_train_modules
 from tests.dlrm.tiny import TABLE_SIZES
 
@@ -230,3 +231,20 @@ def test_stacks_with_one_row_block_shape_share_a_lookup(mean: bool) -> None:
         got = lookup(values, lengths)  # (B, F, D)
     for i, name in enumerate(order):
         torch.testing.assert_close(got[:, i], want[name], **TOL)
+
+
+def test_a_tt_cross_net_exports_with_its_projections_merged() -> None:
+    from comera_rec.dlrm.export import ServingCrossNet
+
+    config = replace(TINY, compressed=True, interaction="dcn", dcn_num_layers=2, dcn_low_rank=16)
+    model = build_dlrm(config).eval()
+    crossnet = model.inter_arch.crossnet
+    assert all(isinstance(p, TTLinear) for p in (*crossnet.V, *crossnet.W))
+    serving = serving_model(model)
+    merged = serving.inter_arch.crossnet
+    assert isinstance(merged, ServingCrossNet)
+    x = torch.randn(5, crossnet.in_features)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), crossnet(x), **TOL)
+    # one (N, r) and one (r, N) weight a layer: no low_rank-wide intermediate left
+    assert [tuple(p.shape) for p in merged.lefts] == [(crossnet.in_features, p.shape[0]) for p in merged.rights]
