@@ -3,8 +3,9 @@
 Every comparison is timed interleaved in one process (ratios of medians); every
 variant's peak memory is measured in its own fresh process.
 
-    python launch/bench_tensor.py            # full sizes (about 2 minutes here)
-    python launch/bench_tensor.py --quick    # small sizes, for a smoke run
+    python launch/bench_tensor.py                # full sizes (about 2 minutes here)
+    python launch/bench_tensor.py --quick        # small sizes, for a smoke run
+    python launch/bench_tensor.py --only cross   # one comparison: linear, lookup or cross
 """
 
 from __future__ import annotations
@@ -199,18 +200,63 @@ def bench_lookup(sizes: Sizes) -> None:
     )
 
 
+# ----------------------------------------------------------------------------- cross net
+
+
+def bench_cross(sizes: Sizes) -> None:
+    """Scoring a DCN cross net at MLPerf DLRM-DCNv2 shapes: TorchRec's dense
+    ``LowRankCrossNet``, the TT one layer by layer (``forward_layers``), the TT one in the
+    fused kernel (its ``forward`` under ``inference_mode``)."""
+    from torchrec.modules.crossnet import LowRankCrossNet
+
+    from comera_rec.integration.mlp import TTLowRankCrossNet
+    from comera_rec.tensor import cached_weights
+    from comera_rec.utils.host import SERVING_MMAP_THRESHOLD, keep_freed_memory
+
+    # as a scoring process runs (predict_dlrm, bench_serving): freed (B, N) activations are
+    # reused, not fresh pages each batch, which would cost the layer-by-layer path most
+    keep_freed_memory(mmap_threshold_bytes=SERVING_MMAP_THRESHOLD)
+    n, layers, low_rank, rank = 3456, 3, 512, 32
+    torch.manual_seed(0)
+    dense = LowRankCrossNet(n, layers, low_rank=low_rank).eval()
+    tt = TTLowRankCrossNet(n, layers, low_rank, tt_rank=rank).eval()
+    x = torch.randn(sizes.rows, n)
+    print(f"\nDCN cross net scoring, N={n}, {layers} layers, low rank {low_rank}, TT rank {rank}, {sizes.rows} rows")
+    with torch.inference_mode(), cached_weights():
+        t = time_interleaved(
+            {"dense": lambda: dense(x), "layers": lambda: tt.forward_layers(x), "fused": lambda: tt(x)},
+            sizes.repeats,
+        )
+        diff = (tt(x) - tt.forward_layers(x)).abs().max().item()
+    print(
+        f"  dense LowRankCrossNet {t['dense'] * 1e3:8.2f} ms   TT layer by layer {t['layers'] * 1e3:8.2f} ms   "
+        f"TT fused {t['fused'] * 1e3:8.2f} ms"
+    )
+    print(
+        f"  fused vs layer by layer {t['layers'] / t['fused']:.2f}x, vs dense {t['dense'] / t['fused']:.2f}x  "
+        f"(max |fused - layers| {diff:.1e})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    parser.add_argument(
+        "--only", choices=("linear", "lookup", "cross"), default=None, help="one comparison only (default: all)"
+    )
     args = parser.parse_args()
     sizes = QUICK if args.quick else Sizes()
     from comera_rec.tensor import kernels
 
     print(f"host: {kernels.host_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"ratios of medians over {sizes.repeats} interleaved rounds")
-    bench_linear(1024, 1024, 16, sizes)
-    bench_linear(768, 3072, 30, sizes)
-    bench_lookup(sizes)
+    if args.only in (None, "linear"):
+        bench_linear(1024, 1024, 16, sizes)
+        bench_linear(768, 3072, 30, sizes)
+    if args.only in (None, "lookup"):
+        bench_lookup(sizes)
+    if args.only in (None, "cross"):
+        bench_cross(sizes)
 
 
 if __name__ == "__main__":

@@ -207,6 +207,11 @@ class TTLowRankCrossNet(InitOnMaterialize):
         merged = self._merged_layers(input)
         if merged is not None:
             return kernels.tt_cross_cpu(input, merged)
+        return self.forward_layers(input)
+
+    def forward_layers(self, input: torch.Tensor) -> torch.Tensor:
+        """``(B, N) -> (B, N)`` layer by layer, each projection called on its own (the path
+        with gradients; scoring takes it where the fused kernel does not apply)."""
         x0 = input
         x = x0
         for v, w, b in zip(self.V, self.W, self.bias):
