@@ -14,6 +14,7 @@ from collections import OrderedDict
 from typing import Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchrec.distributed.types import ShardedModule
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
@@ -27,6 +28,7 @@ from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tab
 from comera_rec.integration.table_groups import TTMTableGroups
 from comera_rec.tensor import kernels
 from comera_rec.tensor.bags import divide_bags
+from comera_rec.tensor.derived import cache_applies, derived_cache
 from comera_rec.tensor.stacked import StackedTTMTables
 
 _POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
@@ -240,6 +242,9 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         batch's time at a few rows.
         """
         assert self.dense is not None
+        merged = self._merged_dense_tables()
+        if merged is not None:
+            return self._merged_dense_pooled(merged, stream)
         pieces: list[torch.Tensor] = []
         for config, bag in zip(self.dense.embedding_bag_configs(), self.dense.embedding_bags.values()):
             for feature in config.feature_names:
@@ -248,6 +253,58 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
                 pooled = bag(input=ids, offsets=offsets, per_sample_weights=weights if self._is_weighted else None)
                 pieces.append(pooled.float())
         return pieces
+
+    def _merged_dense_tables(self) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+        """``(weights (sum of rows, D), first row of each (table, feature) piece (P,), mode)``:
+        the plain dense child's tables stacked into one, kept while scoring inside
+        :func:`~comera_rec.tensor.cached_weights`, so that a batch pools every dense feature
+        in one ``embedding_bag`` call (one call per table was most of a one-row batch's
+        dense lookup). ``None`` where that does not apply: gradients on, outside the scope,
+        tables of different pooling modes or dims, or bags with options of their own."""
+        assert self.dense is not None
+        bags = list(self.dense.embedding_bags.values())
+        weights = [bag.weight for bag in bags]
+        modes = {bag.mode for bag in bags}
+        if (
+            not bags
+            or not cache_applies(weights)
+            or any(type(bag) is not nn.EmbeddingBag for bag in bags)
+            or len(modes) != 1
+            or len({w.shape[1] for w in weights}) != 1
+            or len({(w.dtype, w.device) for w in weights}) != 1
+            or any(bag.max_norm is not None or bag.padding_idx is not None for bag in bags)
+        ):
+            return None
+
+        def stack() -> tuple[torch.Tensor, torch.Tensor, str]:
+            configs = self.dense.embedding_bag_configs()  # type: ignore[union-attr]
+            firsts, row = [], 0
+            for config, weight in zip(configs, weights):
+                firsts += [row] * len(config.feature_names)
+                row += weight.shape[0]
+            return torch.cat(weights), torch.tensor(firsts, device=weights[0].device), modes.pop()
+
+        return derived_cache(self, "dense_tables").get(weights, stack)
+
+    def _merged_dense_pooled(
+        self,
+        merged: tuple[torch.Tensor, torch.Tensor, str],
+        stream: Callable[[str], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    ) -> list[torch.Tensor]:
+        """:meth:`_plain_dense_pooled` over the stacked tables of :meth:`_merged_dense_tables`:
+        each piece's ids moved to its table's rows, one ``embedding_bag`` for all."""
+        weight, firsts, mode = merged
+        assert self.dense is not None
+        parts = [stream(f) for config in self.dense.embedding_bag_configs() for f in config.feature_names]
+        counts = torch.tensor([p[0].numel() for p in parts], device=firsts.device)
+        ids = torch.cat([p[0] for p in parts]).long() + torch.repeat_interleave(firsts, counts)
+        lengths = torch.cat([p[1] for p in parts])
+        offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+        weights = torch.cat([p[2] for p in parts]) if self._is_weighted else None  # type: ignore[misc]
+        pooled = F.embedding_bag(
+            ids, weight, offsets, mode=mode, per_sample_weights=weights, include_last_offset=True
+        )  # (P * B, D)
+        return list(pooled.float().view(len(parts), -1, weight.shape[1]).unbind(0))
 
     def _stream_constants_on(self, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(table index (S,), is mean (S,))`` of the group's streams on ``device``.

@@ -12,6 +12,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import comera_rec.tensor.stacked as stacked
 from comera_rec.integration import CompressionPolicy, TTMEmbeddingBagCollection
+from comera_rec.tensor import cached_weights
+from comera_rec.tensor.derived import derived_cache
 from comera_rec.tensor.stacked import StackedTTMTables
 from tests.integration.helpers import kjt, policy, reference_ebc, tables
 
@@ -272,3 +274,66 @@ def test_plain_dense_tables_called_one_by_one_equal_torchrec(weighted: bool, loo
     (out.values() * grad).sum().backward()
     (expected.values() * grad).sum().backward()
     torch.testing.assert_close(ttm.dense.embedding_bags["c"].weight.grad, ref.embedding_bags["c"].weight.grad)
+
+
+def _dense_pair(pooling: PoolingType, weighted: bool, other_pooling: PoolingType | None = None):
+    # tables a (100 rows, f1) and c (90 rows, f0 and f2) dense, e (300 rows, f3) compressed
+    configs = [
+        EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=100, feature_names=["f1"], pooling=pooling),
+        EmbeddingBagConfig(
+            name="c", embedding_dim=8, num_embeddings=90, feature_names=["f0", "f2"], pooling=other_pooling or pooling
+        ),
+        EmbeddingBagConfig(name="e", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
+    ]
+    pol = CompressionPolicy(rank=4, min_rows_to_compress=200, min_params_to_compress=0, min_gain=0.0)
+    ttm = TTMEmbeddingBagCollection(configs, pol, is_weighted=weighted).eval()
+    assert ttm.dense_tables() == ["a", "c"] and ttm.compressed_tables() == ["e"]
+    return ttm, reference_ebc(ttm, configs, weighted=weighted)
+
+
+@pytest.mark.parametrize(
+    "pooling,weighted", [(PoolingType.SUM, False), (PoolingType.MEAN, False), (PoolingType.SUM, True)]
+)
+def test_scoring_stacks_the_dense_tables_into_one_lookup(
+    pooling: PoolingType, weighted: bool, lookup_path: str
+) -> None:
+    # scoring inside cached_weights with the kernels on: the dense tables stacked once and
+    # every dense feature pooled in one embedding_bag; the values TorchRec's EBC gives
+    ttm, ref = _dense_pair(pooling, weighted)
+    features = kjt(weighted=weighted, batch=5)
+    with torch.inference_mode():
+        expected = ref(features).values()
+        unscoped = ttm(features).values()  # outside the scope: table by table, nothing kept
+        with cached_weights():
+            scored = ttm(features).values()
+            kept = len(derived_cache(ttm, "dense_tables"))
+            again = ttm(features).values()
+    assert kept == (1 if lookup_path == "kernel" else 0)
+    for got in (unscoped, scored, again):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_stacked_dense_tables_follow_an_in_place_write() -> None:
+    ttm, _ = _dense_pair(PoolingType.SUM, False)
+    features = kjt(batch=4)
+    bags = ttm.dense.embedding_bags
+    with torch.no_grad(), cached_weights():
+        before = ttm(features).values()
+        first = ttm._merged_dense_tables()[0]
+        assert ttm._merged_dense_tables()[0] is first  # kept
+        bags["c"].weight.mul_(3.0)  # moves the version counter: stacked again
+        after = ttm(features).values()
+        second = ttm._merged_dense_tables()[0]
+    assert second is not first
+    torch.testing.assert_close(second, torch.cat([bags["a"].weight, bags["c"].weight]))
+    assert not torch.allclose(before, after)
+    with torch.no_grad():
+        torch.testing.assert_close(after, ttm(features).values())  # the table-by-table path agrees
+
+
+def test_dense_tables_of_different_pooling_are_not_stacked() -> None:
+    ttm, ref = _dense_pair(PoolingType.SUM, False, other_pooling=PoolingType.MEAN)
+    features = kjt(batch=4)
+    with torch.inference_mode(), cached_weights():
+        assert ttm._merged_dense_tables() is None
+        torch.testing.assert_close(ttm(features).values(), ref(features).values(), rtol=1e-5, atol=1e-6)
