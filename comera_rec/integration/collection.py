@@ -51,6 +51,12 @@ def fx_opaque(module: nn.Module, method: str, *args: object) -> object:
 torch.fx.wrap("fx_opaque")
 
 
+# The most bytes of dense tables the scoring path stacks into one (a copy kept while
+# scoring): small tables, where one lookup call instead of one per table pays; larger ones
+# keep their calls and are not copied.
+STACKED_DENSE_MAX_BYTES = 64 << 20
+
+
 class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface):
     """An ``EmbeddingBagCollection`` whose large tables are TTM tensor trains.
 
@@ -260,7 +266,9 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         :func:`~comera_rec.tensor.cached_weights`, so that a batch pools every dense feature
         in one ``embedding_bag`` call (one call per table was most of a one-row batch's
         dense lookup). ``None`` where that does not apply: gradients on, outside the scope,
-        tables of different pooling modes or dims, or bags with options of their own."""
+        tables of different pooling modes or dims, bags with options of their own, or
+        tables larger in all than :data:`STACKED_DENSE_MAX_BYTES` (the copy would be a
+        second set of them in memory)."""
         assert self.dense is not None
         bags = list(self.dense.embedding_bags.values())
         weights = [bag.weight for bag in bags]
@@ -273,6 +281,7 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
             or len({w.shape[1] for w in weights}) != 1
             or len({(w.dtype, w.device) for w in weights}) != 1
             or any(bag.max_norm is not None or bag.padding_idx is not None for bag in bags)
+            or sum(w.numel() * w.element_size() for w in weights) > STACKED_DENSE_MAX_BYTES
         ):
             return None
 

@@ -337,3 +337,18 @@ def test_dense_tables_of_different_pooling_are_not_stacked() -> None:
     with torch.inference_mode(), cached_weights():
         assert ttm._merged_dense_tables() is None
         torch.testing.assert_close(ttm(features).values(), ref(features).values(), rtol=1e-5, atol=1e-6)
+
+
+def test_dense_tables_above_the_stacking_limit_keep_their_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    import comera_rec.integration.collection as collection
+
+    ttm, ref = _dense_pair(PoolingType.SUM, False)
+    tables_bytes = sum(b.weight.numel() * 4 for b in ttm.dense.embedding_bags.values())
+    monkeypatch.setattr(collection, "STACKED_DENSE_MAX_BYTES", tables_bytes - 1)
+    features = kjt(batch=4)
+    with torch.inference_mode(), cached_weights():
+        assert ttm._merged_dense_tables() is None  # no copy of tables this large
+        torch.testing.assert_close(ttm(features).values(), ref(features).values(), rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(collection, "STACKED_DENSE_MAX_BYTES", tables_bytes)
+    with torch.inference_mode(), cached_weights():
+        assert ttm._merged_dense_tables() is not None
