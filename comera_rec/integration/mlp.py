@@ -204,6 +204,8 @@ class TTLowRankCrossNet(InitOnMaterialize):
         ``4 r N`` multiply-adds a row per layer instead of ``4 r (N + low_rank)``, and each
         ``(B, N)`` activation read from memory once, not once per layer and pass.
         """
+        if isinstance(input, torch.fx.Proxy):  # FX tracing (TorchRec's pipelines): no checks on a proxy
+            return self.forward_layers(input)
         merged = self._merged_layers(input)
         if merged is not None:
             return kernels.tt_cross_cpu(input, merged)

@@ -132,3 +132,13 @@ def test_merge_projections_property(n, low_rank, rank_v, rank_w, seed) -> None:
     assert left.shape[1] == min(v.chains()[0].shape[1], w.chains()[0].shape[1])
     want = (w.dense_weight() @ v.dense_weight()).t()
     torch.testing.assert_close(left @ right, want)
+
+
+def test_fx_tracing_sees_the_layers() -> None:
+    # TorchRec's train pipelines FX-trace a model none of whose tables is sharded: the net
+    # must trace (no checks on a proxy), each TT projection one call
+    net = make_net()
+    traced = torch.fx.symbolic_trace(net)
+    x = torch.randn(4, 96, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), net(x))
