@@ -23,6 +23,7 @@ from comera_rec.integration.torchrec_internals import (
     set_perceptron_linear,
 )
 from comera_rec.tensor import kernels
+from comera_rec.tensor.contract import linear_from_chains
 from comera_rec.tensor.derived import derived_cache
 from comera_rec.tensor.kernels.ttm_cpu import records_grad
 from comera_rec.tensor.linear import NarrowLinear, TTLinear
@@ -212,16 +213,38 @@ class TTLowRankCrossNet(InitOnMaterialize):
         return self.forward_layers(input)
 
     def forward_layers(self, input: torch.Tensor) -> torch.Tensor:
-        """``(B, N) -> (B, N)`` layer by layer, each projection called on its own (the path
-        with gradients; scoring takes it where the fused kernel does not apply)."""
+        """``(B, N) -> (B, N)`` layer by layer (the path with gradients; scoring takes it where
+        the fused cross kernel does not apply).
+
+        A layer whose two projections are bias-free ``TTLinear`` runs as their merged TT
+        weight (:func:`merge_projections`, differentiable: the gradients reach each layer's
+        cores and controllers), one TT product instead of two and no ``low_rank``-wide
+        intermediate; under FX tracing each projection is called as it is.
+        """
         x0 = input
         x = x0
+        tracing = isinstance(input, torch.fx.Proxy)
         for v, w, b in zip(self.V, self.W, self.bias):
-            y = w(v(x))
+            if not tracing and self._merges(v, w, x):
+                left, right = merge_projections(v, w)
+                y = linear_from_chains(x, left, right)
+            else:
+                y = w(v(x))
             # x0 * (y + b) + x in two passes over (B, N), not three; scoring adds b in place
             y = y + b if torch.is_grad_enabled() else y.add_(b)
             x = torch.addcmul(x, x0, y)
         return x
+
+    def _merges(self, v: nn.Module, w: nn.Module, x: torch.Tensor) -> bool:
+        """Whether ``w(v(x))`` may run as the merged weight of two bias-free TT layers: a
+        2-D input of the layers' width, dtype and device (anything else goes to the layers,
+        whose checks name what is wrong)."""
+        if not (isinstance(v, TTLinear) and isinstance(w, TTLinear)):
+            return False
+        if v.bias is not None or w.bias is not None or v.relu or w.relu:
+            return False
+        core = v.cores[0]
+        return x.dim() == 2 and x.shape[1] == v.in_features and x.dtype == core.dtype and x.device == core.device
 
     def _merged_layers(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
         """``(left (N, r), right (r, N), bias)`` per layer, ``W_i(V_i(x)) = x @ left @ right``,
@@ -233,9 +256,7 @@ class TTLowRankCrossNet(InitOnMaterialize):
             return None
         layers = []
         for i, (v, w, b) in enumerate(zip(self.V, self.W, self.bias)):
-            if not (isinstance(v, TTLinear) and isinstance(w, TTLinear)):
-                return None
-            if v.bias is not None or w.bias is not None or v.relu or w.relu:
+            if not self._merges(v, w, x):
                 return None
             sources = [*v.train_tensors(), *w.train_tensors()]
             if records_grad(*sources) or not kernels.tt_chains_kernel_applies(sources, ()):

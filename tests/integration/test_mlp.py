@@ -142,3 +142,22 @@ def test_fx_tracing_sees_the_layers() -> None:
     x = torch.randn(4, 96, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(traced(x), net(x))
+
+
+def test_training_runs_each_layer_as_its_merged_weight_with_the_same_gradients() -> None:
+    net = make_net(rank=5)
+    x = torch.randn(9, 96, dtype=torch.float64, requires_grad=True)
+
+    def projections_one_by_one(x0):
+        x = x0
+        for v, w, b in zip(net.V, net.W, net.bias):
+            x = x + x0 * (w(v(x)) + b)
+        return x
+
+    params = [x, *net.parameters()]
+    got = net(x)
+    want = projections_one_by_one(x)
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, params, g), torch.autograd.grad(want, params, g)):
+        torch.testing.assert_close(a, b)
