@@ -199,11 +199,12 @@ class TTLowRankCrossNet(InitOnMaterialize):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``(B, N) -> (B, N)``.
 
-        Scoring (no gradient recorded) with every projection a ``TTLinear``, each layer's
-        two projections are merged into one TT weight ``N -> N`` and the whole net runs in
-        one call of the fused CPU kernel (:func:`~comera_rec.tensor.kernels.tt_cross_cpu`):
-        ``4 r N`` multiply-adds a row per layer instead of ``4 r (N + low_rank)``, and each
-        ``(B, N)`` activation read from memory once, not once per layer and pass.
+        Each layer whose two projections are bias-free ``TTLinear`` runs as one merged TT
+        weight ``N -> N`` (:func:`merge_projections`): ``4 r N`` multiply-adds a row instead
+        of ``4 r (N + low_rank)``. Scoring (no gradient recorded) with every layer so, the
+        whole net runs in one call of the fused CPU kernel
+        (:func:`~comera_rec.tensor.kernels.tt_cross_cpu`), each ``(B, N)`` activation read
+        from memory once, not once per layer and pass; otherwise :meth:`forward_layers`.
         """
         if isinstance(input, torch.fx.Proxy):  # FX tracing (TorchRec's pipelines): no checks on a proxy
             return self.forward_layers(input)
