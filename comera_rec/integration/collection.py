@@ -291,7 +291,7 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
             for config, weight in zip(configs, weights):
                 firsts += [row] * len(config.feature_names)
                 row += weight.shape[0]
-            return torch.cat(weights), torch.tensor(firsts, device=weights[0].device), modes.pop()
+            return torch.cat(weights), torch.tensor(firsts, device=weights[0].device), next(iter(modes))
 
         return derived_cache(self, "dense_tables").get(weights, stack)
 
@@ -313,7 +313,8 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         pooled = F.embedding_bag(
             ids, weight, offsets, mode=mode, per_sample_weights=weights, include_last_offset=True
         )  # (P * B, D)
-        return list(pooled.float().view(len(parts), -1, weight.shape[1]).unbind(0))
+        batch = lengths.numel() // len(parts)  # bags per feature (an empty batch has none)
+        return list(pooled.float().view(len(parts), batch, weight.shape[1]).unbind(0))
 
     def _stream_constants_on(self, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(table index (S,), is mean (S,))`` of the group's streams on ``device``.

@@ -105,7 +105,7 @@ def fuse_narrow_layers(mlp: MLP) -> MLP:
 def merge_projections(v: TTLinear, w: TTLinear) -> tuple[torch.Tensor, torch.Tensor]:
     """``w(v(x)) = x @ left @ right`` for bias-free TT layers ``v: N -> L``, ``w: L -> M``.
 
-    Each layer's chains are ``(left, right)`` (:meth:`TTLinear.forward`); the small middle
+    Each layer's chains are ``(left, right)`` (:meth:`TTLinear.chains`); the small middle
     product ``right_v @ left_w`` (``r_v x r_w``) is folded into the side of the higher rank,
     so the merged weight keeps the lower one.
 

@@ -352,3 +352,14 @@ def test_dense_tables_above_the_stacking_limit_keep_their_calls(monkeypatch: pyt
     monkeypatch.setattr(collection, "STACKED_DENSE_MAX_BYTES", tables_bytes)
     with torch.inference_mode(), cached_weights():
         assert ttm._merged_dense_tables() is not None
+
+
+def test_stacked_dense_tables_take_an_empty_batch() -> None:
+    ttm, ref = _dense_pair(PoolingType.SUM, False)
+    empty = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1", "f2", "f3"], values=torch.zeros(0, dtype=torch.long), lengths=torch.zeros(0, dtype=torch.long)
+    )
+    with torch.inference_mode(), cached_weights():
+        assert ttm._merged_dense_tables() is not None
+        out = ttm(empty)
+    assert out.values().shape == (0, 32)
