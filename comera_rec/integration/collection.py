@@ -28,7 +28,7 @@ from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tab
 from comera_rec.integration.table_groups import TTMTableGroups
 from comera_rec.tensor import kernels
 from comera_rec.tensor.bags import divide_bags
-from comera_rec.tensor.derived import cache_applies, derived_cache
+from comera_rec.tensor.derived import cache_applies, derived_cache, scoring_cache_on
 from comera_rec.tensor.stacked import StackedTTMTables
 
 _POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
@@ -270,17 +270,22 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         tables larger in all than :data:`STACKED_DENSE_MAX_BYTES` (the copy would be a
         second set of them in memory)."""
         assert self.dense is not None
+        if not scoring_cache_on():
+            return None
         bags = list(self.dense.embedding_bags.values())
         weights = [bag.weight for bag in bags]
         modes = {bag.mode for bag in bags}
+        cache = derived_cache(self, "dense_tables")
+        kept = cache.peek(weights)
+        if kept is not None and modes == {kept[2]} and self._plain_bags(bags):  # type: ignore[index]
+            return kept  # type: ignore[return-value]
         if (
             not bags
             or not cache_applies(weights)
-            or any(type(bag) is not nn.EmbeddingBag for bag in bags)
+            or not self._plain_bags(bags)
             or len(modes) != 1
             or len({w.shape[1] for w in weights}) != 1
             or len({(w.dtype, w.device) for w in weights}) != 1
-            or any(bag.max_norm is not None or bag.padding_idx is not None for bag in bags)
             or sum(w.numel() * w.element_size() for w in weights) > STACKED_DENSE_MAX_BYTES
         ):
             return None
@@ -293,7 +298,15 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
                 row += weight.shape[0]
             return torch.cat(weights), torch.tensor(firsts, device=weights[0].device), next(iter(modes))
 
-        return derived_cache(self, "dense_tables").get(weights, stack)
+        return cache.get(weights, stack)
+
+    @staticmethod
+    def _plain_bags(bags: list[nn.Module]) -> bool:
+        """Whether each bag is a plain ``nn.EmbeddingBag`` without options of its own (one
+        ``embedding_bag`` call over their stacked weights pools as they would)."""
+        return all(
+            type(bag) is nn.EmbeddingBag and bag.max_norm is None and bag.padding_idx is None for bag in bags
+        )
 
     def _merged_dense_pooled(
         self,

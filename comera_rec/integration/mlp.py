@@ -260,9 +260,13 @@ class TTLowRankCrossNet(InitOnMaterialize):
             if not self._merges(v, w, x):
                 return None
             sources = [*v.train_tensors(), *w.train_tensors()]
-            if records_grad(*sources) or not kernels.tt_chains_kernel_applies(sources, ()):
-                return None
-            left, right = derived_cache(self, f"cross_{i}").get(sources, lambda v=v, w=w: merge_projections(v, w))
+            merged = derived_cache(self, f"cross_{i}")
+            kept = merged.peek(sources)  # scoring: merged once and unchanged since
+            if kept is None:
+                if records_grad(*sources) or not kernels.tt_chains_kernel_applies(sources, ()):
+                    return None
+                kept = merged.get(sources, lambda v=v, w=w: merge_projections(v, w))
+            left, right = kept
             if not kernels.tt_linear_kernel_applies(x, left, right):
                 return None
             layers.append((left, right, b))

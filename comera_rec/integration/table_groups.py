@@ -120,8 +120,9 @@ class TTMTableGroups:
 
     def _release_in_backward(self) -> None:
         # TT parameters are replicated, never fused into backward (integration/in_backward.py);
-        # a cheap test per forward: the names are built only when something is marked
-        if any(hasattr(p, "_in_backward_optimizers") for p in self.groups.parameters()):
+        # a cheap test per forward: the names are built only when something is marked. A
+        # forward without gradients (scoring) runs no backward, so it leaves them for later
+        if torch.is_grad_enabled() and any(hasattr(p, "_in_backward_optimizers") for p in self.groups.parameters()):
             release_in_backward_optimizers(self.groups.named_parameters(prefix="groups"), type(self).__name__)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:

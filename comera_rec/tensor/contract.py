@@ -126,14 +126,14 @@ def linear_from_chains(
     Returns:
         ``(..., out_features)``.
     """
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if kernels.tt_linear_kernel_applies(rows, left, right):
         y = kernels.tt_linear_cpu(rows, left, right, bias, relu)
     else:
         y = TTLinearFunction.apply(rows, left, right, bias)
         if relu:
             y = torch.relu(y)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if rows is x else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 # ---------------------------------------------------------------------------- TTM lookup

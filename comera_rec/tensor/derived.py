@@ -84,14 +84,16 @@ def _matches(kept: tuple, tensors: Sequence[torch.Tensor]) -> bool:
     fingerprint, weak references included, costs more than a one-row layer's arithmetic)."""
     if len(kept) != len(tensors) + 1 or kept[-1] != torch.is_inference_mode_enabled():
         return False
-    for (ref, ptr, version, shape, dtype, device), t in zip(kept, tensors):
+    # the same tensor object, storage and shape: its device is the same too (not compared,
+    # making a device object per tensor costs as much as the rest); an inference tensor
+    # (-1) still is one, and keeps no version counter
+    for (ref, ptr, version, shape, dtype, _), t in zip(kept, tensors):
         if (
             ref() is not t
             or t.data_ptr() != ptr
-            or (-1 if t.is_inference() else t._version) != version
+            or (version >= 0 and t._version != version)
             or t.shape != shape
             or t.dtype != dtype
-            or t.device != device
         ):
             return False
     return True
@@ -102,24 +104,35 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def cache_applies(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether a value derived from ``tensors`` may be kept: inside :func:`cached_weights`,
-    gradients off, no tracing, compiling or CUDA graph capture, plain (not meta, not
-    subclassed) tensors, and no parameter made under ``torch.inference_mode`` (its in-place
-    writes would go unseen: such tensors keep no version counter)."""
+def scoring_cache_on() -> bool:
+    """The conditions of :func:`cache_applies` that do not depend on the tensors: inside
+    :func:`cached_weights`, gradients off, no tracing, compiling or CUDA graph capture."""
     return (
         _SCOPE.depth > 0
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
         and not _capturing()
-        and all(
-            type(t) in (torch.Tensor, torch.nn.Parameter)
-            and not t.is_meta
-            and not (isinstance(t, torch.nn.Parameter) and t.is_inference())
-            for t in tensors
-        )
     )
+
+
+def _tensors_apply(tensors: Sequence[torch.Tensor]) -> bool:
+    # the conditions of cache_applies on each tensor: checked when a value is kept; a kept
+    # value's fingerprint then vouches for them (the same tensors, storage and shape)
+    return all(
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and not t.is_meta
+        and not (isinstance(t, torch.nn.Parameter) and t.is_inference())
+        for t in tensors
+    )
+
+
+def cache_applies(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a value derived from ``tensors`` may be kept: inside :func:`cached_weights`,
+    gradients off, no tracing, compiling or CUDA graph capture, plain (not meta, not
+    subclassed) tensors, and no parameter made under ``torch.inference_mode`` (its in-place
+    writes would go unseen: such tensors keep no version counter)."""
+    return scoring_cache_on() and _tensors_apply(tensors)
 
 
 class DerivedCaches:
@@ -148,13 +161,14 @@ class DerivedCaches:
 
     def get(self, sources: Sequence[torch.Tensor], compute: Callable[[], _V]) -> _V:
         """``compute()``, or the value it gave for the same, unmodified ``sources``."""
-        if not cache_applies(sources):
+        if not scoring_cache_on():
+            return compute()
+        kept = self.peek(sources)
+        if kept is not None:
+            return kept
+        if not _tensors_apply(sources):
             return compute()
         with self._lock:  # shared by every thread that scores
-            for i, (kept, value) in enumerate(self._entries):
-                if _matches(kept, sources):
-                    self._entries.append(self._entries.pop(i))  # most recently used last
-                    return value  # type: ignore[return-value]
             # entries whose sources are gone can never match again; the least recently
             # used goes before the new value is made, so at most `slots` are ever held
             self._entries = [e for e in self._entries if all(x[0]() is not None for x in e[0][:-1])]
@@ -164,6 +178,22 @@ class DerivedCaches:
             self._entries.append((key, value))
         _note_filled(self)
         return value
+
+    def peek(self, sources: Sequence[torch.Tensor]) -> object | None:
+        """The value kept for the same, unmodified ``sources``, or ``None`` (nothing kept
+        for them, or a value may not be used here: see :func:`cache_applies`). A value is
+        kept only for tensors :func:`cache_applies` took, and a match means the same
+        tensors, so their own conditions are not checked again (a one-row batch's
+        lookups and layers each ask once per call)."""
+        if not self._entries or not scoring_cache_on():
+            return None
+        with self._lock:
+            for i, (kept, value) in enumerate(self._entries):
+                if _matches(kept, sources):
+                    if i != len(self._entries) - 1:
+                        self._entries.append(self._entries.pop(i))  # most recently used last
+                    return value
+        return None
 
     def clear(self) -> None:
         """Drop every kept value."""

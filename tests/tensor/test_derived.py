@@ -110,6 +110,38 @@ def test_least_recently_used_set_goes_first():
         DerivedCaches(slots=0)
 
 
+def test_peek_hands_back_only_an_unchanged_kept_value():
+    w = torch.nn.Parameter(torch.arange(3.0))
+    cache = DerivedCaches(slots=2)
+    with torch.no_grad(), cached_weights():
+        assert cache.peek([w]) is None  # nothing kept yet
+        kept = cache.get([w], lambda: w * 2)
+        assert cache.peek([w]) is kept
+        assert cache.peek([torch.nn.Parameter(w.detach().clone())]) is None  # equal values, another tensor
+        assert cache.peek([w, w]) is None  # other sources
+        w.add_(1)
+        assert cache.peek([w]) is None  # an in-place write
+        w.data = w.detach()[:2].clone()
+        assert cache.peek([w]) is None
+    with cached_weights():  # gradients on: nothing is handed back, even what is kept
+        with torch.no_grad():
+            kept = cache.get([w], lambda: w * 2)
+        assert cache.peek([w]) is None
+        with torch.no_grad(), torch.inference_mode():
+            assert cache.peek([w]) is None  # kept outside inference mode
+
+
+def test_peek_after_a_shape_only_change_of_the_same_storage():
+    # a rank truncation may leave a parameter's storage where it was and only shrink it
+    w = torch.nn.Parameter(torch.ones(4, 3))
+    cache = DerivedCache()
+    with torch.no_grad(), cached_weights():
+        cache.get([w], lambda: w.sum())
+        w.data = w.data[:2]  # same first element, same version counter
+        assert cache.peek([w]) is None
+        assert float(cache.get([w], lambda: w.sum())) == 6.0
+
+
 def _train_step(module: torch.nn.Module, loss) -> None:
     opt = torch.optim.SGD(module.parameters(), lr=0.5)
     opt.zero_grad()

@@ -201,6 +201,27 @@ def test_narrow_linear_equals_linear(n_in: int, relu: bool, bias: bool, lookup_p
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("batch", [1, 37])
+def test_narrow_linear_scores_with_blas(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # without gradients the fused kernel has nothing to win: F.linear, the ReLU in place
+    torch.manual_seed(0)
+    layer = NarrowLinear(13, 40, relu=True, dtype=DT)
+    x = torch.randn(batch, 13, dtype=DT)
+    want = torch.relu(F.linear(x, layer.weight, layer.bias))
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the fused kernel was called while scoring")
+
+    monkeypatch.setattr(kernels, "tt_linear_cpu", no_kernel)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
+    if kernels.cpu_kernel_enabled():  # with gradients the kernel runs
+        with pytest.raises(AssertionError, match="fused kernel"):
+            layer(x.requires_grad_())
+
+
 def test_narrow_linear_gradcheck_and_leading_dims() -> None:
     layer = NarrowLinear(5, 9, relu=True, dtype=DT)
     x = (torch.rand(6, 5, dtype=DT) + 0.5).requires_grad_()

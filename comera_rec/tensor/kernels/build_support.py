@@ -126,4 +126,5 @@ class KernelBuild:
 def disabled_by_env(name: str) -> bool:
     """Whether the environment variable ``name`` switches a kernel off: set to anything but
     ``""`` / ``"0"`` / ``"false"`` / ``"no"`` / ``"off"``. Read on every call."""
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+    value = os.environ.get(name)
+    return value is not None and value.strip().lower() not in ("", "0", "false", "no", "off")

@@ -432,4 +432,4 @@ def cpu_kernel_enabled() -> bool:
     ``COMERA_DISABLE_CPU_KERNEL`` set to anything but ``""`` / ``"0"`` / ``"false"``
     disables it; it is read on every call.
     """
-    return cpu_kernels_switched_on() and extension() is not None
+    return _enabled and not disabled_by_env(DISABLE_ENV) and extension() is not None

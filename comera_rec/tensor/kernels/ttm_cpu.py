@@ -51,12 +51,11 @@ def cpu_float_operands(*tensors: torch.Tensor) -> bool:
     """Whether these are operands a CPU kernel may take: real CPU float32 / float64 tensors
     of one dtype, outside tracing and ``torch.compile`` (whether the kernel is built and
     on is the caller's check)."""
-    return (
-        all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) for t in tensors)
-        and len({t.dtype for t in tensors}) == 1
-        and not torch.jit.is_tracing()
-        and not torch.compiler.is_compiling()
-    )
+    dtype = tensors[0].dtype if tensors else None
+    if dtype not in (torch.float32, torch.float64) or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    # is_cpu: no device object made per tensor (scoring asks this for every layer and lookup)
+    return all(t.is_cpu and t.dtype == dtype for t in tensors)
 
 
 def records_grad(*tensors: torch.Tensor | None) -> bool:
@@ -113,9 +112,12 @@ _LAYOUTS = DerivedCaches(slots=8)
 
 def _forward_layouts(cores: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``[]`` (the kernel makes them) or the kept layouts of these unchanged cores."""
-    if not cache_applies(cores):
-        return []
-    left1, right0 = _LAYOUTS.get(cores, lambda: _own_layouts(cores))
+    kept = _LAYOUTS.peek(cores)
+    if kept is None:
+        if not cache_applies(cores):
+            return []
+        kept = _LAYOUTS.get(cores, lambda: _own_layouts(cores))
+    left1, right0 = kept
     # a layout that is the core itself (nothing to pad) is not kept: a kept value must not
     # hold its sources alive
     return [cores[1] if left1 is None else left1, right0]
@@ -150,6 +152,9 @@ def _whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     id: at a batch of 4096 rows the Kaggle model's 4-core stack contracts ~6,000 distinct
     prefixes and ~7,000 suffixes per batch, each as many multiply-adds as 8 ids' pooling.
     """
+    kept = _HALVES.peek(cores)
+    if kept is not None:
+        return kept  # type: ignore[return-value]
     if not cache_applies(cores) or whole_halves_bytes(cores) > WHOLE_HALVES_MAX_BYTES:
         return None
     # the kernel makes the core layouts it needs for this once and drops them (not kept)
