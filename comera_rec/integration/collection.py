@@ -304,9 +304,7 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
     def _plain_bags(bags: list[nn.Module]) -> bool:
         """Whether each bag is a plain ``nn.EmbeddingBag`` without options of its own (one
         ``embedding_bag`` call over their stacked weights pools as they would)."""
-        return all(
-            type(bag) is nn.EmbeddingBag and bag.max_norm is None and bag.padding_idx is None for bag in bags
-        )
+        return all(type(bag) is nn.EmbeddingBag and bag.max_norm is None and bag.padding_idx is None for bag in bags)
 
     def _merged_dense_pooled(
         self,
