@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchrec.models.dlrm import SparseArch
+from torchrec.models.dlrm import InteractionDCNArch, SparseArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from comera_rec.dlrm.interaction_kernel import pairwise_dots_cpu, pairwise_kernel_applies
 from comera_rec.integration.fused_tables import fused_tables_lookup, single_lookup
+from comera_rec.integration.mlp import TTLowRankCrossNet
 
 
 class _PairwiseDots(torch.autograd.Function):
@@ -135,6 +136,8 @@ class FlatSparseArch(SparseArch):
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """``(B, F, D)`` pooled embeddings in ``sparse_feature_names`` order."""
+        if isinstance(features, torch.fx.Proxy):  # FX tracing (TorchRec's pipelines): TorchRec's own path
+            return super().forward(features)
         ebc = self.embedding_bag_collection
         lookup = single_lookup(ebc, features.keys()) if features.keys() == self.sparse_feature_names else None
         if lookup is not None and not features.variable_stride_per_key():
@@ -148,3 +151,39 @@ class FlatSparseArch(SparseArch):
             return sparse.values().reshape(-1, self.F, self.D)
         values = sparse.to_dict()
         return torch.cat([values[name] for name in self.sparse_feature_names], dim=1).reshape(-1, self.F, self.D)
+
+
+class BlockDCNInteraction(InteractionDCNArch):
+    """TorchRec's ``InteractionDCNArch`` whose compressed cross net reads the dense features
+    and the pooled embeddings as two column blocks: where
+    :meth:`~comera_rec.integration.mlp.TTLowRankCrossNet.forward_blocks` scores the net in
+    the fused kernel, the ``(B, (F + 1) D)`` concatenation is never made; elsewhere (another
+    cross net, gradients, FX tracing) it is TorchRec's forward. Same parameters and
+    state-dict names.
+
+    Args:
+        num_sparse_features: F.
+        crossnet: the cross net over ``(F + 1) D`` features.
+
+    Example::
+
+        >>> net = TTLowRankCrossNet(12, num_layers=1, low_rank=4, tt_rank=2, min_gain=0.0)
+        >>> arch = BlockDCNInteraction(2, net)
+        >>> dense, sparse = torch.randn(3, 4), torch.randn(3, 2, 4)
+        >>> with torch.no_grad():
+        ...     torch.allclose(arch(dense, sparse), InteractionDCNArch(2, net)(dense, sparse))
+        True
+    """
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        """``(B, D)`` and ``(B, F, D)`` -> ``(B, (F + 1) D)``."""
+        crossnet = self.crossnet
+        if (
+            self.F > 0
+            and isinstance(crossnet, TTLowRankCrossNet)
+            and not isinstance(dense_features, torch.fx.Proxy)
+            and not isinstance(sparse_features, torch.fx.Proxy)
+        ):
+            batch = dense_features.shape[0]
+            return crossnet.forward_blocks([dense_features, sparse_features.reshape(batch, -1)])
+        return super().forward(dense_features, sparse_features)

@@ -9,10 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from torchrec.models.dlrm import InteractionArch, SparseArch
+from torchrec.models.dlrm import InteractionArch, InteractionDCNArch, SparseArch
 
 from comera_rec.dlrm import DLRMConfig, build_dlrm, build_dlrm_train
-from comera_rec.dlrm.interaction import FlatSparseArch, PairwiseDotInteraction
+from comera_rec.dlrm.interaction import BlockDCNInteraction, FlatSparseArch, PairwiseDotInteraction
+from comera_rec.integration.mlp import TTLowRankCrossNet
+from comera_rec.tensor import cached_weights
 from comera_rec.dlrm.interaction_kernel import pairwise_dots_cpu, pairwise_kernel_applies
 from comera_rec.tensor import NarrowLinear
 from tests.dlrm.test_dlrm import _batch, _config
@@ -101,6 +103,63 @@ def test_flat_sparse_arch_equals_torchrec(reordered: bool) -> None:
     (g_ours,) = torch.autograd.grad(ours, [ebc.embedding_bags["t0"].weight], grad)
     (g_theirs,) = torch.autograd.grad(theirs, [ebc.embedding_bags["t0"].weight], grad)
     assert torch.equal(g_ours, g_theirs)
+
+
+def test_flat_sparse_arch_traces_as_torchrec() -> None:
+    # TorchRec's pipelines FX-trace the model: on a proxy the arch is TorchRec's own
+    import torchrec.fx
+
+    ebc = _two_table_ebc()
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.tensor([1, 2, 3, 4, 5]), torch.tensor([1, 2, 0, 2]))
+    traced = torchrec.fx.symbolic_trace(FlatSparseArch(ebc))
+    assert torch.equal(traced(kjt), SparseArch(ebc)(kjt))
+
+
+def test_block_dcn_interaction_equals_torchrec() -> None:
+    torch.manual_seed(0)
+    net = TTLowRankCrossNet(24, 2, 16, tt_rank=4, min_gain=0.0, dtype=torch.float64)
+    with torch.no_grad():
+        for b in net.bias:
+            b.normal_()
+    ours, theirs = BlockDCNInteraction(2, net), InteractionDCNArch(2, net)
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    dense, sparse = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 2, 8, dtype=torch.float64)
+    with torch.inference_mode(), cached_weights():
+        torch.testing.assert_close(ours(dense, sparse), theirs(dense, sparse))
+    # training: TorchRec's path, the same gradients
+    grads = []
+    for arch in (ours, theirs):
+        d, s = dense.clone().requires_grad_(), sparse.clone().requires_grad_()
+        params = list(net.parameters())
+        grads.append(torch.autograd.grad(arch(d, s).square().sum(), [d, s, *params]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    traced = torch.fx.symbolic_trace(ours)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(dense, sparse), theirs(dense, sparse))
+
+
+def test_compressed_dcn_model_takes_the_block_interaction() -> None:
+    torch.manual_seed(0)
+    compressed = build_dlrm_train(_config(compressed=True, interaction="dcn"))
+    dense = build_dlrm_train(_config(compressed=False, interaction="dcn"))
+    assert isinstance(compressed.model.inter_arch, BlockDCNInteraction)
+    assert isinstance(compressed.model.sparse_arch, FlatSparseArch)
+    assert type(dense.model.inter_arch) is InteractionDCNArch  # the dense baseline as TorchRec ships it
+    assert type(dense.model.sparse_arch) is SparseArch
+    arch = compressed.model
+    # TorchRec's own arches on the same modules name every parameter alike (checkpoints carry over)
+    assert InteractionDCNArch(arch.inter_arch.F, arch.inter_arch.crossnet).state_dict().keys() == (
+        arch.inter_arch.state_dict().keys()
+    )
+    assert SparseArch(arch.sparse_arch.embedding_bag_collection).state_dict().keys() == (
+        arch.sparse_arch.state_dict().keys()
+    )
+    batch = _batch()
+    recorded = compressed.model(batch.dense_features, batch.sparse_features)
+    with torch.inference_mode(), cached_weights():
+        scored = compressed.model(batch.dense_features, batch.sparse_features)
+    torch.testing.assert_close(scored, recorded.detach())
 
 
 def test_bad_shapes_are_named() -> None:

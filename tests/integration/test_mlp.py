@@ -71,6 +71,30 @@ def test_scoring_takes_the_fused_kernel(monkeypatch) -> None:
     assert calls == []
 
 
+def test_forward_blocks_scores_the_blocks_without_joining_them(monkeypatch) -> None:
+    net = make_net()
+    x = torch.randn(11, 96, dtype=torch.float64)
+    blocks = [x[:, :16], x[:, 16:]]  # DCN: the dense features, then the pooled embeddings
+    calls = []
+    fused = kernels.tt_cross_cpu
+    monkeypatch.setattr(
+        kernels, "tt_cross_cpu", lambda x0, layers: calls.append(type(x0).__name__) or fused(x0, layers)
+    )
+    with torch.inference_mode(), cached_weights():
+        got = net.forward_blocks(blocks)
+    assert calls == ["list"]  # the blocks as they are, no (B, N) input made
+    torch.testing.assert_close(got, dense_reference(net, x))
+    # gradients recorded: the layers on the concatenation, the gradient reaching each block
+    dense, sparse = (b.clone().requires_grad_() for b in blocks)
+    net.forward_blocks([dense, sparse]).square().sum().backward()
+    joined = x.clone().requires_grad_()
+    net(joined).square().sum().backward()
+    torch.testing.assert_close(torch.cat([dense.grad, sparse.grad], dim=1), joined.grad)
+    with pytest.raises(ValueError, match="expected input with last dimension 96, got shape"):  # the layers' error
+        with torch.no_grad():
+            net.forward_blocks([x[:, :16], x[:, 17:]])
+
+
 def test_merged_weights_are_kept_while_the_parameters_do_not_change() -> None:
     net = make_net()
     x = torch.randn(4, 96, dtype=torch.float64)
@@ -99,7 +123,7 @@ def test_a_dense_projection_keeps_the_layer_by_layer_path() -> None:
     net.V[1] = nn.Linear(96, 32, bias=False, dtype=torch.float64)
     x = torch.randn(6, 96, dtype=torch.float64)
     with torch.no_grad():
-        assert net._merged_layers(x) is None
+        assert net._merged_layers([x]) is None
         torch.testing.assert_close(net(x), dense_reference(net, x))
 
 
@@ -109,7 +133,7 @@ def test_without_the_kernels_the_same_values(monkeypatch) -> None:
     with torch.no_grad():
         fused = net(x)
         kernels.set_cpu_kernel_enabled(False)
-        assert net._merged_layers(x) is None
+        assert net._merged_layers([x]) is None
         plain = net(x)
     torch.testing.assert_close(fused, plain)
 

@@ -285,6 +285,17 @@ def test_cross_property_shapes_and_ranks(batch, n, ranks, block_rows, seed) -> N
     torch.testing.assert_close(kernels.tt_cross_cpu(x0, layers, block_rows), cross_reference(x0, layers))
 
 
+@pytest.mark.parametrize("widths", [[13], [5, 8], [8, 5], [1, 9, 3], [4, 4, 4, 1]])
+@pytest.mark.parametrize("block_rows", [None, 1, 7])
+def test_cross_reads_column_blocks_as_their_concatenation(widths, block_rows) -> None:
+    x0, layers = make_cross(29, sum(widths), [5, 12])
+    blocks = list(x0.split(widths, dim=1))  # views with the row stride of x0: made contiguous
+    got = kernels.tt_cross_cpu(blocks, layers, block_rows)
+    torch.testing.assert_close(got, cross_reference(x0, layers))
+    # the same arithmetic in the same order as on the joined input
+    assert torch.equal(got, kernels.tt_cross_cpu(x0, layers, block_rows))
+
+
 def test_cross_bad_inputs_name_what_was_wrong() -> None:
     x0, ((left, right, b),) = make_cross(4, 6, [3])
     with pytest.raises(RuntimeError, match="layer 0 has 5 outputs for 6 input features; a cross layer keeps its width"):
@@ -295,5 +306,11 @@ def test_cross_bad_inputs_name_what_was_wrong() -> None:
         kernels.tt_cross_cpu(x0, [])
     with pytest.raises(RuntimeError, match="block_rows must be positive, got 0"):
         kernels.tt_cross_cpu(x0, [(left, right, b)], block_rows=0)
+    with pytest.raises(RuntimeError, match=r"x0's column block 1 has shape \[3, 2\]; each must be \(B, N_p\)"):
+        kernels.tt_cross_cpu([x0[:, :4], x0[:3, 4:]], [(left, right, b)])
+    with pytest.raises(RuntimeError, match="left has 6 rows for 5 input features"):
+        kernels.tt_cross_cpu([x0[:, :4], x0[:, 4:5]], [(left, right, b)])
+    with pytest.raises(RuntimeError, match="column blocks need one dtype"):
+        kernels.tt_cross_cpu([x0[:, :4], x0[:, 4:].float()], [(left, right, b)])
     with pytest.raises(RuntimeError, match="scoring only"):
         kernels.tt_cross_cpu(x0, [(left.requires_grad_(), right, b)])

@@ -408,7 +408,7 @@ Layer<T> layer_of(const torch::Tensor& x, const torch::Tensor& left_p, const tor
   L.R = left_p.size(1);
   L.Np = right_p.size(1);
   L.Nip = padded(L.n_in, kLanes<T>);
-  L.x = x.data_ptr<T>();
+  L.x = x.is_meta() ? nullptr : x.data_ptr<T>();  // meta: a stand-in whose rows the caller sets
   L.left = left_p.data_ptr<T>();
   L.right = right_p.data_ptr<T>();
   L.bias = bias_p.numel() ? bias_p.data_ptr<T>() : nullptr;
@@ -524,49 +524,84 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
 // read twice and written once per layer, and the threads meet once, not once per layer.
 // Each layer after the first overwrites the block's x_k in place: a tile reads its rows of
 // x_k (t, then each vector's residual) before it writes them.
-torch::Tensor tt_cross_forward(torch::Tensor x0, std::vector<torch::Tensor> lefts, std::vector<torch::Tensor> rights,
-                               std::vector<torch::Tensor> biases, int64_t block_rows) {
+//
+// x0 comes as column blocks side by side, (B, N_p) each, N = sum N_p (DCN's input is the
+// dense features then the pooled embeddings): with more than one, each thread copies its
+// block's rows of them into one (block_rows, N) buffer, which then serves as x_0, so the
+// (B, N) concatenation is never made.
+torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
+                               std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
+                               int64_t block_rows) {
   const auto layers = lefts.size();
   TORCH_CHECK(layers >= 1 && rights.size() == layers && biases.size() == layers, "tt_cross: ", lefts.size(),
               " lefts, ", rights.size(), " rights and ", biases.size(), " biases; one each per layer, at least one");
   TORCH_CHECK(block_rows >= 1, "tt_cross: block_rows must be positive, got ", block_rows);
-  for (size_t k = 0; k < layers; ++k) {
-    check_inputs(x0, lefts[k], rights[k], biases[k]);
-    TORCH_CHECK(rights[k].size(1) == x0.size(1), "tt_cross: layer ", k, " has ", rights[k].size(1),
-                " outputs for ", x0.size(1), " input features; a cross layer keeps its width");
+  TORCH_CHECK(!x0_parts.empty(), "tt_cross: x0 needs at least one column block");
+  const int64_t B = x0_parts[0].dim() == 2 ? x0_parts[0].size(0) : -1;
+  int64_t n = 0;
+  for (size_t p = 0; p < x0_parts.size(); ++p) {
+    auto& part = x0_parts[p];
+    TORCH_CHECK(part.dim() == 2 && part.size(0) == B, "tt_cross: x0's column block ", p, " has shape ", part.sizes(),
+                "; each must be (B, N_p) with the first's B");
+    TORCH_CHECK(part.scalar_type() == x0_parts[0].scalar_type(), "tt_cross: x0's column blocks need one dtype");
+    part = part.contiguous();
+    n += part.size(1);
   }
-  x0 = x0.contiguous();
-  const int64_t B = x0.size(0), n = x0.size(1);
-  auto out = torch::empty_like(x0);
-  AT_DISPATCH_FLOATING_TYPES(x0.scalar_type(), "tt_cross_forward", [&] {
+  // a (B, n) stand-in for the shape checks (no data read)
+  const auto like = x0_parts.size() == 1 ? x0_parts[0] : torch::empty({B, n}, x0_parts[0].options().device(at::kMeta));
+  for (size_t k = 0; k < layers; ++k) {
+    check_inputs(like, lefts[k], rights[k], biases[k]);
+    TORCH_CHECK(rights[k].size(1) == n, "tt_cross: layer ", k, " has ", rights[k].size(1), " outputs for ", n,
+                " input features; a cross layer keeps its width");
+  }
+  auto out = torch::empty({B, n}, x0_parts[0].options());
+  AT_DISPATCH_FLOATING_TYPES(x0_parts[0].scalar_type(), "tt_cross_forward", [&] {
     using T = scalar_t;
     constexpr int64_t W = kLanes<T>;
     std::vector<torch::Tensor> kept;  // the padded and packed operands, alive for the call
     std::vector<Layer<T>> L(layers);
     int64_t widest = 0;
     for (size_t k = 0; k < layers; ++k) widest = std::max(widest, padded(lefts[k].size(1), W));
-    const auto zeros = torch::zeros({std::max({n, padded(n, W), widest})}, x0.options());
+    const auto zeros = torch::zeros({std::max({n, padded(n, W), widest})}, x0_parts[0].options());
     for (size_t k = 0; k < layers; ++k) {
       const auto left_p = pad_last(lefts[k], W), right_p = pad_last(rights[k], W);
-      const auto bias_p = biases[k].numel() ? pad_last(biases[k].to(x0.scalar_type()), W) : biases[k];
-      L[k] = layer_of<T>(x0, left_p, right_p, bias_p, lefts[k].size(1), n, zeros);
+      const auto bias_p = biases[k].numel() ? pad_last(biases[k].to(x0_parts[0].scalar_type()), W) : biases[k];
+      L[k] = layer_of<T>(like, left_p, right_p, bias_p, lefts[k].size(1), n, zeros);
       const auto right_panels = pack_panels<T>(right_p);
       const auto left_panels = kVectorRegisters < 32 ? pack_panels<T>(left_p) : left_p;
       L[k].right = right_panels.data_ptr<T>();
       L[k].left = left_panels.data_ptr<T>();
       kept.insert(kept.end(), {left_p, right_p, bias_p, right_panels, left_panels});
     }
-    const T* x0_ptr = x0.data_ptr<T>();
+    std::vector<const T*> part_ptr;
+    std::vector<int64_t> part_cols;
+    for (const auto& part : x0_parts) {
+      part_ptr.push_back(part.data_ptr<T>());
+      part_cols.push_back(part.size(1));
+    }
+    const bool whole = x0_parts.size() == 1;
     T* out_ptr = out.data_ptr<T>();
     const int64_t blocks = (B + block_rows - 1) / block_rows;
     at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<T> gathered(whole ? 0 : std::min(block_rows, B) * n);  // this thread's block of x0
       for (int64_t blk = lo; blk < hi; ++blk) {
-        const int64_t b0 = blk * block_rows;
+        const int64_t b0 = blk * block_rows, rows = std::min(block_rows, B - b0);
+        const T* x0_block = whole ? part_ptr[0] + b0 * n : gathered.data();
+        if (!whole) {
+          for (int64_t i = 0; i < rows; ++i) {
+            T* dst = gathered.data() + i * n;
+            for (size_t p = 0; p < part_ptr.size(); ++p) {
+              const T* src = part_ptr[p] + (b0 + i) * part_cols[p];
+              std::copy(src, src + part_cols[p], dst);
+              dst += part_cols[p];
+            }
+          }
+        }
         for (size_t k = 0; k < layers; ++k) {
           Layer<T> block = L[k];
-          block.B = std::min(block_rows, B - b0);
-          block.x = (k == 0 ? x0_ptr : out_ptr) + b0 * n;
-          block.x0 = x0_ptr + b0 * n;
+          block.B = rows;
+          block.x = k == 0 ? x0_block : out_ptr + b0 * n;
+          block.x0 = x0_block;
           with_vectors<T, CrossTiles>(block.R / W, block, out_ptr + b0 * n);
         }
       }

@@ -95,7 +95,7 @@ CROSS_BLOCK_ROWS = 24
 
 
 def tt_cross_cpu(
-    x0: torch.Tensor,
+    x0: torch.Tensor | Sequence[torch.Tensor],
     layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     block_rows: int | None = None,
 ) -> torch.Tensor:
@@ -105,10 +105,14 @@ def tt_cross_cpu(
 
     Each thread takes blocks of ``block_rows`` rows through every layer, so each ``(B, N)``
     activation is read from memory once and written once instead of once per layer, and
-    each layer's bias and residual are applied while a tile's rows are in registers. The caller checks :func:`tt_linear_kernel_applies` for every layer first.
+    each layer's bias and residual are applied while a tile's rows are in registers. The
+    caller checks :func:`tt_linear_kernel_applies` for every layer first.
 
     Args:
-        x0: ``(B, N)``, the cross net's input.
+        x0: ``(B, N)``, the cross net's input; or its column blocks ``(B, N_p)`` in order
+            (``N = sum N_p``), as ``torch.cat(x0, dim=1)`` would join them: each thread
+            copies its rows of them into one block, and the joined ``(B, N)`` input is
+            never made (DCN's input is the dense features, then the pooled embeddings).
         layers: ``(left (N, r_k), right (r_k, N), bias (N,) or None)`` per layer.
         block_rows: rows a thread takes through every layer at a time
             (:data:`CROSS_BLOCK_ROWS` by default).
@@ -127,14 +131,17 @@ def tt_cross_cpu(
         >>> want = x0 + x0 * (x0 @ left @ right)
         >>> torch.allclose(tt_cross_cpu(x0, [(left, right, None)]), want, atol=1e-5)
         True
+        >>> torch.allclose(tt_cross_cpu([x0[:, :6], x0[:, 6:]], [(left, right, None)]), want, atol=1e-5)
+        True
     """
-    if records_grad(x0, *(t for layer in layers for t in layer)):
+    parts = [x0] if isinstance(x0, torch.Tensor) else list(x0)
+    if records_grad(*parts, *(t for layer in layers for t in layer)):
         raise RuntimeError("tt_cross_cpu: scoring only; with gradients call the layers one by one")
     if block_rows is None:
         block_rows = CROSS_BLOCK_ROWS
-    empty = _EMPTY.to(x0.dtype)
+    empty = _EMPTY.to(parts[0].dtype) if parts else _EMPTY
     return extension().tt_cross_forward(
-        x0,
+        parts,
         [left for left, _, _ in layers],
         [right for _, right, _ in layers],
         [bias if bias is not None else empty for _, _, bias in layers],

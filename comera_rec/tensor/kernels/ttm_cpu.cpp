@@ -1095,8 +1095,9 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
 std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tensor x, torch::Tensor left,
                                               torch::Tensor right, torch::Tensor t, torch::Tensor y,
                                               bool need_grad_x, bool need_grad_bias, bool need_grad_left);
-torch::Tensor tt_cross_forward(torch::Tensor x0, std::vector<torch::Tensor> lefts, std::vector<torch::Tensor> rights,
-                               std::vector<torch::Tensor> biases, int64_t block_rows);
+torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
+                               std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
+                               int64_t block_rows);
 std::vector<torch::Tensor> tt_chains_forward(std::vector<torch::Tensor> cores, std::vector<torch::Tensor> controllers,
                                              int64_t d, int64_t in_features, int64_t out_features);
 std::vector<torch::Tensor> tt_chains_backward(torch::Tensor grad_left, torch::Tensor grad_right,
