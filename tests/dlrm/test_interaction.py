@@ -13,10 +13,9 @@ from torchrec.models.dlrm import InteractionArch, InteractionDCNArch, SparseArch
 
 from comera_rec.dlrm import DLRMConfig, build_dlrm, build_dlrm_train
 from comera_rec.dlrm.interaction import BlockDCNInteraction, FlatSparseArch, PairwiseDotInteraction
-from comera_rec.integration.mlp import TTLowRankCrossNet
-from comera_rec.tensor import cached_weights
 from comera_rec.dlrm.interaction_kernel import pairwise_dots_cpu, pairwise_kernel_applies
-from comera_rec.tensor import NarrowLinear
+from comera_rec.integration.mlp import TTLowRankCrossNet
+from comera_rec.tensor import NarrowLinear, cached_weights
 from tests.dlrm.test_dlrm import _batch, _config
 from tests.threads import assert_bit_identical, at_thread_counts
 
