@@ -17,8 +17,9 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Tuple
 
 from torch.utils.data import DataLoader, IterableDataset
 from torchrec.datasets.utils import Batch
@@ -36,17 +37,54 @@ from comera_rec.data.criteo import (
     shard_range,
     split_row_range,
 )
-from comera_rec.data.readers import (
-    BadInputError,
-    CriteoNpyReader,
-    CriteoParquetReader,
-    CriteoReaderConfig,
-    CriteoTsvReader,
-    ReaderStats,
-    count_lines,
-)
-from comera_rec.data.synthetic import SyntheticCriteo, SyntheticCriteoConfig, ZipfSampler, expected_auc, roc_auc
-from comera_rec.data.transforms import CategoricalTransform, dense_transform, load_table_sizes, parse_hex
+
+# The readers, the transforms and the synthetic generator import pyarrow: about 48 MB of a
+# process's RSS. They are imported on first use (PEP 562), so that a process which only
+# builds or scores a model (the DLRM config reads the Criteo constants above) leaves them out.
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "BadInputError",
+            "CriteoNpyReader",
+            "CriteoParquetReader",
+            "CriteoReaderConfig",
+            "CriteoTsvReader",
+            "ReaderStats",
+            "count_lines",
+        ),
+        "comera_rec.data.readers",
+    ),
+    **dict.fromkeys(
+        ("SyntheticCriteo", "SyntheticCriteoConfig", "ZipfSampler", "expected_auc", "roc_auc"),
+        "comera_rec.data.synthetic",
+    ),
+    **dict.fromkeys(
+        ("CategoricalTransform", "dense_transform", "load_table_sizes", "parse_hex"), "comera_rec.data.transforms"
+    ),
+}
+
+if TYPE_CHECKING:
+    from comera_rec.data.readers import (
+        BadInputError,
+        CriteoNpyReader,
+        CriteoParquetReader,
+        CriteoReaderConfig,
+        CriteoTsvReader,
+        ReaderStats,
+        count_lines,
+    )
+    from comera_rec.data.synthetic import SyntheticCriteo, SyntheticCriteoConfig, ZipfSampler, expected_auc, roc_auc
+    from comera_rec.data.transforms import CategoricalTransform, dense_transform, load_table_sizes, parse_hex
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
 
 SOURCES = ("synthetic", "tsv", "parquet", "npy")
 
@@ -130,6 +168,8 @@ def num_embeddings(cfg: DataConfig) -> List[int]:
         [1460, 583, 10131227]
     """
     if cfg.vocab_dir is not None and cfg.source != "synthetic":
+        from comera_rec.data.transforms import load_table_sizes
+
         return load_table_sizes(cfg.vocab_dir)
     if cfg.num_embeddings_per_feature is not None:
         return list(cfg.num_embeddings_per_feature)
@@ -171,6 +211,8 @@ def build_dataloaders(cfg: DataConfig) -> Tuple[Iterable[Batch], Optional[Iterab
         raise ValueError(f"source must be one of {SOURCES}, got {cfg.source!r}")
     val_bs = cfg.val_batch_size or cfg.batch_size
     if cfg.source == "synthetic":
+        from comera_rec.data.synthetic import SyntheticCriteo, SyntheticCriteoConfig
+
         base = SyntheticCriteoConfig(
             num_embeddings_per_feature=num_embeddings(cfg),
             zipf_exponent=cfg.zipf_exponent,
@@ -197,6 +239,8 @@ def build_dataloaders(cfg: DataConfig) -> Tuple[Iterable[Batch], Optional[Iterab
 
     if not cfg.train_paths:
         raise ValueError(f"source {cfg.source!r} needs train_paths")
+    from comera_rec.data.readers import CriteoNpyReader, CriteoParquetReader, CriteoReaderConfig, CriteoTsvReader
+
     reader_cls = {"tsv": CriteoTsvReader, "parquet": CriteoParquetReader, "npy": CriteoNpyReader}[cfg.source]
     common = dict(
         rank=cfg.rank,

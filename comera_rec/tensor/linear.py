@@ -197,7 +197,7 @@ class TTLinear(TensorTrainModule):
             raise ValueError(
                 f"TTLinear: expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}"
             )
-        weight = self.cores[0]
+        weight = next(iter(self.cores._parameters.values()))  # not cores[0]: ParameterList indexing is slow
         if x.dtype != weight.dtype and not _autocast_on(x.device.type):
             raise TypeError(
                 f"TTLinear: input dtype {x.dtype} differs from the layer's dtype {weight.dtype}; convert the "
