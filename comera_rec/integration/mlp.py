@@ -268,7 +268,7 @@ class TTLowRankCrossNet(InitOnMaterialize):
             return False
         if v.bias is not None or w.bias is not None or v.relu or w.relu:
             return False
-        core = v.cores[0]
+        core = next(iter(v.cores._parameters.values()))  # not cores[0]: ParameterList indexing is slow
         return x.dtype == core.dtype and x.device == core.device
 
     def _merged_layers(
@@ -292,12 +292,13 @@ class TTLowRankCrossNet(InitOnMaterialize):
             if not self._mergeable(v, w, x):
                 return None
             sources = [*v.train_tensors(), *w.train_tensors()]
-            merged = derived_cache(self, f"cross_{i}")
-            kept = merged.peek(sources)  # scoring: merged once and unchanged since
+            kept = derived_cache(self, f"cross_{i}").get_when(  # scoring: merged once and kept
+                sources,
+                lambda v=v, w=w: merge_projections(v, w),
+                lambda s=sources: not records_grad(*s) and kernels.tt_chains_kernel_applies(s, ()),
+            )
             if kept is None:
-                if records_grad(*sources) or not kernels.tt_chains_kernel_applies(sources, ()):
-                    return None
-                kept = merged.get(sources, lambda v=v, w=w: merge_projections(v, w))
+                return None
             left, right = kept
             if not kernels.tt_linear_kernel_applies(x, left, right):
                 return None

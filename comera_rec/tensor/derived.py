@@ -166,8 +166,25 @@ class DerivedCaches:
             return compute()
         kept = self.peek(sources)
         if kept is not None:
-            return kept
-        if not _tensors_apply(sources):
+            return kept  # type: ignore[return-value]
+        return self._compute(sources, compute)
+
+    def get_when(
+        self, sources: Sequence[torch.Tensor], compute: Callable[[], _V], when: Callable[[], bool]
+    ) -> _V | None:
+        """:meth:`get` where ``when()`` holds, else ``None``; ``when`` (the caller's own
+        check that ``compute`` applies) is asked only if nothing is kept for ``sources``: a
+        kept value was made where it held, for the same tensors."""
+        kept = self.peek(sources)
+        if kept is not None:
+            return kept  # type: ignore[return-value]
+        if not when():
+            return None
+        return self._compute(sources, compute)
+
+    def _compute(self, sources: Sequence[torch.Tensor], compute: Callable[[], _V]) -> _V:
+        # nothing kept for sources: compute, and keep the value where it may be kept
+        if not scoring_cache_on() or not _tensors_apply(sources):
             return compute()
         with self._lock:  # shared by every thread that scores
             # entries whose sources are gone can never match again; the least recently

@@ -145,15 +145,13 @@ class TTLinear(TensorTrainModule):
             return _fx_leaf_call(self, x)
         self._check_input(x)
         sources = self.train_tensors()
-        chains = derived_cache(self, "chains")
-        kept = chains.peek(sources)  # scoring: merged once and unchanged since
+        # the chains merged in one C++ call each way (the controllers scale the running
+        # products), not ~50 small autograd operators; scoring: merged once and kept
+        kept = derived_cache(self, "chains").get_when(
+            sources, self._merged_chains, lambda: kernels.tt_chains_kernel_applies(sources, ())
+        )
         if kept is not None:
             return linear_from_chains(x, *kept, self.bias, relu=self.relu)
-        if kernels.tt_chains_kernel_applies(sources, ()):  # cores and controllers alike
-            # the chains merged in one C++ call each way (the controllers scale the running
-            # products), not ~50 small autograd operators
-            left, right = chains.get(sources, self._merged_chains)
-            return linear_from_chains(x, left, right, self.bias, relu=self.relu)
         inputs, outputs = self._split()
         return tt_linear(x, inputs, outputs, self.out_features, self.bias, relu=self.relu)
 

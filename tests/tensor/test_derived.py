@@ -131,6 +131,24 @@ def test_peek_hands_back_only_an_unchanged_kept_value():
             assert cache.peek([w]) is None  # kept outside inference mode
 
 
+def test_get_when_asks_its_check_only_without_a_kept_value():
+    w = torch.nn.Parameter(torch.arange(3.0))
+    cache = DerivedCache()
+    asked = []
+
+    def when(answer):
+        return lambda: asked.append(answer) or answer
+
+    with torch.no_grad():
+        assert cache.get_when([w], lambda: w * 2, when(False)) is None  # the check fails: nothing made
+        out = cache.get_when([w], lambda: w * 2, when(True))  # outside the scope: made, not kept
+        assert torch.equal(out, w * 2) and cache.is_empty() and asked == [False, True]
+        with cached_weights():
+            kept = cache.get_when([w], lambda: w * 2, when(True))
+            assert cache.get_when([w], lambda: w * 3, when(False)) is kept  # kept: not asked again
+            assert asked == [False, True, True]
+
+
 def test_peek_after_a_shape_only_change_of_the_same_storage():
     # a rank truncation may leave a parameter's storage where it was and only shrink it
     w = torch.nn.Parameter(torch.ones(4, 3))

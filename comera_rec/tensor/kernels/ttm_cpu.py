@@ -112,11 +112,9 @@ _LAYOUTS = DerivedCaches(slots=8)
 
 def _forward_layouts(cores: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``[]`` (the kernel makes them) or the kept layouts of these unchanged cores."""
-    kept = _LAYOUTS.peek(cores)
+    kept = _LAYOUTS.get_when(cores, lambda: _own_layouts(cores), lambda: cache_applies(cores))
     if kept is None:
-        if not cache_applies(cores):
-            return []
-        kept = _LAYOUTS.get(cores, lambda: _own_layouts(cores))
+        return []
     left1, right0 = kept
     # a layout that is the core itself (nothing to pad) is not kept: a kept value must not
     # hold its sources alive
@@ -152,13 +150,12 @@ def _whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     id: at a batch of 4096 rows the Kaggle model's 4-core stack contracts ~6,000 distinct
     prefixes and ~7,000 suffixes per batch, each as many multiply-adds as 8 ids' pooling.
     """
-    kept = _HALVES.peek(cores)
-    if kept is not None:
-        return kept  # type: ignore[return-value]
-    if not cache_applies(cores) or whole_halves_bytes(cores) > WHOLE_HALVES_MAX_BYTES:
-        return None
     # the kernel makes the core layouts it needs for this once and drops them (not kept)
-    return _HALVES.get(cores, lambda: tuple(extension().ttm_halves(list(cores))))
+    return _HALVES.get_when(
+        cores,
+        lambda: tuple(extension().ttm_halves(list(cores))),
+        lambda: cache_applies(cores) and whole_halves_bytes(cores) <= WHOLE_HALVES_MAX_BYTES,
+    )
 
 
 def _own_layouts(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
