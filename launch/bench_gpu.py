@@ -19,7 +19,15 @@ are). One training step = forward, backward, optimiser step:
 
 Layers: ``TTLinear`` vs ``nn.Linear`` at the DLRM MLP shapes, forward and backward.
 
+Scoring (``--score``, docs/serving.md): the same tables and layers forward only, without
+gradients and inside ``cached_weights`` (as a scoring process runs: values derived from
+the parameters are kept between batches), at serving batch sizes (1, 64, 512, 4096 rows):
+``dense``, ``tt_triton``, ``tt_torch`` and ``tt_static`` eagerly, and ``dense_graphed`` /
+``tt_graphed`` (the static lookup; the layers as they score) replayed as one CUDA graph
+per call (nothing is kept inside a capture: the graph recomputes what eager calls keep).
+
     python launch/bench_gpu.py                 # Kaggle tables, batch 2048 and 8192
+    python launch/bench_gpu.py --score         # scoring, batch 1, 64, 512 and 4096
     python launch/bench_gpu.py --quick         # small, a smoke run (CPU too)
 """
 
@@ -32,7 +40,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from comera_rec.tensor import TTLinear, TTMEmbeddingBag, kernels, set_static_shapes
+from comera_rec.tensor import TTLinear, TTMEmbeddingBag, cached_weights, kernels, set_static_shapes
 from comera_rec.training.cuda_graph import CudaGraphCapture, GraphedTrainStep
 from comera_rec.utils.benchmark import time_interleaved
 
@@ -179,21 +187,115 @@ def bench_linear(shapes: list[tuple[int, int]], batches: list[int], rank: int, d
                 print(json.dumps(row), flush=True)
 
 
-def profile_lookup(kind: str, sizes: list[int], batch: int, rank: int, device: torch.device, steps: int = 5) -> None:
-    """Print where one variant's lookup step spends its time (torch.profiler, top operators)."""
+def _scorer(fn: Callable[[dict], torch.Tensor], graphed: bool, device: torch.device) -> Callable[[dict], object]:
+    """``fn`` without gradients; with ``graphed``, warmed up, captured once and replayed per call."""
+
+    def score(b: dict) -> torch.Tensor:
+        with torch.no_grad():
+            return fn(b)
+
+    return GraphedTrainStep(score, capture=CudaGraphCapture(device), name="scoring") if graphed else score
+
+
+def bench_lookup_scoring(sizes: list[int], batches: list[int], rank: int, device: torch.device, repeats: int) -> None:
+    """Forward-only lookups of every table: ``(B, T * D)`` pooled rows per call."""
+    cuda = device.type == "cuda"
+    kinds = ["dense", "tt_triton", "tt_torch", "tt_static"] + (["dense_graphed", "tt_graphed"] if cuda else [])
+    if not kernels.triton_available() or not cuda:
+        kinds.remove("tt_triton")
+    torch.manual_seed(0)
+    dense = LookupModel(sizes, "dense", rank).to(device).eval()
+    tt = LookupModel(sizes, "tt", rank).to(device).eval()
+    tt_static = LookupModel(sizes, "tt", rank).to(device).eval()
+    tt_static.load_state_dict(tt.state_dict())
+    set_static_shapes(tt_static)
+
+    def lookup(model: LookupModel, triton: bool = True) -> Callable[[dict], torch.Tensor]:
+        def run(b: dict) -> torch.Tensor:
+            if triton:
+                return model(b["ids"], b["offsets"])
+            kernels.set_triton_enabled(False)
+            try:
+                return model(b["ids"], b["offsets"])
+            finally:
+                kernels.set_triton_enabled(True)
+
+        return run
+
+    fns = {
+        "dense": lookup(dense),
+        "tt_triton": lookup(tt),
+        "tt_torch": lookup(tt, triton=False),
+        "tt_static": lookup(tt_static),
+        "dense_graphed": lookup(dense),
+        "tt_graphed": lookup(tt_static),
+    }
+    for batch in batches:
+        data = lookup_batch(sizes, batch, device, seed=batch)
+        scorers = {k: _scorer(fns[k], k.endswith("_graphed"), device) for k in kinds}
+        with cached_weights():  # as a scoring process runs (values kept between batches)
+            outs = {k: scorers[k](data).clone() for k in kinds}
+            ms = time_interleaved_device({k: (lambda f=f: f(data)) for k, f in scorers.items()}, device, repeats)
+        # every TT variant scores the same rows (the dense tables are other weights)
+        ref = outs.get("tt_torch")
+        errors = {k: float((o - ref).abs().max()) for k, o in outs.items() if k.startswith("tt_")}
+        for k in kinds:
+            row = {"bench": "lookup_score", "variant": k, "batch": batch, "tables": len(sizes), "rank": rank}
+            row.update(ms=round(ms[k], 4), vs_dense=round(ms["dense"] / ms[k], 3))
+            row["rows_per_s"] = round(batch / ms[k] * 1e3)
+            row["max_abs_diff_vs_tt_torch"] = errors.get(k)
+            print(json.dumps(row), flush=True)
+
+
+def bench_linear_scoring(
+    shapes: list[tuple[int, int]], batches: list[int], rank: int, device: torch.device, repeats: int
+) -> None:
+    """Forward-only layers (dense and TT, eager and, on CUDA, graphed) at serving batch sizes."""
+    graphs = [False, True] if device.type == "cuda" else [False]
+    for batch in batches:
+        for n_in, n_out in shapes:
+            torch.manual_seed(0)
+            layers = {"dense": nn.Linear(n_in, n_out).to(device), "tt": TTLinear(n_in, n_out, rank).to(device)}
+            data = {"x": torch.randn(batch, n_in, device=device)}
+            scorers = {
+                f"{k}_graphed" if g else k: _scorer(lambda b, m=m: m(b["x"]), g, device)
+                for k, m in layers.items()
+                for g in graphs
+            }
+            with cached_weights():
+                ms = time_interleaved_device({k: (lambda f=f: f(data)) for k, f in scorers.items()}, device, repeats)
+            for k in scorers:
+                row = {"bench": "linear_score", "variant": k, "batch": batch, "shape": [n_in, n_out], "rank": rank}
+                row.update(ms=round(ms[k], 4), vs_dense=round(ms["dense"] / ms[k], 3))
+                print(json.dumps(row), flush=True)
+
+
+def profile_lookup(
+    kind: str, sizes: list[int], batch: int, rank: int, device: torch.device, steps: int = 5, score: bool = False
+) -> None:
+    """Print where one variant's lookup step (or, with ``score``, its scoring call inside
+    ``cached_weights``) spends its time (torch.profiler, top operators)."""
     from torch.profiler import ProfilerActivity, profile
 
     data = lookup_batch(sizes, batch, device, seed=batch)
-    _, f = build_lookup(kind, sizes, rank, device)
-    for _ in range(3):
-        f(data)
-    _sync(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
+    model, f = build_lookup(kind, sizes, rank, device)
+    if score:
+        model.eval()
+
+        def f(b: dict) -> torch.Tensor:
+            with torch.no_grad():
+                return model(b["ids"], b["offsets"])
+
+    with cached_weights():
+        for _ in range(3):
             f(data)
         _sync(device)
-    print(f"profile of {kind}, batch {batch}, {steps} steps:", flush=True)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                f(data)
+            _sync(device)
+    print(f"profile of {kind}{' scoring' if score else ''}, batch {batch}, {steps} calls:", flush=True)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
     if device.type == "cuda":
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15), flush=True)
@@ -208,24 +310,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="three small tables, small batches (a smoke run)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["lookup", "linear"])
     parser.add_argument("--profile", nargs="*", default=[], help="lookup variants to profile after the timings")
+    parser.add_argument("--score", action="store_true", help="forward only, without gradients (serving)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.quick:
-        sizes, batches, repeats, rank = [5000, 3000, 20_000], [64], 3, 4
+        sizes, batches, repeats, rank = [5000, 3000, 20_000], [1, 64] if args.score else [64], 3, 4
         shapes = [(64, 32)]
     else:
         sizes = list(KAGGLE_COMPRESSED_SIZES)
         batches, repeats, rank = args.batches, args.repeats, args.rank
+        if args.score and batches == parser.get_default("batches"):
+            batches = [1, 64, 512, 4096]
         shapes = [(13, 512), (512, 256), (256, 64), (512, 256)]  # bottom MLP; (512, 256) again for the top
         shapes = list(dict.fromkeys(shapes))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(json.dumps({"device": name, "torch": torch.__version__, "triton": kernels.triton_available()}), flush=True)
     if "lookup" not in args.skip:
-        bench_lookups(sizes, batches, rank, device, repeats)
+        (bench_lookup_scoring if args.score else bench_lookups)(sizes, batches, rank, device, repeats)
     if "linear" not in args.skip:
-        bench_linear(shapes, batches, rank, device, repeats)
+        (bench_linear_scoring if args.score else bench_linear)(shapes, batches, rank, device, repeats)
     for kind in args.profile:
-        profile_lookup(kind, sizes, batches[0], rank, device)
+        profile_lookup(kind, sizes, batches[0], rank, device, score=args.score)
 
 
 if __name__ == "__main__":

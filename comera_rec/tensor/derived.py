@@ -136,9 +136,20 @@ def cache_applies(tensors: Sequence[torch.Tensor]) -> bool:
     return scoring_cache_on() and _tensors_apply(tensors)
 
 
+def _tensor_bytes(value: object) -> int:
+    # bytes of the tensors in a kept value (a tensor, or a tuple / list of them)
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
 class DerivedCaches:
     """Values derived from sets of tensors, each computed again only when one of its
-    tensors changed; the last ``slots`` sets used are kept (least recently used out).
+    tensors changed; the last ``slots`` sets used are kept (least recently used out), and
+    with ``max_bytes`` no more than that many bytes of tensors (least recently used out
+    first; a value larger than the bound alone is still kept, alone).
 
     Where :func:`cache_applies` does not hold (outside :func:`cached_weights`, gradients
     on, tracing) it computes every time and keeps nothing. Copies and pickles start empty.
@@ -155,10 +166,12 @@ class DerivedCaches:
         True
     """
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, max_bytes: int | None = None) -> None:
         if slots < 1:
             raise ValueError(f"{type(self).__name__}: slots must be positive, got {slots}")
-        self.__setstate__({"slots": slots})
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"{type(self).__name__}: max_bytes must be >= 0, got {max_bytes}")
+        self.__setstate__({"slots": slots, "max_bytes": max_bytes})
 
     def get(self, sources: Sequence[torch.Tensor], compute: Callable[[], _V]) -> _V:
         """``compute()``, or the value it gave for the same, unmodified ``sources``."""
@@ -193,7 +206,12 @@ class DerivedCaches:
             del self._entries[: len(self._entries) - self.slots + 1]
             key = _fingerprint(sources)  # the sources as compute() reads them
             value = compute()
-            self._entries.append((key, value))
+            size = _tensor_bytes(value)
+            if self.max_bytes is not None:
+                held = sum(e[2] for e in self._entries)
+                while self._entries and held + size > self.max_bytes:
+                    held -= self._entries.pop(0)[2]
+            self._entries.append((key, value, size))
         _note_filled(self)
         return value
 
@@ -206,7 +224,7 @@ class DerivedCaches:
         if not self._entries or not scoring_cache_on():
             return None
         with self._lock:
-            for i, (kept, value) in enumerate(self._entries):
+            for i, (kept, value, _) in enumerate(self._entries):
                 if _matches(kept, sources):
                     if i != len(self._entries) - 1:
                         self._entries.append(self._entries.pop(i))  # most recently used last
@@ -226,12 +244,17 @@ class DerivedCaches:
         """How many values are kept."""
         return len(self._entries)
 
+    def nbytes(self) -> int:
+        """Bytes of the tensors kept."""
+        return sum(e[2] for e in self._entries)
+
     def __getstate__(self) -> dict:
-        return {"slots": self.slots}  # copies and pickles keep no values
+        return {"slots": self.slots, "max_bytes": self.max_bytes}  # copies and pickles keep no values
 
     def __setstate__(self, state: dict) -> None:
         self.slots = state["slots"]
-        self._entries: list[tuple[tuple, object]] = []
+        self.max_bytes = state.get("max_bytes")
+        self._entries: list[tuple[tuple, object, int]] = []  # (fingerprint, value, bytes)
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict) -> "DerivedCaches":

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_rec.tensor.contract import ttm_dense_table, ttm_embedding_bag
+from comera_rec.tensor.derived import derived_cache
 from comera_rec.tensor.shapes import check_shape, default_num_cores, factorize, ttm_row_shape
 from comera_rec.tensor.svd import tt_svd
 from comera_rec.tensor.train import TensorTrainModule, cap_ranks, check_float_dtype, check_rank
@@ -184,9 +185,14 @@ class TTMEmbeddingBag(TensorTrainModule):
                 per_sample_weights = per_sample_weights.to("meta")
         elif not self.static_shapes:  # the checks read ids on the host: not under static shapes
             check_bags("TTMEmbeddingBag", input, offsets, self.num_embeddings, per_sample_weights)
-        cores = [
-            c.unsqueeze(0).to(input.device) if meta else c.unsqueeze(0) for c in self.scaled_cores()
-        ]  # (1, r, n, m, r')
+        if meta:
+            cores = [c.unsqueeze(0).to(input.device) for c in self.scaled_cores()]  # (1, r, n, m, r')
+        else:  # scoring: the same tensors every call, so what the lookup keeps for them is found
+            cores = list(
+                derived_cache(self, "stacked_cores").get(
+                    self.train_tensors(), lambda: [c.unsqueeze(0) for c in self.scaled_cores()]
+                )
+            )
         # on meta the static path: the dynamic one de-duplicates ids with torch.unique,
         # which has no meta kernel; both give the same shapes
         return ttm_embedding_bag(

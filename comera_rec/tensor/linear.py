@@ -11,7 +11,7 @@ from torch import nn
 
 from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import linear_from_chains, merge_input_chain, merge_output_chain, tt_linear
-from comera_rec.tensor.derived import derived_cache
+from comera_rec.tensor.derived import cache_applies, derived_cache
 from comera_rec.tensor.kernels.ttm_cpu import records_grad
 from comera_rec.tensor.shapes import check_shape, tt_linear_shapes
 from comera_rec.tensor.svd import tt_svd
@@ -146,9 +146,12 @@ class TTLinear(TensorTrainModule):
         self._check_input(x)
         sources = self.train_tensors()
         # the chains merged in one C++ call each way (the controllers scale the running
-        # products), not ~50 small autograd operators; scoring: merged once and kept
+        # products), not ~50 small autograd operators; scoring (on any device): merged once
+        # and kept, so a scoring call is two GEMMs
         kept = derived_cache(self, "chains").get_when(
-            sources, self._merged_chains, lambda: kernels.tt_chains_kernel_applies(sources, ())
+            sources,
+            self._merged_chains,
+            lambda: kernels.tt_chains_kernel_applies(sources, ()) or cache_applies(sources),
         )
         if kept is not None:
             return linear_from_chains(x, *kept, self.bias, relu=self.relu)
@@ -169,18 +172,20 @@ class TTLinear(TensorTrainModule):
             >>> torch.allclose(x @ left @ right, layer(x), atol=1e-6)
             True
         """
-        sources = self.train_tensors()
-        if kernels.tt_chains_kernel_applies(sources, ()):
-            return derived_cache(self, "chains").get(sources, self._merged_chains)
-        inputs, outputs = self._split()
-        return merge_input_chain(inputs)[: self.in_features], merge_output_chain(outputs)[:, : self.out_features]
+        return derived_cache(self, "chains").get(self.train_tensors(), self._merged_chains)
 
     def _merged_chains(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(left (in, r), right (r, out))`` by the C++ chain merge (kept between forwards
-        without gradients while the parameters do not change)."""
+        """``(left (in, r), right (r, out))`` by the C++ chain merge, or by torch operators
+        where it does not apply (a GPU; kept between forwards without gradients while the
+        parameters do not change)."""
         d = len(self.in_shape)
         cores = list(self.cores)
-        return kernels.tt_chains_cpu(cores[:d], cores[d:], list(self.controllers), self.in_features, self.out_features)
+        if kernels.tt_chains_kernel_applies(self.train_tensors(), ()):
+            return kernels.tt_chains_cpu(
+                cores[:d], cores[d:], list(self.controllers), self.in_features, self.out_features
+            )
+        inputs, outputs = self._split()
+        return merge_input_chain(inputs)[: self.in_features], merge_output_chain(outputs)[:, : self.out_features]
 
     def _check_input(self, x: torch.Tensor) -> None:
         """Raise, naming the input's shape, dtype or device, where ``forward`` cannot take ``x``."""

@@ -51,6 +51,47 @@ def test_triton_lookup_matches_torch_path_on_cuda(mode: str) -> None:
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_scoring_on_cuda_keeps_halves_and_chains_and_equals_float64(mode: str) -> None:
+    """Scoring inside ``cached_weights``: the Triton lookup over kept whole halves and the TT
+    layer over kept merged chains equal float64 references; a second call keeps them."""
+    pytest.importorskip("triton")
+    from comera_rec.tensor import TTLinear, cached_weights
+    from comera_rec.tensor.kernels import ttm_triton
+
+    cores = [c.detach() for c in _cores(rank=16, n=30)]
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 30**4, (4096,), generator=g).to(CUDA)
+    trains = torch.randint(0, 2, (4096,), generator=g).to(CUDA)
+    offsets = torch.arange(0, 4097, 4).to(CUDA)
+    ref = ttm_embedding_bag(
+        [c.double().cpu() for c in cores], (30,) * 4, 16, ids.cpu(), offsets.cpu(), mode, None, trains.cpu()
+    )
+    layer = TTLinear(512, 256, rank=16).to(CUDA)
+    x = torch.randn(64, 512, device=CUDA)
+    layer_ref = x.double() @ layer.dense_weight().double().t() + layer.bias.double()
+    with torch.no_grad(), cached_weights():
+        for call in range(2):
+            out = ttm_embedding_bag(cores, (30,) * 4, 16, ids, offsets, mode, None, trains)
+            assert ttm_triton.scoring_halves(cores) is not None, f"call {call}: halves not kept"
+            torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-4, atol=1e-4)
+            y = layer(x)
+            torch.testing.assert_close(y.double(), layer_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_bags_on_cuda_are_named() -> None:
+    """The checks read a CUDA batch in one copy; what is wrong is still named."""
+    bag = TTMEmbeddingBag(100, 8, rank=2).to(CUDA)
+    ok = torch.tensor([0, 2], device=CUDA)
+    assert bag(torch.tensor([5, 99], device=CUDA), ok).shape == (1, 8)
+    with pytest.raises(ValueError, match="id 100 is out of range for num_embeddings=100"):
+        bag(torch.tensor([5, 100], device=CUDA), ok)
+    with pytest.raises(ValueError, match="id -1 is negative"):
+        bag(torch.tensor([-1, 5], device=CUDA), ok)
+    with pytest.raises(ValueError, match=r"non-decreasing.*offsets\[2\]=1"):
+        bag(torch.tensor([1, 2, 3], device=CUDA), torch.tensor([0, 2, 1, 3], device=CUDA))
+
+
 def _tiny_model() -> nn.Module:
     torch.manual_seed(0)
     model = nn.ModuleDict({"emb": TTMEmbeddingBag(24, 4, rank=2, shape=((4, 6), (2, 2))), "head": nn.Linear(7, 1)})

@@ -281,3 +281,31 @@ def test_whole_halves_lookup_names_bad_ids_and_shapes() -> None:
         kernels.ttm_cpu.extension().ttm_bag_forward_halves(
             prefixes, suffixes, torch.tensor([1]), torch.tensor([0]), torch.tensor([0, 1]), torch.empty(0), 4, 0, 2, 5
         )
+
+
+def test_embedding_bag_module_scoring_finds_its_kept_halves(kernels_on, monkeypatch) -> None:
+    """``TTMEmbeddingBag`` hands the lookup the same core tensors on every scoring call, so the
+    whole halves are made once (before, a fresh view per call missed them every time)."""
+    from comera_rec.tensor import TTMEmbeddingBag, cached_weights
+
+    torch.manual_seed(0)
+    table = TTMEmbeddingBag(3000, 8, rank=4)
+    ids, offsets = torch.randint(0, 3000, (40,)), torch.arange(0, 41, 4)
+    want = table(ids, offsets).detach()
+    made: list[int] = []
+    ext = kernels.ttm_cpu.extension()
+
+    class Counting:
+        def __getattr__(self, name):
+            if name == "ttm_halves":
+                made.append(1)
+            return getattr(ext, name)
+
+    monkeypatch.setattr(kernels.ttm_cpu, "extension", lambda: Counting())
+    with torch.no_grad(), cached_weights():
+        for _ in range(3):
+            torch.testing.assert_close(table(ids, offsets), want, rtol=1e-5, atol=1e-6)
+        assert len(made) == 1
+        table.cores[1].mul_(2.0)  # an in-place write: made again, and the scores follow it
+        assert not torch.allclose(table(ids, offsets), want)
+        assert len(made) == 2

@@ -110,6 +110,24 @@ def test_least_recently_used_set_goes_first():
         DerivedCaches(slots=0)
 
 
+def test_byte_bound_evicts_least_recently_used_first():
+    a, b, c = torch.ones(4), torch.ones(4), torch.ones(4)  # each value below: 16 or 32 bytes
+    caches = DerivedCaches(slots=8, max_bytes=40)
+    with torch.no_grad(), cached_weights():
+        va = caches.get([a], lambda: a + 1)
+        vb = caches.get([b], lambda: (b + 1, b + 2))  # 32 bytes: a (16) goes
+        assert caches.nbytes() == 32 and caches.peek([a]) is None and caches.peek([b]) is vb
+        caches.get([c], lambda: c + 1)  # 16 more: b goes
+        assert caches.nbytes() == 16 and caches.peek([b]) is None and len(caches) == 1
+        big = caches.get([a], lambda: torch.ones(20))  # alone over the bound: kept, alone
+        assert caches.peek([a]) is big and len(caches) == 1 and caches.peek([c]) is None
+        assert va is not big
+    assert caches.nbytes() == 0  # dropped with the scope
+    with pytest.raises(ValueError, match="max_bytes"):
+        DerivedCaches(slots=2, max_bytes=-1)
+    assert copy.deepcopy(caches).max_bytes == 40
+
+
 def test_peek_hands_back_only_an_unchanged_kept_value():
     w = torch.nn.Parameter(torch.arange(3.0))
     cache = DerivedCaches(slots=2)

@@ -244,3 +244,29 @@ def test_bad_input_names_the_value() -> None:
         TTMEmbeddingBag(100, 8, rank=2, shape=((4, 4, 4), (2, 2, 2)))
     with pytest.raises(ValueError, match="mode must be one of"):
         TTMEmbeddingBag(100, 8, rank=2, mode="max")
+
+
+@pytest.mark.parametrize(
+    "ids, offsets, valid",
+    [
+        ([0, 4, 2], [0, 2, 3], True),
+        ([], [0, 0, 0], True),
+        ([0, 5, 2], [0, 2, 3], False),  # an id = num_embeddings
+        ([-1, 4, 2], [0, 2, 3], False),  # a negative id
+        ([0, 4, 2], [1, 2, 3], False),  # offsets not starting at 0
+        ([0, 4, 2], [0, 2, 2], False),  # offsets not ending at len(ids)
+        ([0, 4, 2], [0, 2, 1, 3], False),  # offsets decreasing
+        ([0], [], False),
+    ],
+)
+def test_one_read_summary_agrees_with_check_bags(ids, offsets, valid: bool) -> None:
+    """The one-copy summary a GPU batch is checked with says what the full checks say."""
+    from comera_rec.tensor.validation import bags_look_valid, check_bags
+
+    ids_t, offsets_t = torch.tensor(ids, dtype=torch.long), torch.tensor(offsets, dtype=torch.long)
+    assert bags_look_valid(ids_t, offsets_t, 5) is valid
+    if valid:
+        check_bags("t", ids_t, offsets_t, 5)
+    else:
+        with pytest.raises(ValueError):
+            check_bags("t", ids_t, offsets_t, 5)

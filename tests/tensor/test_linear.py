@@ -262,3 +262,35 @@ def test_chains_make_the_dense_weight(kernel: bool) -> None:
     torch.testing.assert_close((left @ right).t(), layer.dense_weight())
     grads = torch.autograd.grad((left @ right).square().sum(), list(layer.cores))  # differentiable
     assert all(g.abs().sum() > 0 for g in grads)
+
+
+def test_scoring_keeps_the_merged_chains_on_either_path(lookup_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside ``cached_weights`` without gradients the chains are merged once and kept, by the
+    C++ merge or (where it does not apply, as on a GPU) by torch operators; an in-place write
+    to a core makes them again; each call equals the float64 dense weight's product."""
+    from comera_rec.tensor import cached_weights, linear
+
+    torch.manual_seed(0)
+    layer = TTLinear(30, 20, rank=[3, 5, 4, 5, 2], shape=((2, 3, 5), (4, 5, 1)), relu=True)
+    x = torch.randn(6, 30)
+    merges: list[int] = []
+    real = linear.merge_input_chain
+    monkeypatch.setattr(linear, "merge_input_chain", lambda cores: merges.append(1) or real(cores))
+
+    def expect(made: int) -> None:
+        ref = torch.relu(x.double() @ layer.dense_weight().double().t() + layer.bias.double())
+        merges.clear()
+        before = kernels.tt_chains_kernel_applies(layer.train_tensors(), ())
+        torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)
+        # the torch merge runs only where the C++ one does not apply
+        assert len(merges) == (0 if before else made)
+
+    with torch.no_grad(), cached_weights():
+        expect(made=1)
+        assert linear.derived_cache(layer, "chains").peek(layer.train_tensors()) is not None
+        expect(made=0)  # kept
+        layer.cores[0].mul_(1.25)
+        assert linear.derived_cache(layer, "chains").peek(layer.train_tensors()) is None
+        expect(made=1)
+    with torch.no_grad():
+        assert linear.derived_cache(layer, "chains").peek(layer.train_tensors()) is None  # dropped

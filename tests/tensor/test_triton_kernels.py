@@ -187,6 +187,70 @@ def _lookup_case(
     return err
 
 
+def _scoring_case(d: int, tables: int, mode: str, weighted: bool) -> float:
+    """Scoring (``cached_weights``, no gradients): the whole halves are made once and kept,
+    remade after an in-place change of a core, not kept outside the scope or over the size
+    bound; every lookup equals the float64 de-duplicated reference."""
+    from comera_rec.tensor import cached_weights, contract
+    from comera_rec.tensor.kernels import ttm_triton
+
+    rows, cols = (3, 4, 2, 3)[:d], (2, 3, 2, 1)[:d]
+    dim = math.prod(cols) - 1
+    cores = [c.detach() for c in _cores(d, tables, 3, rows, cols, torch.float32, seed=7 + d)]
+    g = torch.Generator().manual_seed(8)
+    n_ids = 12
+    ids = torch.randint(0, math.prod(rows), (n_ids,), generator=g)
+    trains = torch.randint(0, tables, (n_ids,), generator=g) if tables > 1 else None
+    offsets = _bags(n_ids, 5, seed=9)
+    weights = torch.rand(n_ids, generator=g) if weighted else None
+    made: list[int] = []
+    real_left_table = ttm_triton.left_table
+
+    def counting_left_table(half_cores):
+        made.append(1)
+        return real_left_table(half_cores)
+
+    def lookup() -> torch.Tensor:
+        return ttm_triton.ttm_embedding_bag_triton(cores, rows, dim, ids, offsets, mode, weights, trains)
+
+    def reference() -> torch.Tensor:
+        wide = [c.double() for c in cores]
+        w = None if weights is None else weights.double()
+        return contract.ttm_embedding_bag(wide, rows, dim, ids, offsets, mode, w, trains).float()
+
+    def expect(name: str, made_now: int) -> float:
+        made.clear()
+        err = _close(name, lookup(), reference(), 1e-5)
+        if len(made) != made_now:
+            raise AssertionError(f"{name}: halves made {len(made)} times, expected {made_now}")
+        return err
+
+    ttm_triton.left_table = counting_left_table
+    try:
+        with torch.no_grad():
+            err = expect("outside cached_weights: made per call", 0)  # the de-duplicated path
+            with cached_weights():
+                err = max(err, expect("first scoring call", 1))
+                err = max(err, expect("second scoring call: kept", 0))
+                kept = ttm_triton.scoring_halves(cores)
+                if kept is None or any(t.untyped_storage().data_ptr() == cores[0].data_ptr() for t in kept):
+                    raise AssertionError("the kept halves must exist and not share a core's storage")
+                cores[0].mul_(1.5)  # an in-place write: the kept halves are stale
+                err = max(err, expect("after an in-place write", 1))
+                bound = ttm_triton.SCORING_HALVES_MAX_BYTES
+                ttm_triton.SCORING_HALVES_MAX_BYTES = 0
+                try:
+                    cores[1].mul_(0.5)
+                    err = max(err, expect("over the size bound: not kept", 0))
+                finally:
+                    ttm_triton.SCORING_HALVES_MAX_BYTES = bound
+            if ttm_triton.scoring_halves(cores) is not None:
+                raise AssertionError("halves still kept after leaving cached_weights")
+    finally:
+        ttm_triton.left_table = real_left_table
+    return err
+
+
 CASES: dict[str, Callable[[], float]] = {
     "bag_sum": lambda: _bag_case("sum", False, chunk=2, block_elems=4),
     "bag_sum_weighted": lambda: _bag_case("sum", True, chunk=2, block_elems=4),
@@ -208,6 +272,9 @@ CASES: dict[str, Callable[[], float]] = {
         4, 2, 2, "mean", True, dtype=torch.float64, chunk=2, static=True
     ),
     "static_dispatch_from_contract": lambda: _lookup_case(3, 2, 2, "sum", True, dispatch=True, static=True),
+    # scoring: whole halves kept between calls
+    "scoring_d2_sum": lambda: _scoring_case(2, 1, "sum", False),
+    "scoring_d4_stacked_mean_weighted": lambda: _scoring_case(4, 2, "mean", True),
 }
 
 

@@ -105,9 +105,9 @@ class _FusedTTMBag(torch.autograd.Function):
         return (None, None, None, grad_weights if weights_need_grad else None, None, None, *grad_cores)
 
 
-# the permuted, padded core copies a lookup makes, kept for the last few stacks of cores
+# the permuted, padded core copies a lookup makes, kept for the stacks of cores
 # looked up without gradients (scoring calls every group's lookup with the same cores)
-_LAYOUTS = DerivedCaches(slots=8)
+_LAYOUTS = DerivedCaches(slots=64, max_bytes=256 << 20)
 
 
 def _forward_layouts(cores: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -121,8 +121,9 @@ def _forward_layouts(cores: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [cores[1] if left1 is None else left1, right0]
 
 
-# both halves of a stack contracted over all their row indices, kept while scoring
-_HALVES = DerivedCaches(slots=8)
+# both halves of a stack contracted over all their row indices, kept while scoring: a
+# model's every stack, up to 1 GiB in all (least recently used out)
+_HALVES = DerivedCaches(slots=64, max_bytes=1 << 30)
 
 WHOLE_HALVES_MAX_BYTES = 256 << 20
 """The most bytes a stack's two whole halves may take to be kept for scoring

@@ -33,10 +33,12 @@ This module holds the autograd function and the entry points; the kernel bodies 
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
+from comera_rec.tensor.derived import DerivedCaches, cache_applies
 from comera_rec.tensor.halves import half, half_keys, left_table, right_table, split_point
 from comera_rec.tensor.kernels.ttm_triton_launch import (
     launch_backward_halves,
@@ -47,6 +49,65 @@ from comera_rec.tensor.kernels.ttm_triton_launch import (
 POOLING_MODES = ("sum", "mean")
 DEFAULT_CHUNK = 64  # ids per backward work item
 DEFAULT_BLOCK_ELEMS = 2048  # bound on a program's 2-D tile (elements)
+
+
+SCORING_HALVES_MAX_BYTES = 256 << 20
+"""The most bytes a stack's two whole halves may take to be kept for scoring
+(:func:`scoring_halves`); a larger stack's lookups contract the halves per batch."""
+
+# both whole halves of each stack, kept while scoring (see scoring_halves): a model's every
+# stack, up to 1 GiB in all (a model with more scores by evicting the least recently used)
+_SCORING_HALVES = DerivedCaches(slots=64, max_bytes=1 << 30)
+
+
+def whole_halves_bytes(cores: Sequence[torch.Tensor]) -> int:
+    """Bytes of a stack's two halves contracted over all their row indices: ``T (N_l M_l +
+    N_r M_r) r`` values, ``r`` the middle rank.
+
+    Example::
+
+        >>> cores = [torch.zeros(1, 1, 10, 2, 4), torch.zeros(1, 4, 20, 8, 1)]
+        >>> whole_halves_bytes(cores)  # (10 * 2 + 20 * 8) * 4 float32 values
+        2880
+    """
+    h = split_point(len(cores))
+    r = int(cores[h - 1].shape[-1])
+    left = math.prod(int(c.shape[2]) * int(c.shape[3]) for c in cores[:h])
+    right = math.prod(int(c.shape[2]) * int(c.shape[3]) for c in cores[h:])
+    return int(cores[0].shape[0]) * (left + right) * r * cores[0].element_size()
+
+
+def _whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prefix (T N_l, M_l, r), suffix (T N_r, r, M_r))``: both halves over all their row
+    indices, in the layouts the kernels read (differentiable in the cores)."""
+    h = split_point(len(cores))
+    prefix = left_table(cores[:h])  # (T * N_l, M_l, r)
+    suffix = right_table(cores[h:])  # (T * N_r, m_b, r, m_a)
+    k_s, m_b, r, m_a = suffix.shape
+    return prefix, suffix.permute(0, 2, 3, 1).reshape(k_s, r, m_a * m_b)  # (K_s, r, M_r)
+
+
+def _own_whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    # a kept value must not hold its sources alive: a one-core half can be a view of its core
+    prefix, suffix = _whole_halves(cores)
+    shared = {c.untyped_storage().data_ptr() for c in cores}
+    return tuple(t.clone() if t.untyped_storage().data_ptr() in shared else t for t in (prefix, suffix))
+
+
+def scoring_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The kept whole halves of these unchanged cores when scoring (inside
+    :func:`~comera_rec.tensor.cached_weights`, gradients off, not in a CUDA graph capture)
+    and they take at most :data:`SCORING_HALVES_MAX_BYTES`; else ``None``.
+
+    Kept, they make a scoring lookup one kernel launch and a few index operations, with no
+    ``torch.unique`` and no host synchronisation (the de-duplicated path waits on the host
+    to size its work).
+    """
+    return _SCORING_HALVES.get_when(
+        cores,
+        lambda: _own_whole_halves(cores),
+        lambda: cache_applies(cores) and whole_halves_bytes(cores) <= SCORING_HALVES_MAX_BYTES,
+    )
 
 
 class TTMBagFunction(torch.autograd.Function):
@@ -238,11 +299,10 @@ def ttm_embedding_bag_triton(
         raise ValueError(f"ttm_embedding_bag_triton: need at least 2 cores, got {d}")
     h = split_point(d)
     p_keys, s_keys = half_keys(row_shape, ids, trains)  # (N,) keys into the whole halves
-    if static_shapes:
-        prefix = left_table(cores[:h])  # (T * N_l, M_l, r)
-        suffix = right_table(cores[h:])  # (T * N_r, m_b, r, m_a)
-        k_s, m_b, r, m_a = suffix.shape
-        suffix = suffix.permute(0, 2, 3, 1).reshape(k_s, r, m_a * m_b)  # (K_s, r, M_r)
+    kept = scoring_halves(cores)
+    if static_shapes or kept is not None:
+        # whole halves, no host sync: kept while scoring, else made per call (capturable)
+        prefix, suffix = kept if kept is not None else _whole_halves(cores)
         return ttm_bag_triton(
             prefix,
             suffix,
