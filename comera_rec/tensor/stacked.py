@@ -17,7 +17,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import ttm_dense_table, ttm_embedding_bag
+from comera_rec.tensor.derived import cache_applies, derived_cache, scoring_cache_on
 from comera_rec.tensor.embedding import TTMEmbeddingBag
 from comera_rec.tensor.shapes import check_shape
 from comera_rec.tensor.train import TensorTrainModule, cap_ranks, check_float_dtype, check_rank
@@ -140,6 +142,20 @@ class StackedTTMTables(TensorTrainModule):
             ``(B, embedding_dim)`` summed bags (``(stream_batch, B / stream_batch *
             embedding_dim)`` with ``stream_batch``).
         """
+        halves = self._kept_halves(ids)
+        if halves is not None:  # scoring on CPU: two rows of the kept halves per id
+            return kernels.ttm_embedding_bag_cpu(
+                list(self.cores._parameters.values()),  # read for their shapes only
+                self.row_shape,
+                self.embedding_dim,
+                ids,
+                offsets,
+                "sum",
+                per_sample_weights,
+                trains,
+                stream_batch=stream_batch,
+                halves=halves,
+            )
         return ttm_embedding_bag(
             self.scaled_cores(),
             self.row_shape,
@@ -151,6 +167,25 @@ class StackedTTMTables(TensorTrainModule):
             trains,
             static_shapes=self.static_shapes,
             stream_batch=stream_batch,
+        )
+
+    def _kept_halves(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """While scoring on CPU (inside :func:`~comera_rec.tensor.cached_weights`, gradients
+        off), both whole halves, kept on the parameters themselves: the controller-folded
+        cores they are made from are not kept beside them (they would double the stack's
+        memory for nothing); else ``None``."""
+        if self.static_shapes or not scoring_cache_on() or ids.device.type != "cpu":
+            return None
+        sources = self.train_tensors()
+        cores = sources[: len(self.cores._parameters)]
+        return derived_cache(self, "whole_halves").get_when(
+            sources,
+            lambda: kernels.ttm_cpu.make_whole_halves(self._fold_controllers()),
+            lambda: (
+                cache_applies(sources)
+                and kernels.cpu_kernel_applies(cores, ids)
+                and kernels.ttm_cpu.whole_halves_bytes(cores) <= kernels.ttm_cpu.WHOLE_HALVES_MAX_BYTES
+            ),
         )
 
     def dense_weight(self, table: int) -> torch.Tensor:

@@ -309,3 +309,35 @@ def test_embedding_bag_module_scoring_finds_its_kept_halves(kernels_on, monkeypa
         table.cores[1].mul_(2.0)  # an in-place write: made again, and the scores follow it
         assert not torch.allclose(table(ids, offsets), want)
         assert len(made) == 2
+
+
+def test_stacked_tables_keep_their_halves_on_the_parameters(kernels_on) -> None:
+    """Scoring a stack keeps its whole halves keyed on its parameters and not the
+    controller-folded cores beside them; an in-place write to a controller makes them again."""
+    from comera_rec.tensor import cached_weights
+    from comera_rec.tensor.derived import derived_cache
+    from comera_rec.tensor.stacked import StackedTTMTables
+
+    torch.manual_seed(0)
+    stack = StackedTTMTables([900, 1000], 8, rank=4, row_shape=(10, 10, 10), col_shape=(2, 2, 2))
+    with torch.no_grad():
+        for c in stack.controllers:
+            c.uniform_(0.5, 1.5)
+    ids = torch.randint(0, 900, (30,))
+    trains = torch.randint(0, 2, (30,))
+    offsets = torch.arange(0, 31, 3)
+    want = stack(ids, offsets, trains).detach()  # gradients on: the per-batch lookup
+    with torch.no_grad(), cached_weights():
+        for _ in range(2):
+            torch.testing.assert_close(stack(ids, offsets, trains), want, rtol=1e-5, atol=1e-6)
+        halves = derived_cache(stack, "whole_halves").peek(stack.train_tensors())
+        assert halves is not None and sum(t.nbytes for t in halves) == kernels.ttm_cpu.whole_halves_bytes(
+            list(stack.cores)
+        )
+        assert derived_cache(stack, "scaled_cores").is_empty()  # the folded cores are not kept
+        stack.controllers[0].mul_(2.0)
+        assert derived_cache(stack, "whole_halves").peek(stack.train_tensors()) is None
+        changed = stack(ids, offsets, trains)
+    with torch.no_grad():
+        torch.testing.assert_close(changed, stack(ids, offsets, trains), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(changed, want)

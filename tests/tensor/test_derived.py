@@ -243,8 +243,9 @@ def test_stacked_lookup_scoring_follows_training(rows, cols):
         for _ in range(3):
             with torch.inference_mode():
                 first = stack(ids, offsets, trains)
-                again = stack(ids, offsets, trains)  # from the kept cores and layouts
-                assert not derived_cache(stack, "scaled_cores").is_empty()
+                again = stack(ids, offsets, trains)  # from the kept whole halves
+                assert not derived_cache(stack, "whole_halves").is_empty()
+                assert derived_cache(stack, "scaled_cores").is_empty()  # not kept beside them
             torch.testing.assert_close(first, reference().detach())
             torch.testing.assert_close(again, first, rtol=0, atol=0)
             _train_step(stack, lambda: stack(ids, offsets, trains).square().sum())

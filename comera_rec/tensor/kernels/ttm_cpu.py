@@ -159,6 +159,13 @@ def _whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     )
 
 
+def make_whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both halves of a stack contracted over all their row indices, in the layout
+    :func:`ttm_embedding_bag_cpu` reads them (its ``halves`` argument): ``(prefixes, suffixes)``,
+    ``whole_halves_bytes(cores)`` bytes. For a caller that keeps them itself."""
+    return tuple(extension().ttm_halves(list(cores)))
+
+
 def _own_layouts(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
     left1, right0 = extension().ttm_forward_layouts(list(cores))
     same = left1.numel() > 0 and left1.data_ptr() == cores[1].data_ptr()
@@ -239,11 +246,14 @@ def ttm_embedding_bag_cpu(
     trains: torch.Tensor | None = None,
     *,
     stream_batch: int = 0,
+    halves: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The fused CPU lookup with the signature of ``contract.ttm_embedding_bag``.
 
     The caller checks :func:`cpu_kernel_applies` first. Ids out of the TT row shape's
     range, or table indices out of the stack, raise an error naming the value.
+    ``halves``: these cores' :func:`make_whole_halves`, kept by the caller (scoring, no
+    gradients): the lookup reads them and nothing else of the cores but their shapes.
 
     Returns:
         ``(B, embedding_dim)`` pooled embeddings, or with ``stream_batch > 0`` the bags
@@ -257,7 +267,8 @@ def ttm_embedding_bag_cpu(
     weights = per_sample_weights if per_sample_weights is not None else EMPTY.to(cores[0].dtype)
     batch = int(stream_batch)
     trains = trains if trains is not None else EMPTY
-    halves = _whole_halves(cores)
+    if halves is None:
+        halves = _whole_halves(cores)
     if halves is not None:  # scoring: two rows of the kept halves per id, nothing contracted
         prefixes, suffixes = halves
         suffix_rows = math.prod(int(n) for n in row_shape[split_point(len(cores)) :])
