@@ -143,30 +143,12 @@ class StackedTTMTables(TensorTrainModule):
             embedding_dim)`` with ``stream_batch``).
         """
         halves = self._kept_halves(ids)
+        batch = (self.row_shape, self.embedding_dim, ids, offsets, "sum", per_sample_weights, trains)
         if halves is not None:  # scoring on CPU: two rows of the kept halves per id
-            return kernels.ttm_embedding_bag_cpu(
-                list(self.cores._parameters.values()),  # read for their shapes only
-                self.row_shape,
-                self.embedding_dim,
-                ids,
-                offsets,
-                "sum",
-                per_sample_weights,
-                trains,
-                stream_batch=stream_batch,
-                halves=halves,
-            )
+            cores = list(self.cores._parameters.values())  # read for their shapes only
+            return kernels.ttm_embedding_bag_cpu(cores, *batch, stream_batch=stream_batch, halves=halves)
         return ttm_embedding_bag(
-            self.scaled_cores(),
-            self.row_shape,
-            self.embedding_dim,
-            ids,
-            offsets,
-            "sum",
-            per_sample_weights,
-            trains,
-            static_shapes=self.static_shapes,
-            stream_batch=stream_batch,
+            self.scaled_cores(), *batch, static_shapes=self.static_shapes, stream_batch=stream_batch
         )
 
     def _kept_halves(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
