@@ -393,8 +393,17 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         if self._is_weighted and weights is None:
             raise ValueError("TTMEmbeddingBagCollection: is_weighted=True but the KeyedJaggedTensor has no weights")
 
+        # every key's slices made by three calls, not three per key (a one-row batch's time
+        # is mostly such calls), where the values hold exactly the keys' ids
+        by_key = batch > 0 and offset_per_key[-1] == values.numel() and lengths.numel() == len(keys) * batch
+        key_values = values.split(length_per_key) if by_key else ()
+        key_lengths = lengths.view(len(keys), batch).unbind(0) if by_key else ()
+        key_weights = weights.split(length_per_key) if by_key and weights is not None else None
+
         def stream(feature: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             i = index[feature]
+            if by_key:
+                return key_values[i], key_lengths[i], key_weights[i] if key_weights is not None else None
             lo, hi = offset_per_key[i], offset_per_key[i + 1]
             w = weights[lo:hi] if weights is not None else None
             return values[lo:hi], lengths[i * batch : (i + 1) * batch], w
