@@ -248,3 +248,30 @@ def test_a_tt_cross_net_exports_with_its_projections_merged() -> None:
         torch.testing.assert_close(merged(x), crossnet(x), **TOL)
     # one (N, r) and one (r, N) weight a layer: no low_rank-wide intermediate left
     assert [tuple(p.shape) for p in merged.lefts] == [(crossnet.in_features, p.shape[0]) for p in merged.rights]
+
+
+@pytest.mark.parametrize("relu, bias", [(True, True), (True, False), (False, True)])
+def test_serving_layers_equal_float64_and_fuse_the_relu(relu: bool, bias: bool) -> None:
+    """The TT and narrow layers' inference forms equal a float64 reference; with a bias and a
+    ReLU each is one ``aten._addmm_activation`` in the exported graph (no ReLU of its own)."""
+    from comera_rec.dlrm.export_layers import ServingLinear, ServingTTLinear
+    from comera_rec.tensor.linear import NarrowLinear
+
+    torch.manual_seed(0)
+    tt = TTLinear(48, 30, rank=4, bias=bias, relu=relu)
+    narrow = NarrowLinear(5, 30, relu=relu, bias=bias) if bias else None
+    x = torch.randn(7, 48)
+    for layer, form, inp in ((tt, ServingTTLinear(tt), x), (narrow, None, torch.randn(7, 5))):
+        if layer is None:
+            continue
+        form = form if form is not None else ServingLinear(layer, relu=relu)
+        w = layer.dense_weight().double() if isinstance(layer, TTLinear) else layer.weight.double()
+        ref = inp.double() @ w.t() + (layer.bias.double() if bias else 0)
+        ref = torch.relu(ref) if relu else ref
+        torch.testing.assert_close(form(inp).double(), ref, rtol=1e-5, atol=1e-5)
+        program = torch.export.export(form, (inp,), dynamic_shapes=({0: torch.export.Dim("B")},))
+        ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+        fused = relu and bias
+        assert ("aten._addmm_activation.default" in ops) == fused, ops
+        assert ("aten.relu.default" in ops) == (relu and not fused), ops
+        torch.testing.assert_close(program.module()(inp), form(inp), rtol=0, atol=0)
