@@ -16,7 +16,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from comera_rec.dlrm.export_layers import ExportError
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
-from comera_rec.tensor.halves import left_table, right_table, split_point
+from comera_rec.tensor.halves import split_point, whole_halves
 
 
 class ServingLookup(nn.Module):
@@ -155,11 +155,8 @@ def _stack_halves(stack: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, in
     M_l, r)``, ``right (T N_r, r, m_a m_b)`` (a row's product one bmm, its columns ``(x, a,
     b)``), and ``N_l``, ``N_r``."""
     with torch.no_grad():
-        cores = [c.detach() for c in stack.scaled_cores()]
-        h = split_point(len(cores))
-        left = left_table(cores[:h])  # (T * N_l, M_l, r)
-        right = right_table(cores[h:])  # (T * N_r, m_b, r, m_a)
-        right = right.permute(0, 2, 3, 1).reshape(right.shape[0], right.shape[2], -1)
+        left, right = whole_halves([c.detach() for c in stack.scaled_cores()])
+    h = split_point(len(stack.row_shape))
     return left, right, math.prod(stack.row_shape[:h]), math.prod(stack.row_shape[h:])
 
 

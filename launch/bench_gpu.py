@@ -105,6 +105,19 @@ def lookup_step(model: LookupModel, opt: torch.optim.Optimizer) -> Callable[[dic
     return step
 
 
+def _without_triton(fn: Callable[[dict], torch.Tensor]) -> Callable[[dict], torch.Tensor]:
+    """``fn`` run with the fused Triton lookup off (the PyTorch path), to credit the kernel."""
+
+    def run(b: dict) -> torch.Tensor:
+        kernels.set_triton_enabled(False)
+        try:
+            return fn(b)
+        finally:
+            kernels.set_triton_enabled(True)
+
+    return run
+
+
 def build_lookup(kind: str, sizes: list[int], rank: int, device: torch.device):
     torch.manual_seed(0)
     model = LookupModel(sizes, "dense" if kind == "dense" else "tt", rank).to(device)
@@ -114,15 +127,7 @@ def build_lookup(kind: str, sizes: list[int], rank: int, device: torch.device):
     opt = torch.optim.Adagrad(model.parameters(), lr=0.01, **({} if kind == "dense" else {"foreach": True}))
     step = lookup_step(model, opt)
     if kind == "tt_torch":
-
-        def run(b: dict) -> torch.Tensor:
-            kernels.set_triton_enabled(False)
-            try:
-                return step(b)
-            finally:
-                kernels.set_triton_enabled(True)
-
-        return model, run
+        return model, _without_triton(step)
     if graphed:
         return model, GraphedTrainStep(step, capture=CudaGraphCapture(device))
     return model, step
@@ -210,22 +215,13 @@ def bench_lookup_scoring(sizes: list[int], batches: list[int], rank: int, device
     tt_static.load_state_dict(tt.state_dict())
     set_static_shapes(tt_static)
 
-    def lookup(model: LookupModel, triton: bool = True) -> Callable[[dict], torch.Tensor]:
-        def run(b: dict) -> torch.Tensor:
-            if triton:
-                return model(b["ids"], b["offsets"])
-            kernels.set_triton_enabled(False)
-            try:
-                return model(b["ids"], b["offsets"])
-            finally:
-                kernels.set_triton_enabled(True)
-
-        return run
+    def lookup(model: LookupModel) -> Callable[[dict], torch.Tensor]:
+        return lambda b: model(b["ids"], b["offsets"])
 
     fns = {
         "dense": lookup(dense),
         "tt_triton": lookup(tt),
-        "tt_torch": lookup(tt, triton=False),
+        "tt_torch": _without_triton(lookup(tt)),
         "tt_static": lookup(tt_static),
         "dense_graphed": lookup(dense),
         "tt_graphed": lookup(tt_static),

@@ -46,6 +46,43 @@ def left_table(cores: Sequence[torch.Tensor]) -> torch.Tensor:
     return table.reshape(T * n1 * n2, m1 * m2, r2)
 
 
+def whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both halves of stacked trains over all their row indices, each row's product one
+    ``bmm``: ``prefix (T N_l, M_l, r)`` and ``suffix (T N_r, r, m_a m_b)`` (its columns in
+    the row's order; differentiable in the cores).
+
+    Example::
+
+        >>> cores = [torch.randn(1, 1, 3, 2, 2), torch.randn(1, 2, 4, 2, 1)]
+        >>> prefix, suffix = whole_halves(cores)
+        >>> prefix.shape, suffix.shape
+        (torch.Size([3, 2, 2]), torch.Size([4, 2, 2]))
+    """
+    h = split_point(len(cores))
+    prefix = left_table(cores[:h])  # (T * N_l, M_l, r)
+    suffix = right_table(cores[h:])  # (T * N_r, m_b, r, m_a)
+    k_s, m_b, r, m_a = suffix.shape
+    return prefix, suffix.permute(0, 2, 3, 1).reshape(k_s, r, m_a * m_b)  # (K_s, r, M_r)
+
+
+def whole_halves_bytes(cores: Sequence[torch.Tensor], rank_multiple: int = 1) -> int:
+    """Bytes of both halves over all their row indices: ``T (N_l M_l + N_r M_r) r`` values,
+    the middle rank ``r`` rounded up to a multiple of ``rank_multiple`` (a kernel's padding).
+
+    Example::
+
+        >>> cores = [torch.zeros(1, 1, 10, 2, 4), torch.zeros(1, 4, 20, 8, 1)]
+        >>> whole_halves_bytes(cores)  # (10 * 2 + 20 * 8) * 4 float32 values
+        2880
+    """
+    h = split_point(len(cores))
+    r = int(cores[h - 1].shape[-1])
+    r = -(-r // rank_multiple) * rank_multiple
+    left = math.prod(int(c.shape[2]) * int(c.shape[3]) for c in cores[:h])
+    right = math.prod(int(c.shape[2]) * int(c.shape[3]) for c in cores[h:])
+    return int(cores[0].shape[0]) * (left + right) * r * cores[0].element_size()
+
+
 def left_rows(cores: Sequence[torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
     """Rows ``(K, m_1 m_2, r_2)`` of the whole 2-core left half for ``keys``.
 

@@ -204,11 +204,11 @@ def _scoring_case(d: int, tables: int, mode: str, weighted: bool) -> float:
     offsets = _bags(n_ids, 5, seed=9)
     weights = torch.rand(n_ids, generator=g) if weighted else None
     made: list[int] = []
-    real_left_table = ttm_triton.left_table
+    real_whole_halves = ttm_triton.whole_halves
 
-    def counting_left_table(half_cores):
+    def counting_whole_halves(stack_cores):
         made.append(1)
-        return real_left_table(half_cores)
+        return real_whole_halves(stack_cores)
 
     def lookup() -> torch.Tensor:
         return ttm_triton.ttm_embedding_bag_triton(cores, rows, dim, ids, offsets, mode, weights, trains)
@@ -225,7 +225,7 @@ def _scoring_case(d: int, tables: int, mode: str, weighted: bool) -> float:
             raise AssertionError(f"{name}: halves made {len(made)} times, expected {made_now}")
         return err
 
-    ttm_triton.left_table = counting_left_table
+    ttm_triton.whole_halves = counting_whole_halves
     try:
         with torch.no_grad():
             err = expect("outside cached_weights: made per call", 0)  # the de-duplicated path
@@ -247,7 +247,7 @@ def _scoring_case(d: int, tables: int, mode: str, weighted: bool) -> float:
             if ttm_triton.scoring_halves(cores) is not None:
                 raise AssertionError("halves still kept after leaving cached_weights")
     finally:
-        ttm_triton.left_table = real_left_table
+        ttm_triton.whole_halves = real_whole_halves
     return err
 
 

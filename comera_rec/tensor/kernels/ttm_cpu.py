@@ -20,6 +20,7 @@ import torch
 from comera_rec.tensor.bags import divide_bags
 from comera_rec.tensor.derived import DerivedCaches, cache_applies
 from comera_rec.tensor.halves import split_point
+from comera_rec.tensor.halves import whole_halves_bytes as halves_bytes
 
 # re-exported: the build of the CPU kernels, importable from here as before it had a module of its own
 from comera_rec.tensor.kernels.build_support import (  # noqa: F401
@@ -133,13 +134,7 @@ WHOLE_HALVES_MAX_BYTES = 256 << 20
 def whole_halves_bytes(cores: Sequence[torch.Tensor]) -> int:
     """Bytes of a stack's two halves contracted over all their row indices: ``T (N_l M_l +
     N_r M_r) r_pad`` values, ``r_pad`` the middle rank padded to whole vectors."""
-    h = split_point(len(cores))
-    T, r = int(cores[0].shape[0]), int(cores[h - 1].shape[-1])
-    lanes = max(1, cpu_vector_bytes() // cores[0].element_size())
-    padded = -(-r // lanes) * lanes
-    left = math.prod(int(c.shape[2]) * int(c.shape[3]) for c in cores[:h])
-    right = math.prod(int(c.shape[2]) * int(c.shape[3]) for c in cores[h:])
-    return T * (left + right) * padded * cores[0].element_size()
+    return halves_bytes(cores, rank_multiple=max(1, cpu_vector_bytes() // cores[0].element_size()))
 
 
 def _whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -33,13 +33,12 @@ This module holds the autograd function and the entry points; the kernel bodies 
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
 
 from comera_rec.tensor.derived import DerivedCaches, cache_applies
-from comera_rec.tensor.halves import half, half_keys, left_table, right_table, split_point
+from comera_rec.tensor.halves import half, half_keys, split_point, whole_halves, whole_halves_bytes
 from comera_rec.tensor.kernels.ttm_triton_launch import (
     launch_backward_halves,
     launch_backward_weights,
@@ -60,36 +59,9 @@ SCORING_HALVES_MAX_BYTES = 256 << 20
 _SCORING_HALVES = DerivedCaches(slots=64, max_bytes=1 << 30)
 
 
-def whole_halves_bytes(cores: Sequence[torch.Tensor]) -> int:
-    """Bytes of a stack's two halves contracted over all their row indices: ``T (N_l M_l +
-    N_r M_r) r`` values, ``r`` the middle rank.
-
-    Example::
-
-        >>> cores = [torch.zeros(1, 1, 10, 2, 4), torch.zeros(1, 4, 20, 8, 1)]
-        >>> whole_halves_bytes(cores)  # (10 * 2 + 20 * 8) * 4 float32 values
-        2880
-    """
-    h = split_point(len(cores))
-    r = int(cores[h - 1].shape[-1])
-    left = math.prod(int(c.shape[2]) * int(c.shape[3]) for c in cores[:h])
-    right = math.prod(int(c.shape[2]) * int(c.shape[3]) for c in cores[h:])
-    return int(cores[0].shape[0]) * (left + right) * r * cores[0].element_size()
-
-
-def _whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(prefix (T N_l, M_l, r), suffix (T N_r, r, M_r))``: both halves over all their row
-    indices, in the layouts the kernels read (differentiable in the cores)."""
-    h = split_point(len(cores))
-    prefix = left_table(cores[:h])  # (T * N_l, M_l, r)
-    suffix = right_table(cores[h:])  # (T * N_r, m_b, r, m_a)
-    k_s, m_b, r, m_a = suffix.shape
-    return prefix, suffix.permute(0, 2, 3, 1).reshape(k_s, r, m_a * m_b)  # (K_s, r, M_r)
-
-
 def _own_whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     # a kept value must not hold its sources alive: a one-core half can be a view of its core
-    prefix, suffix = _whole_halves(cores)
+    prefix, suffix = whole_halves(cores)
     shared = {c.untyped_storage().data_ptr() for c in cores}
     return tuple(t.clone() if t.untyped_storage().data_ptr() in shared else t for t in (prefix, suffix))
 
@@ -302,7 +274,7 @@ def ttm_embedding_bag_triton(
     kept = scoring_halves(cores)
     if static_shapes or kept is not None:
         # whole halves, no host sync: kept while scoring, else made per call (capturable)
-        prefix, suffix = kept if kept is not None else _whole_halves(cores)
+        prefix, suffix = kept if kept is not None else whole_halves(cores)
         return ttm_bag_triton(
             prefix,
             suffix,
