@@ -11,7 +11,7 @@ from torch import nn
 
 from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import linear_from_chains, merge_input_chain, merge_output_chain, tt_linear
-from comera_rec.tensor.derived import cache_applies, derived_cache
+from comera_rec.tensor.derived import cache_applies, derived_cache, scoring_cache_on
 from comera_rec.tensor.kernels.ttm_cpu import records_grad
 from comera_rec.tensor.shapes import check_shape, tt_linear_shapes
 from comera_rec.tensor.svd import tt_svd
@@ -143,6 +143,9 @@ class TTLinear(TensorTrainModule):
         """
         if isinstance(x, torch.fx.Proxy):
             return _fx_leaf_call(self, x)
+        packed = self._kept_packed(x)
+        if packed is not None:  # scoring a matrix on the CPU kernel: the call is the kernel's
+            return kernels.tt_linear_cpu_packed(x, packed[0], packed[1], self.out_features, self.relu)
         self._check_input(x)
         sources = self.train_tensors()
         # the chains merged in one C++ call each way (the controllers scale the running
@@ -154,9 +157,57 @@ class TTLinear(TensorTrainModule):
             lambda: kernels.tt_chains_kernel_applies(sources, ()) or cache_applies(sources),
         )
         if kept is not None:
+            packed = self._pack_for_scoring(x, *kept)
+            if packed is not None:
+                rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+                y = kernels.tt_linear_cpu_packed(rows, packed[0], packed[1], self.out_features, self.relu)
+                return y if rows is x else y.reshape(*x.shape[:-1], y.shape[-1])
             return linear_from_chains(x, *kept, self.bias, relu=self.relu)
         inputs, outputs = self._split()
         return tt_linear(x, inputs, outputs, self.out_features, self.bias, relu=self.relu)
+
+    # Scoring on the fused CPU kernel keeps the chains and bias packed as the kernel reads
+    # them (kernels.tt_linear_pack), keyed on the parameters they come from: at a few rows,
+    # packing per call and the checks of the general path took most of a call.
+    def _scoring_sources(self) -> list[torch.Tensor]:
+        sources = self.train_tensors()
+        if self.bias is not None:
+            sources.append(self.bias)
+        return sources
+
+    def _kept_packed(self, x: object) -> tuple | None:
+        """``(packed operands, rank)`` kept for this layer's unchanged parameters, where ``x``
+        is a CPU matrix the kernel takes as they were packed for; else ``None`` (the general
+        path then checks ``x`` and names what is wrong)."""
+        cache = derived_cache(self, "packed")
+        if cache.is_empty():  # training, or nothing packed yet: no cost beyond this
+            return None
+        kept = cache.peek(self._scoring_sources())  # None outside cached_weights / with gradients
+        if (
+            kept is None
+            or type(x) is not torch.Tensor
+            or x.dim() != 2
+            or not x.is_cpu
+            or x.dtype != kept[0][0].dtype
+            or x.shape[1] != self.in_features
+            or not kernels.cpu_kernel_enabled()
+        ):
+            return None
+        return kept  # type: ignore[return-value]
+
+    def _pack_for_scoring(self, x: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> tuple | None:
+        """The chains and bias packed for the fused CPU forward and kept, while scoring
+        (:func:`~comera_rec.tensor.cached_weights`, no gradients) with a kernel that takes
+        ``x``; else ``None``."""
+        if not scoring_cache_on():
+            return None
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if not kernels.tt_linear_kernel_applies(rows, left, right):
+            return None
+        bias = self.bias
+        return derived_cache(self, "packed").get(
+            self._scoring_sources(), lambda: (kernels.tt_linear_pack(left, right, bias), left.shape[1])
+        )
 
     def chains(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The weight as its two merged chains, ``W^T = left @ right``: ``left

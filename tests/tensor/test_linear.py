@@ -294,3 +294,51 @@ def test_scoring_keeps_the_merged_chains_on_either_path(lookup_path: str, monkey
         expect(made=1)
     with torch.no_grad():
         assert linear.derived_cache(layer, "chains").peek(layer.train_tensors()) is None  # dropped
+
+
+def test_scoring_packs_the_kept_chains_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the fused CPU kernel, scoring packs the kept chains and bias once; a write to the
+    bias or a core packs again; every call equals the float64 reference, any batch shape."""
+    from comera_rec.tensor import cached_weights, linear
+
+    if not kernels.tt_linear_kernel_applies(torch.zeros(1, 30), torch.zeros(30, 4), torch.zeros(4, 20)):
+        pytest.skip("the fused CPU TT linear is not built here")
+    torch.manual_seed(0)
+    layer = TTLinear(30, 20, rank=[3, 5, 4, 5, 2], shape=((2, 3, 5), (4, 5, 1)), relu=True)
+    packs: list[int] = []
+    real = kernels.tt_linear_pack
+    monkeypatch.setattr(linear.kernels, "tt_linear_pack", lambda *a: packs.append(1) or real(*a))
+    used: list[int] = []
+    real_call = kernels.tt_linear_cpu_packed
+    monkeypatch.setattr(linear.kernels, "tt_linear_cpu_packed", lambda *a: used.append(1) or real_call(*a))
+
+    def check(x: torch.Tensor) -> None:
+        ref = torch.relu(x.double() @ layer.dense_weight().double().t() + layer.bias.double())
+        torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad(), cached_weights():
+        for x in (torch.randn(1, 30), torch.randn(13, 30), torch.randn(2, 3, 30)):
+            check(x)
+        assert len(packs) == 1
+        layer.bias.add_(0.5)
+        check(torch.randn(5, 30))
+        layer.cores[2].mul_(0.5)
+        check(torch.randn(5, 30))
+        assert len(packs) == 3
+        # what the kept operands do not fit still gets the general path's named errors
+        with pytest.raises(ValueError, match="expected input with last dimension 30"):
+            layer(torch.randn(5, 31))
+        with pytest.raises(TypeError, match="input dtype torch.float64 differs"):
+            layer(torch.randn(5, 30, dtype=torch.float64))
+        was = kernels.cpu_kernel_enabled()
+        kernels.set_cpu_kernel_enabled(False)  # switched off inside the scope: not used
+        try:
+            calls = len(used)
+            check(torch.randn(5, 30))
+            assert len(used) == calls
+        finally:
+            kernels.set_cpu_kernel_enabled(was)
+    assert len(used) == 5  # every call above but the refused and the switched-off ones
+    with torch.no_grad():
+        check(torch.randn(5, 30))  # outside the scope: nothing packed or kept
+    assert len(packs) == 3 and len(used) == 5

@@ -157,3 +157,37 @@ def test_property_shapes_and_ranks(in_modes, out_seed, rank, data) -> None:
     left, right = kernels.tt_chains_cpu(inputs, outputs, controllers, in_features, out_features)
     assert left.shape[0] == in_features and right.shape[1] == out_features
     torch.testing.assert_close(left @ right, dense_reference(layer), rtol=1e-12, atol=1e-12)
+
+
+def _mkl_max_threads():
+    """MKL's thread count for this thread (its thread-local setting where one is made), or
+    ``None`` where torch's BLAS is not MKL."""
+    import ctypes
+    import os
+
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        return lib.MKL_Get_Max_Threads
+    except (OSError, AttributeError):
+        return None
+
+
+def test_the_merges_leave_mkl_threads_as_they_were() -> None:
+    """The merges run their small products in the calling thread alone (MKL's thread-local
+    count set to 1 for the call) and set MKL back: GEMMs after them get every thread."""
+    mkl_threads = _mkl_max_threads()
+    if mkl_threads is None:
+        pytest.skip("torch's BLAS here is not MKL")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        was = mkl_threads()
+        assert was == 2
+        layer = make_layer(30, 20, 4, ((2, 3, 5), (4, 5, 1)))
+        inputs, outputs, controllers = split(layer)
+        left, right = kernels.tt_chains_cpu(inputs, outputs, controllers, 30, 20)
+        assert mkl_threads() == was
+        torch.autograd.grad(left.sum() + right.sum(), [*inputs, *outputs])
+        assert mkl_threads() == was
+    finally:
+        torch.set_num_threads(before)

@@ -86,6 +86,34 @@ def test_without_gradients_the_kernel_is_called_directly(batch, n_in, n_out, ran
     torch.testing.assert_close(plain, reference(x, left, right, b, True).detach())
 
 
+@pytest.mark.parametrize("batch,n_in,n_out,rank", CASES)
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_operands_give_the_same_values(batch, n_in, n_out, rank, relu, bias) -> None:
+    # scoring on operands packed once: bit-equal to the forward that packs them per call
+    x, left, right, b = (t.detach() if t is not None else None for t in make(batch, n_in, n_out, rank, bias))
+    packed = kernels.tt_linear_pack(left, right, b)
+    for rows in (x, x[:1], x[: max(1, batch // 2)]):  # one packing serves any batch
+        got = kernels.tt_linear_cpu_packed(rows, packed, rank, n_out, relu)
+        torch.testing.assert_close(got, kernels.tt_linear_cpu(rows, left, right, b, relu), rtol=0, atol=0)
+    torch.testing.assert_close(
+        kernels.tt_linear_cpu_packed(x, packed, rank, n_out, relu), reference(x, left, right, b, relu)
+    )
+
+
+def test_packed_operands_of_another_shape_are_refused() -> None:
+    x, left, right, b = (t.detach() for t in make(4, 6, 5, 3))
+    packed = kernels.tt_linear_pack(left, right, b)
+    with pytest.raises(RuntimeError, match="packed for another shape than 7 -> 5 at rank 3"):
+        kernels.tt_linear_cpu_packed(torch.randn(4, 7, dtype=DT), packed, 3, 5)
+    with pytest.raises(RuntimeError, match="packed for another shape than 6 -> 9 at rank 3"):
+        kernels.tt_linear_cpu_packed(x, packed, 3, 9)
+    with pytest.raises(RuntimeError, match="the operands were packed in"):
+        kernels.tt_linear_cpu_packed(x.float(), packed, 3, 5)
+    with pytest.raises(RuntimeError, match="bias of 4 values for 5 outputs"):
+        kernels.tt_linear_pack(left, right, torch.randn(4, dtype=DT))
+
+
 @pytest.mark.parametrize("rank", [16, 40, 64])
 def test_float32_against_float64(rank: int) -> None:
     x, left, right, b = make(300, 96, 80, rank, dtype=torch.float32)

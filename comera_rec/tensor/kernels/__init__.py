@@ -42,7 +42,9 @@ from comera_rec.tensor.kernels.tt_linear_cpu import (  # the fused CPU TT linear
     tt_chains_kernel_applies,
     tt_cross_cpu,
     tt_linear_cpu,
+    tt_linear_cpu_packed,
     tt_linear_kernel_applies,
+    tt_linear_pack,
 )
 from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup
     check_jagged,
@@ -123,7 +125,9 @@ __all__ = [
     "tt_chains_kernel_applies",
     "tt_cross_cpu",
     "tt_linear_cpu",
+    "tt_linear_cpu_packed",
     "tt_linear_kernel_applies",
+    "tt_linear_pack",
     "register_cpu_extension",
     "set_triton_enabled",
     "triton_available",

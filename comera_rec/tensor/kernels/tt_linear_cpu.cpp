@@ -18,12 +18,21 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/ParallelGuard.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "simd.h"
+
+// MKL's thread count for the calling thread only, where torch's BLAS is MKL (weak: other
+// builds have no such symbol, and the guard below then does nothing)
+#if defined(__linux__)
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+#else
+static int (*const MKL_Set_Num_Threads_Local)(int) = nullptr;
+#endif
 
 namespace {
 
@@ -516,6 +525,60 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
   return {y, t};
 }
 
+// tt_linear_forward's weight operands prepared once, for a caller that scores many batches
+// with the same weights and keeps them: {left (in panels with 16 registers), right in
+// panels, the padded bias (empty without one), zeros}. At a few rows the padding and the
+// packing were most of a forward call's time.
+std::vector<torch::Tensor> tt_linear_pack(torch::Tensor left, torch::Tensor right, torch::Tensor bias) {
+  const auto like = torch::empty({0, left.dim() == 2 ? left.size(0) : 0}, left.options().device(at::kMeta));
+  check_inputs(like, left, right, bias);
+  std::vector<torch::Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(left.scalar_type(), "tt_linear_pack", [&] {
+    constexpr int64_t W = kLanes<scalar_t>;
+    const auto left_p = pad_last(left, W), right_p = pad_last(right, W);
+    const auto bias_p = bias.numel() ? pad_last(bias.to(left.scalar_type()), W) : bias.to(left.scalar_type());
+    const auto zeros = torch::zeros({std::max({left.size(0), right_p.size(1), left_p.size(1)})}, left.options());
+    out = {kVectorRegisters < 32 ? pack_panels<scalar_t>(left_p) : left_p, pack_panels<scalar_t>(right_p), bias_p,
+           zeros};
+  });
+  return out;
+}
+
+// y = act((x @ left) @ right + bias) from tt_linear_pack's operands (r: the rank, n_out: the
+// outputs), without t: nothing is kept for a backward.
+torch::Tensor tt_linear_forward_packed(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t r, int64_t n_out,
+                                       bool relu) {
+  TORCH_CHECK(packed.size() == 4, "tt_linear: ", packed.size(), " packed operands; tt_linear_pack makes 4");
+  const auto &left_pk = packed[0], &right_pk = packed[1], &bias_p = packed[2], &zeros = packed[3];
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == left_pk.scalar_type(), "tt_linear: x must be a matrix of the ",
+              left_pk.scalar_type(), " the operands were packed in, got ", x.scalar_type(), " of shape ", x.sizes());
+  x = x.contiguous();
+  const int64_t B = x.size(0), n_in = x.size(1);
+  auto y = torch::empty({B, n_out}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tt_linear_forward_packed", [&] {
+    constexpr int64_t W = kLanes<scalar_t>;
+    Layer<scalar_t> L;
+    L.B = B;
+    L.n_in = n_in;
+    L.n_out = n_out;
+    L.r = r;
+    L.R = padded(r, W);
+    L.Np = padded(n_out, W);
+    L.Nip = padded(n_in, W);
+    TORCH_CHECK(r >= 1 && left_pk.numel() == n_in * L.R && right_pk.numel() == r * L.Np &&
+                    (bias_p.numel() == 0 || bias_p.numel() == L.Np) &&
+                    zeros.numel() >= std::max({n_in, L.Np, L.R}),
+                "tt_linear: operands packed for another shape than ", n_in, " -> ", n_out, " at rank ", r);
+    L.x = x.data_ptr<scalar_t>();
+    L.left = left_pk.data_ptr<scalar_t>();
+    L.right = right_pk.data_ptr<scalar_t>();
+    L.bias = bias_p.numel() ? bias_p.data_ptr<scalar_t>() : nullptr;
+    L.zeros = zeros.data_ptr<scalar_t>();
+    with_vectors<scalar_t, ForwardRows>(L.R / W, L, relu, static_cast<scalar_t*>(nullptr), y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
 // A DCN cross net for scoring (nothing is kept for a backward): x_0 = x0, then for each
 // layer k, x_{k+1} = x_k + x0 * ((x_k @ left_k) @ right_k + bias_k), its two projections
 // merged into one TT weight (left_k (N, r_k), right_k (r_k, N)). Each thread takes blocks of
@@ -705,11 +768,29 @@ void check_chains(const std::vector<torch::Tensor>& cores, const std::vector<tor
   TORCH_CHECK(cores.front().size(0) == 1 && cores.back().size(2) == 1, "tt_chains: the end ranks must be 1");
 }
 
+// The chain merges in the calling thread alone: their products are small (a few MFLOP a layer
+// in all), and a second thread for each cost more than it gave (the 2-core AVX2 host: MKL's
+// 32 x 64 x 256 product 23 us on one thread, 37 us on two).
+class SerialSection {
+ public:
+  SerialSection() : parallel_(true), mkl_(MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0) {}
+  ~SerialSection() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(mkl_);
+  }
+  SerialSection(const SerialSection&) = delete;
+  SerialSection& operator=(const SerialSection&) = delete;
+
+ private:
+  c10::ParallelGuard parallel_;  // ATen's own loops see a parallel region and run serially
+  int mkl_;                      // the previous thread-local setting (0: the global one)
+};
+
 }  // namespace
 
 std::vector<torch::Tensor> tt_chains_forward(std::vector<torch::Tensor> cores, std::vector<torch::Tensor> controllers,
                                              int64_t d, int64_t in_features, int64_t out_features) {
   check_chains(cores, controllers, d);
+  const SerialSection serial;
   std::vector<torch::Tensor> saved;
   // left: P_0 = G_1 as (n_1, r_1); Q_k = P_k D_k; P_{k+1} = (Q_k @ G_{k+2}) as (N, r)
   torch::Tensor P = cores[0].reshape({cores[0].size(1), cores[0].size(2)});
@@ -748,6 +829,7 @@ std::vector<torch::Tensor> tt_chains_backward(torch::Tensor grad_left, torch::Te
                                               std::vector<torch::Tensor> controllers, std::vector<torch::Tensor> saved,
                                               int64_t d) {
   check_chains(cores, controllers, d);
+  const SerialSection serial;
   TORCH_CHECK(static_cast<int64_t>(saved.size()) == 2 * (2 * d - 1), "tt_chains: ", saved.size(),
               " saved products for ", 2 * d - 1, " bonds");
   std::vector<torch::Tensor> grad_cores(2 * d), grad_controllers(2 * d - 1);

@@ -86,6 +86,46 @@ def tt_linear_cpu(
     return _FusedTTLinear.apply(x, left, right, bias, bool(relu))
 
 
+def tt_linear_pack(
+    left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """``left``, ``right`` and ``bias`` padded and packed as the fused forward reads them, once,
+    for a caller that scores many batches with the same weights (a forward packs them on
+    every call: at a few rows, most of its time). Hand the result to
+    :func:`tt_linear_cpu_packed`; it is valid while these tensors do not change.
+
+    Args:
+        left: ``(N_in, r)``, the merged input chain.
+        right: ``(r, N_out)``, the merged output chain.
+        bias: optional ``(N_out,)``.
+
+    Returns:
+        The packed operands (opaque: four tensors).
+    """
+    return tuple(extension().tt_linear_pack(left, right, bias if bias is not None else _EMPTY.to(left.dtype)))
+
+
+def tt_linear_cpu_packed(
+    x: torch.Tensor, packed: Sequence[torch.Tensor], rank: int, out_features: int, relu: bool = False
+) -> torch.Tensor:
+    """:func:`tt_linear_cpu` without gradients, on operands from :func:`tt_linear_pack`.
+
+    The caller checks :func:`tt_linear_kernel_applies` for ``x`` and the chains the operands
+    were packed from, and that no gradient is wanted.
+
+    Args:
+        x: ``(B, N_in)``.
+        packed: :func:`tt_linear_pack` of ``(left, right, bias)``.
+        rank: ``r``, the chains' rank.
+        out_features: ``N_out``.
+        relu: apply the ReLU to the output.
+
+    Returns:
+        ``(B, N_out)``, equal to ``tt_linear_cpu(x, left, right, bias, relu)``.
+    """
+    return extension().tt_linear_forward_packed(x, list(packed), rank, out_features, bool(relu))
+
+
 # Rows a thread of the cross kernel takes through every layer at a time: two tiles of 12
 # (AVX2) or three of 8 (AVX-512). The block's input and running activation then stay in its
 # core's cache between layers. At MLPerf's width (3456), 3 layers at rank 32, 4096 rows on

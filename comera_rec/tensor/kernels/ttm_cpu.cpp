@@ -1095,6 +1095,9 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
 std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tensor x, torch::Tensor left,
                                               torch::Tensor right, torch::Tensor t, torch::Tensor y,
                                               bool need_grad_x, bool need_grad_bias, bool need_grad_left);
+std::vector<torch::Tensor> tt_linear_pack(torch::Tensor left, torch::Tensor right, torch::Tensor bias);
+torch::Tensor tt_linear_forward_packed(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t r, int64_t n_out,
+                                       bool relu);
 torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
                                std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
                                int64_t block_rows);
@@ -1120,6 +1123,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_blocks", &scatter_blocks, "the gradient of gather_blocks");
   m.def("tt_linear_forward", &tt_linear_forward, "fused TT linear (+ ReLU): forward");
   m.def("tt_linear_backward", &tt_linear_backward, "fused TT linear (+ ReLU): backward");
+  m.def("tt_linear_pack", &tt_linear_pack, "a TT linear's weights packed once for repeated scoring calls");
+  m.def("tt_linear_forward_packed", &tt_linear_forward_packed, "fused TT linear (+ ReLU) on packed weights, scoring");
   m.def("tt_cross_forward", &tt_cross_forward, "a DCN cross net, each layer's projections one TT weight (scoring)");
   m.def("tt_chains_forward", &tt_chains_forward, "a TT weight's cores and controllers merged into its two chains");
   m.def("tt_chains_backward", &tt_chains_backward, "the gradient of tt_chains_forward");
