@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import ttm_dense_table, ttm_embedding_bag
 from comera_rec.tensor.derived import derived_cache
 from comera_rec.tensor.shapes import check_shape, default_num_cores, factorize, ttm_row_shape
@@ -185,6 +186,20 @@ class TTMEmbeddingBag(TensorTrainModule):
                 per_sample_weights = per_sample_weights.to("meta")
         elif not self.static_shapes:  # the checks read ids on the host: not under static shapes
             check_bags("TTMEmbeddingBag", input, offsets, self.num_embeddings, per_sample_weights)
+        if not meta and not self.static_shapes:
+            halves = self._kept_halves(input)
+            if halves is not None:  # scoring on CPU: two rows of the kept halves per id
+                cores = [c.unsqueeze(0) for c in self.cores._parameters.values()]  # read for their shapes only
+                return kernels.ttm_embedding_bag_cpu(
+                    cores,
+                    self.row_shape,
+                    self.embedding_dim,
+                    input.long(),
+                    offsets.long(),
+                    self.mode,
+                    per_sample_weights,
+                    halves=halves,
+                )
         if meta:
             cores = [c.unsqueeze(0).to(input.device) for c in self.scaled_cores()]  # (1, r, n, m, r')
         else:  # scoring: the same tensors every call, so what the lookup keeps for them is found
@@ -204,6 +219,16 @@ class TTMEmbeddingBag(TensorTrainModule):
             self.mode,
             per_sample_weights,
             static_shapes=self.static_shapes or meta,
+        )
+
+    def _kept_halves(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Both whole halves while scoring on CPU, kept on the parameters themselves, as a
+        stack of one table (:func:`~comera_rec.tensor.kernels.ttm_cpu.kept_whole_halves`);
+        else ``None``."""
+        sources = self.train_tensors()
+        cores = [c.unsqueeze(0) for c in sources[: len(self.cores._parameters)]]
+        return kernels.ttm_cpu.kept_whole_halves(
+            self, sources, cores, ids, lambda: [c.unsqueeze(0) for c in self._fold_controllers()]
         )
 
     def dense_weight(self) -> torch.Tensor:

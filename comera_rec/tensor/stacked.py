@@ -19,7 +19,6 @@ from torch import nn
 
 from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import ttm_dense_table, ttm_embedding_bag
-from comera_rec.tensor.derived import cache_applies, derived_cache, scoring_cache_on
 from comera_rec.tensor.embedding import TTMEmbeddingBag
 from comera_rec.tensor.shapes import check_shape
 from comera_rec.tensor.train import TensorTrainModule, cap_ranks, check_float_dtype, check_rank
@@ -152,23 +151,13 @@ class StackedTTMTables(TensorTrainModule):
         )
 
     def _kept_halves(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """While scoring on CPU (inside :func:`~comera_rec.tensor.cached_weights`, gradients
-        off), both whole halves, kept on the parameters themselves: the controller-folded
-        cores they are made from are not kept beside them (they would double the stack's
-        memory for nothing); else ``None``."""
-        if self.static_shapes or not scoring_cache_on() or ids.device.type != "cpu":
+        """Both whole halves while scoring on CPU, kept on the parameters themselves
+        (:func:`~comera_rec.tensor.kernels.ttm_cpu.kept_whole_halves`); else ``None``."""
+        if self.static_shapes:
             return None
         sources = self.train_tensors()
         cores = sources[: len(self.cores._parameters)]
-        return derived_cache(self, "whole_halves").get_when(
-            sources,
-            lambda: kernels.ttm_cpu.make_whole_halves(self._fold_controllers()),
-            lambda: (
-                cache_applies(sources)
-                and kernels.cpu_kernel_applies(cores, ids)
-                and kernels.ttm_cpu.whole_halves_bytes(cores) <= kernels.ttm_cpu.WHOLE_HALVES_MAX_BYTES
-            ),
-        )
+        return kernels.ttm_cpu.kept_whole_halves(self, sources, cores, ids, self._fold_controllers)
 
     def dense_weight(self, table: int) -> torch.Tensor:
         """Table ``table`` as a dense ``(num_embeddings, embedding_dim)`` tensor (tests, export)."""

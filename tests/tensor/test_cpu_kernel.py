@@ -283,13 +283,19 @@ def test_whole_halves_lookup_names_bad_ids_and_shapes() -> None:
         )
 
 
-def test_embedding_bag_module_scoring_finds_its_kept_halves(kernels_on, monkeypatch) -> None:
-    """``TTMEmbeddingBag`` hands the lookup the same core tensors on every scoring call, so the
-    whole halves are made once (before, a fresh view per call missed them every time)."""
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_module_scoring_finds_its_kept_halves(kernels_on, monkeypatch, mode) -> None:
+    """``TTMEmbeddingBag`` keeps its whole halves on its own parameters while scoring: made
+    once over several calls (before, a fresh view per call missed them every time), again
+    after a write; the controller-folded cores are not kept beside them."""
     from comera_rec.tensor import TTMEmbeddingBag, cached_weights
+    from comera_rec.tensor.derived import derived_cache
 
     torch.manual_seed(0)
-    table = TTMEmbeddingBag(3000, 8, rank=4)
+    table = TTMEmbeddingBag(3000, 8, rank=4, mode=mode)
+    with torch.no_grad():
+        for c in table.controllers:
+            c.uniform_(0.5, 1.5)  # a controller left out of the halves would show
     ids, offsets = torch.randint(0, 3000, (40,)), torch.arange(0, 41, 4)
     want = table(ids, offsets).detach()
     made: list[int] = []
@@ -306,9 +312,15 @@ def test_embedding_bag_module_scoring_finds_its_kept_halves(kernels_on, monkeypa
         for _ in range(3):
             torch.testing.assert_close(table(ids, offsets), want, rtol=1e-5, atol=1e-6)
         assert len(made) == 1
+        assert derived_cache(table, "whole_halves").peek(table.train_tensors()) is not None
+        assert derived_cache(table, "stacked_cores").is_empty() and derived_cache(table, "scaled_cores").is_empty()
+        assert kernels.ttm_cpu._HALVES.is_empty()  # nothing kept on folded copies in the shared cache
         table.cores[1].mul_(2.0)  # an in-place write: made again, and the scores follow it
-        assert not torch.allclose(table(ids, offsets), want)
+        changed = table(ids, offsets)
+        assert not torch.allclose(changed, want)
         assert len(made) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(changed, table(ids, offsets), rtol=1e-5, atol=1e-6)
 
 
 def test_stacked_tables_keep_their_halves_on_the_parameters(kernels_on) -> None:

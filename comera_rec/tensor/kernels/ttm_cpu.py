@@ -13,12 +13,12 @@ gradients into the core slices, every write owned by one thread (no atomics).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from comera_rec.tensor.bags import divide_bags
-from comera_rec.tensor.derived import DerivedCaches, cache_applies
+from comera_rec.tensor.derived import DerivedCaches, cache_applies, derived_cache, scoring_cache_on
 from comera_rec.tensor.halves import split_point
 from comera_rec.tensor.halves import whole_halves_bytes as halves_bytes
 
@@ -159,6 +159,39 @@ def make_whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torc
     :func:`ttm_embedding_bag_cpu` reads them (its ``halves`` argument): ``(prefixes, suffixes)``,
     ``whole_halves_bytes(cores)`` bytes. For a caller that keeps them itself."""
     return tuple(extension().ttm_halves(list(cores)))
+
+
+def kept_whole_halves(
+    module: torch.nn.Module,
+    sources: Sequence[torch.Tensor],
+    cores: Sequence[torch.Tensor],
+    ids: torch.Tensor,
+    folded: Callable[[], Sequence[torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A TTM module's whole halves while it scores on CPU (inside
+    :func:`~comera_rec.tensor.cached_weights`, gradients off, within
+    :data:`WHOLE_HALVES_MAX_BYTES`), kept on ``module`` keyed on its own parameters; else
+    ``None``. Only the halves are kept, not the controller-folded cores they are made from
+    (those would add the stack's size again for nothing).
+
+    Args:
+        module: the module that keeps them (its ``"whole_halves"`` derived cache).
+        sources: the parameters the halves come from (cores, then controllers).
+        cores: the cores in stacked form ``(T, r, n, m, r')`` (read for their shapes).
+        ids: the batch's ids (the halves serve CPU lookups only).
+        folded: makes the controller-folded cores in stacked form, when the halves are made.
+    """
+    if not scoring_cache_on() or ids.device.type != "cpu":
+        return None
+    return derived_cache(module, "whole_halves").get_when(
+        sources,
+        lambda: make_whole_halves(folded()),
+        lambda: (
+            cache_applies(sources)
+            and cpu_kernel_applies(cores, ids)
+            and whole_halves_bytes(cores) <= WHOLE_HALVES_MAX_BYTES
+        ),
+    )
 
 
 def _own_layouts(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor]:
