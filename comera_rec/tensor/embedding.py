@@ -186,23 +186,15 @@ class TTMEmbeddingBag(TensorTrainModule):
                 per_sample_weights = per_sample_weights.to("meta")
         elif not self.static_shapes:  # the checks read ids on the host: not under static shapes
             check_bags("TTMEmbeddingBag", input, offsets, self.num_embeddings, per_sample_weights)
+        batch = (self.row_shape, self.embedding_dim, input.long(), offsets.long(), self.mode, per_sample_weights)
         if not meta and not self.static_shapes:
             halves = self._kept_halves(input)
             if halves is not None:  # scoring on CPU: two rows of the kept halves per id
                 cores = [c.unsqueeze(0) for c in self.cores._parameters.values()]  # read for their shapes only
-                return kernels.ttm_embedding_bag_cpu(
-                    cores,
-                    self.row_shape,
-                    self.embedding_dim,
-                    input.long(),
-                    offsets.long(),
-                    self.mode,
-                    per_sample_weights,
-                    halves=halves,
-                )
+                return kernels.ttm_embedding_bag_cpu(cores, *batch, halves=halves)
         if meta:
             cores = [c.unsqueeze(0).to(input.device) for c in self.scaled_cores()]  # (1, r, n, m, r')
-        else:  # scoring: the same tensors every call, so what the lookup keeps for them is found
+        else:  # the same tensors every call, so what the lookup keeps for them (GPU scoring) is found
             cores = list(
                 derived_cache(self, "stacked_cores").get(
                     self.train_tensors(), lambda: [c.unsqueeze(0) for c in self.scaled_cores()]
@@ -210,16 +202,7 @@ class TTMEmbeddingBag(TensorTrainModule):
             )
         # on meta the static path: the dynamic one de-duplicates ids with torch.unique,
         # which has no meta kernel; both give the same shapes
-        return ttm_embedding_bag(
-            cores,
-            self.row_shape,
-            self.embedding_dim,
-            input.long(),
-            offsets.long(),
-            self.mode,
-            per_sample_weights,
-            static_shapes=self.static_shapes or meta,
-        )
+        return ttm_embedding_bag(cores, *batch, static_shapes=self.static_shapes or meta)
 
     def _kept_halves(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Both whole halves while scoring on CPU, kept on the parameters themselves, as a
