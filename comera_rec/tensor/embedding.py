@@ -11,7 +11,7 @@ from torch import nn
 
 from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import ttm_dense_table, ttm_embedding_bag
-from comera_rec.tensor.derived import derived_cache
+from comera_rec.tensor.derived import derived_cache, scoring_cache_on
 from comera_rec.tensor.shapes import check_shape, default_num_cores, factorize, ttm_row_shape
 from comera_rec.tensor.svd import tt_svd
 from comera_rec.tensor.train import TensorTrainModule, cap_ranks, check_float_dtype, check_rank
@@ -187,10 +187,14 @@ class TTMEmbeddingBag(TensorTrainModule):
         elif not self.static_shapes:  # the checks read ids on the host: not under static shapes
             check_bags("TTMEmbeddingBag", input, offsets, self.num_embeddings, per_sample_weights)
         batch = (self.row_shape, self.embedding_dim, input.long(), offsets.long(), self.mode, per_sample_weights)
-        if not meta and not self.static_shapes:
-            halves = self._kept_halves(input)
-            if halves is not None:  # scoring on CPU: two rows of the kept halves per id
-                cores = [c.unsqueeze(0) for c in self.cores._parameters.values()]  # read for their shapes only
+        if not meta and not self.static_shapes and scoring_cache_on():
+            # scoring on CPU: whole halves kept on the parameters (a stack of one table), two
+            # rows of them per id; the cores as a stack, read for their shapes only
+            cores = [c.unsqueeze(0) for c in self.cores._parameters.values()]
+            halves = kernels.ttm_cpu.kept_whole_halves(
+                self, self.train_tensors(), cores, input, lambda: [c.unsqueeze(0) for c in self._fold_controllers()]
+            )
+            if halves is not None:
                 return kernels.ttm_embedding_bag_cpu(cores, *batch, halves=halves)
         if meta:
             cores = [c.unsqueeze(0).to(input.device) for c in self.scaled_cores()]  # (1, r, n, m, r')
@@ -203,16 +207,6 @@ class TTMEmbeddingBag(TensorTrainModule):
         # on meta the static path: the dynamic one de-duplicates ids with torch.unique,
         # which has no meta kernel; both give the same shapes
         return ttm_embedding_bag(cores, *batch, static_shapes=self.static_shapes or meta)
-
-    def _kept_halves(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Both whole halves while scoring on CPU, kept on the parameters themselves, as a
-        stack of one table (:func:`~comera_rec.tensor.kernels.ttm_cpu.kept_whole_halves`);
-        else ``None``."""
-        sources = self.train_tensors()
-        cores = [c.unsqueeze(0) for c in sources[: len(self.cores._parameters)]]
-        return kernels.ttm_cpu.kept_whole_halves(
-            self, sources, cores, ids, lambda: [c.unsqueeze(0) for c in self._fold_controllers()]
-        )
 
     def dense_weight(self) -> torch.Tensor:
         """The ``(num_embeddings, embedding_dim)`` table, differentiable in the cores.

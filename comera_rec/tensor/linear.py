@@ -145,7 +145,7 @@ class TTLinear(TensorTrainModule):
             return _fx_leaf_call(self, x)
         packed = self._kept_packed(x)
         if packed is not None:  # scoring a matrix on the CPU kernel: the call is the kernel's
-            return kernels.tt_linear_cpu_packed(x, packed[0], packed[1], self.out_features, self.relu)
+            return self._score_packed(x, packed)
         self._check_input(x)
         sources = self.train_tensors()
         # the chains merged in one C++ call each way (the controllers scale the running
@@ -159,9 +159,7 @@ class TTLinear(TensorTrainModule):
         if kept is not None:
             packed = self._pack_for_scoring(x, *kept)
             if packed is not None:
-                rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-                y = kernels.tt_linear_cpu_packed(rows, packed[0], packed[1], self.out_features, self.relu)
-                return y if rows is x else y.reshape(*x.shape[:-1], y.shape[-1])
+                return self._score_packed(x, packed)
             return linear_from_chains(x, *kept, self.bias, relu=self.relu)
         inputs, outputs = self._split()
         return tt_linear(x, inputs, outputs, self.out_features, self.bias, relu=self.relu)
@@ -194,6 +192,12 @@ class TTLinear(TensorTrainModule):
         ):
             return None
         return kept  # type: ignore[return-value]
+
+    def _score_packed(self, x: torch.Tensor, packed: tuple) -> torch.Tensor:
+        # (..., in_features) -> (..., out_features) on the kept (packed operands, rank)
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = kernels.tt_linear_cpu_packed(rows, packed[0], packed[1], self.out_features, self.relu)
+        return y if rows is x else y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _pack_for_scoring(self, x: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> tuple | None:
         """The chains and bias packed for the fused CPU forward and kept, while scoring

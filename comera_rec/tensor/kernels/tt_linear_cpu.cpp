@@ -498,49 +498,74 @@ void sum_chunks(const T* parts, int64_t chunks, int64_t size, T* out) {
 
 }  // namespace
 
+// The forward's weight operands as its tiles read them: {left (in panels with 16
+// registers), right in panels, the padded bias (empty without one), zeros for the rows of a
+// tile past B}.
+template <typename T>
+std::vector<torch::Tensor> forward_operands(const torch::Tensor& left, const torch::Tensor& right,
+                                            const torch::Tensor& bias) {
+  constexpr int64_t W = kLanes<T>;
+  const auto left_p = pad_last(left, W), right_p = pad_last(right, W);  // (n_in, R), (r, Np)
+  const auto bias_p = bias.numel() ? pad_last(bias.to(left.scalar_type()), W) : bias.to(left.scalar_type());
+  const auto zeros = torch::zeros({std::max({left.size(0), right_p.size(1), left_p.size(1)})}, left.options());
+  // with 16 registers t = x @ left reads left in panels too (panel_product)
+  return {kVectorRegisters < 32 ? pack_panels<T>(left_p) : left_p, pack_panels<T>(right_p), bias_p, zeros};
+}
+
+// A forward layer over x's rows from forward_operands (r: the rank, n_out: the outputs); x
+// may be a meta stand-in whose rows the caller sets.
+template <typename T>
+Layer<T> forward_layer(const torch::Tensor& x, const std::vector<torch::Tensor>& operands, int64_t r,
+                       int64_t n_out) {
+  constexpr int64_t W = kLanes<T>;
+  TORCH_CHECK(operands.size() == 4, "tt_linear: ", operands.size(), " packed operands; tt_linear_pack makes 4");
+  const auto &left_pk = operands[0], &right_pk = operands[1], &bias_p = operands[2], &zeros = operands[3];
+  Layer<T> L;
+  L.B = x.size(0);
+  L.n_in = x.size(1);
+  L.n_out = n_out;
+  L.r = r;
+  L.R = padded(r, W);
+  L.Np = padded(n_out, W);
+  L.Nip = padded(L.n_in, W);
+  TORCH_CHECK(r >= 1 && left_pk.numel() == L.n_in * L.R && right_pk.numel() == r * L.Np &&
+                  (bias_p.numel() == 0 || bias_p.numel() == L.Np) && zeros.numel() >= std::max({L.n_in, L.Np, L.R}),
+              "tt_linear: operands packed for another shape than ", L.n_in, " -> ", n_out, " at rank ", r);
+  L.x = x.is_meta() ? nullptr : x.data_ptr<T>();
+  L.left = left_pk.data_ptr<T>();
+  L.right = right_pk.data_ptr<T>();
+  L.bias = bias_p.numel() ? bias_p.data_ptr<T>() : nullptr;
+  L.zeros = zeros.data_ptr<T>();
+  return L;
+}
+
 // (y (B, n_out), t (B, R)): t is the padded x @ left, kept for the backward.
 std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left, torch::Tensor right,
                                              torch::Tensor bias, bool relu) {
   check_inputs(x, left, right, bias);
   x = x.contiguous();
-  const int64_t B = x.size(0), n_in = x.size(1), r = left.size(1), n_out = right.size(1);
+  const int64_t B = x.size(0), r = left.size(1), n_out = right.size(1);
   auto y = torch::empty({B, n_out}, x.options());
   torch::Tensor t;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tt_linear_forward", [&] {
-    constexpr int64_t W = kLanes<scalar_t>;
-    const auto left_p = pad_last(left, W);                   // (n_in, R)
-    const auto right_p = pad_last(right, W);                 // (r, Np)
-    const auto bias_p = bias.numel() ? pad_last(bias.to(x.scalar_type()), W) : bias;
-    const int64_t R = left_p.size(1);
-    const auto zeros = torch::zeros({std::max({n_in, right_p.size(1), R})}, x.options());
-    t = torch::empty({B, R}, x.options());
-    auto L = layer_of<scalar_t>(x, left_p, right_p, bias_p, r, n_out, zeros);
-    const auto right_panels = pack_panels<scalar_t>(right_p);
-    L.right = right_panels.data_ptr<scalar_t>();
-    // with 16 registers t = x @ left reads left in panels too (panel_product)
-    const auto left_panels = kVectorRegisters < 32 ? pack_panels<scalar_t>(left_p) : left_p;
-    L.left = left_panels.data_ptr<scalar_t>();
-    with_vectors<scalar_t, ForwardRows>(R / W, L, relu, t.data_ptr<scalar_t>(), y.data_ptr<scalar_t>());
+    const auto operands = forward_operands<scalar_t>(left, right, bias);
+    const auto L = forward_layer<scalar_t>(x, operands, r, n_out);
+    t = torch::empty({B, L.R}, x.options());
+    with_vectors<scalar_t, ForwardRows>(L.R / kLanes<scalar_t>, L, relu, t.data_ptr<scalar_t>(),
+                                        y.data_ptr<scalar_t>());
   });
   return {y, t};
 }
 
-// tt_linear_forward's weight operands prepared once, for a caller that scores many batches
-// with the same weights and keeps them: {left (in panels with 16 registers), right in
-// panels, the padded bias (empty without one), zeros}. At a few rows the padding and the
-// packing were most of a forward call's time.
+// tt_linear_forward's weight operands prepared once (forward_operands), for a caller that
+// scores many batches with the same weights and keeps them: at a few rows the padding and
+// the packing were most of a forward call's time.
 std::vector<torch::Tensor> tt_linear_pack(torch::Tensor left, torch::Tensor right, torch::Tensor bias) {
   const auto like = torch::empty({0, left.dim() == 2 ? left.size(0) : 0}, left.options().device(at::kMeta));
   check_inputs(like, left, right, bias);
   std::vector<torch::Tensor> out;
-  AT_DISPATCH_FLOATING_TYPES(left.scalar_type(), "tt_linear_pack", [&] {
-    constexpr int64_t W = kLanes<scalar_t>;
-    const auto left_p = pad_last(left, W), right_p = pad_last(right, W);
-    const auto bias_p = bias.numel() ? pad_last(bias.to(left.scalar_type()), W) : bias.to(left.scalar_type());
-    const auto zeros = torch::zeros({std::max({left.size(0), right_p.size(1), left_p.size(1)})}, left.options());
-    out = {kVectorRegisters < 32 ? pack_panels<scalar_t>(left_p) : left_p, pack_panels<scalar_t>(right_p), bias_p,
-           zeros};
-  });
+  AT_DISPATCH_FLOATING_TYPES(left.scalar_type(), "tt_linear_pack",
+                             [&] { out = forward_operands<scalar_t>(left, right, bias); });
   return out;
 }
 
@@ -548,33 +573,15 @@ std::vector<torch::Tensor> tt_linear_pack(torch::Tensor left, torch::Tensor righ
 // outputs), without t: nothing is kept for a backward.
 torch::Tensor tt_linear_forward_packed(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t r, int64_t n_out,
                                        bool relu) {
-  TORCH_CHECK(packed.size() == 4, "tt_linear: ", packed.size(), " packed operands; tt_linear_pack makes 4");
-  const auto &left_pk = packed[0], &right_pk = packed[1], &bias_p = packed[2], &zeros = packed[3];
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == left_pk.scalar_type(), "tt_linear: x must be a matrix of the ",
-              left_pk.scalar_type(), " the operands were packed in, got ", x.scalar_type(), " of shape ", x.sizes());
+  TORCH_CHECK(!packed.empty() && x.dim() == 2 && x.scalar_type() == packed[0].scalar_type(),
+              "tt_linear: x must be a matrix of the ", packed.empty() ? x.scalar_type() : packed[0].scalar_type(),
+              " the operands were packed in, got ", x.scalar_type(), " of shape ", x.sizes());
   x = x.contiguous();
-  const int64_t B = x.size(0), n_in = x.size(1);
-  auto y = torch::empty({B, n_out}, x.options());
+  auto y = torch::empty({x.size(0), n_out}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tt_linear_forward_packed", [&] {
-    constexpr int64_t W = kLanes<scalar_t>;
-    Layer<scalar_t> L;
-    L.B = B;
-    L.n_in = n_in;
-    L.n_out = n_out;
-    L.r = r;
-    L.R = padded(r, W);
-    L.Np = padded(n_out, W);
-    L.Nip = padded(n_in, W);
-    TORCH_CHECK(r >= 1 && left_pk.numel() == n_in * L.R && right_pk.numel() == r * L.Np &&
-                    (bias_p.numel() == 0 || bias_p.numel() == L.Np) &&
-                    zeros.numel() >= std::max({n_in, L.Np, L.R}),
-                "tt_linear: operands packed for another shape than ", n_in, " -> ", n_out, " at rank ", r);
-    L.x = x.data_ptr<scalar_t>();
-    L.left = left_pk.data_ptr<scalar_t>();
-    L.right = right_pk.data_ptr<scalar_t>();
-    L.bias = bias_p.numel() ? bias_p.data_ptr<scalar_t>() : nullptr;
-    L.zeros = zeros.data_ptr<scalar_t>();
-    with_vectors<scalar_t, ForwardRows>(L.R / W, L, relu, static_cast<scalar_t*>(nullptr), y.data_ptr<scalar_t>());
+    const auto L = forward_layer<scalar_t>(x, packed, r, n_out);
+    with_vectors<scalar_t, ForwardRows>(L.R / kLanes<scalar_t>, L, relu, static_cast<scalar_t*>(nullptr),
+                                        y.data_ptr<scalar_t>());
   });
   return y;
 }
@@ -623,18 +630,10 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
     constexpr int64_t W = kLanes<T>;
     std::vector<torch::Tensor> kept;  // the padded and packed operands, alive for the call
     std::vector<Layer<T>> L(layers);
-    int64_t widest = 0;
-    for (size_t k = 0; k < layers; ++k) widest = std::max(widest, padded(lefts[k].size(1), W));
-    const auto zeros = torch::zeros({std::max({n, padded(n, W), widest})}, x0_parts[0].options());
     for (size_t k = 0; k < layers; ++k) {
-      const auto left_p = pad_last(lefts[k], W), right_p = pad_last(rights[k], W);
-      const auto bias_p = biases[k].numel() ? pad_last(biases[k].to(x0_parts[0].scalar_type()), W) : biases[k];
-      L[k] = layer_of<T>(like, left_p, right_p, bias_p, lefts[k].size(1), n, zeros);
-      const auto right_panels = pack_panels<T>(right_p);
-      const auto left_panels = kVectorRegisters < 32 ? pack_panels<T>(left_p) : left_p;
-      L[k].right = right_panels.data_ptr<T>();
-      L[k].left = left_panels.data_ptr<T>();
-      kept.insert(kept.end(), {left_p, right_p, bias_p, right_panels, left_panels});
+      const auto operands = forward_operands<T>(lefts[k], rights[k], biases[k]);
+      L[k] = forward_layer<T>(like, operands, lefts[k].size(1), n);
+      kept.insert(kept.end(), operands.begin(), operands.end());
     }
     std::vector<const T*> part_ptr;
     std::vector<int64_t> part_cols;
