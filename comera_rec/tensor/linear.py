@@ -175,8 +175,9 @@ class TTLinear(TensorTrainModule):
 
     def _kept_packed(self, x: object) -> tuple | None:
         """``(packed operands, rank)`` kept for this layer's unchanged parameters, where ``x``
-        is a CPU matrix the kernel takes as they were packed for; else ``None`` (the general
-        path then checks ``x`` and names what is wrong)."""
+        is a CPU tensor of rows the kernel takes as they were packed for (any leading
+        dimensions, as :meth:`_pack_for_scoring` packs for); else ``None`` (the general path
+        then checks ``x`` and names what is wrong)."""
         cache = derived_cache(self, "packed")
         if cache.is_empty():  # training, or nothing packed yet: no cost beyond this
             return None
@@ -184,10 +185,10 @@ class TTLinear(TensorTrainModule):
         if (
             kept is None
             or type(x) is not torch.Tensor
-            or x.dim() != 2
+            or x.dim() == 0
             or not x.is_cpu
             or x.dtype != kept[0][0].dtype
-            or x.shape[1] != self.in_features
+            or x.shape[-1] != self.in_features
             or not kernels.cpu_kernel_enabled()
         ):
             return None
