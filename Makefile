@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt third_party/fbgemm-gpu-shim/pyproj
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements/cpu.txt
 	$(PY) -m pip install --quiet -e ".[dev,baselines]"
-	$(PY) -m comera_rec.tensor.kernels comera_rec.dlrm.interaction_kernel comera_rec.integration.rowwise_bag_kernel  # the fused CPU kernels (1-3 min, once per machine), not in a training step
+	$(PY) -m comera_rec.tensor.kernels comera_rec.dlrm.interaction_kernel comera_rec.integration.rowwise_bag_kernel comera_rec.dlrm.serving_ops  # the fused CPU kernels (1-3 min, once per machine), not in a training step
 	touch $(STAMP)
 
 install: $(STAMP)

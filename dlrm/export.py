@@ -21,6 +21,13 @@ What is folded when the serving form is made (values equal up to rounding):
   (the table-batched layout FBGEMM uses); ids of other tables read row 0 with weight 0.
 * ``NarrowLinear`` -> linear + ReLU; ``PairwiseDotInteraction`` -> batched GEMM + gather.
 
+With ``kernels=True`` the TTM lookups, TT layers and the pairwise-dot interaction are calls
+of the fused CPU kernels as PyTorch operators instead (``torch.ops.comera_rec.*``,
+:mod:`comera_rec.dlrm.serving_ops`): the same values (to float rounding), as fast as the
+eager compressed model. Such a program runs where the operator library is loaded
+(``torch.ops.load_library``, before ``torch.export.load``), still without comera-rec's
+Python code or TorchRec; :func:`load_exported` loads it when a program needs it.
+
 Inputs of the program: ``dense_features (B, 13)`` float, and the KeyedJaggedTensor as
 ``values (N,)`` and ``lengths (F, B)`` (its key-major lengths, one row per feature in
 ``ServingDLRM.feature_names`` order; :func:`kjt_inputs` makes them). Output: logits ``(B, 1)``.
@@ -32,6 +39,7 @@ The dense parts' inference forms are :mod:`comera_rec.dlrm.export_layers`, the l
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Optional, Union
 
@@ -51,6 +59,7 @@ from comera_rec.dlrm.export_layers import (  # noqa: F401
     serving_dense_part,
 )
 from comera_rec.dlrm.export_lookup import ServingLookup
+from comera_rec.dlrm.serving_ops import LIBRARY, NAMESPACE, operator_library, operators_loaded
 from comera_rec.tensor.linear import TTLinear
 
 PathLike = Union[str, Path]
@@ -65,13 +74,18 @@ class ServingDLRM(nn.Module):
     Args:
         model: TorchRec ``DLRM`` or ``DLRM_DCN`` (or ``DLRMTrain`` around one),
             unsharded, dense or compressed.
+        kernels: TTM lookups, TT layers and the pairwise-dot interaction as
+            ``torch.ops.comera_rec`` calls (see the module docstring).
 
     Raises:
-        ExportError: naming the part that has no inference form.
+        ExportError: naming the part that has no inference form, or (``kernels``) why
+            the operator library is not available.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, kernels: bool = False) -> None:
         super().__init__()
+        if kernels:
+            _require_operators()
         if isinstance(model, DLRMTrain):
             model = model.model
         if not isinstance(model, DLRM):  # DLRM_DCN is a DLRM
@@ -82,10 +96,10 @@ class ServingDLRM(nn.Module):
             raise ExportError(f"sparse_arch ({type(sparse).__name__}): has no embedding_bag_collection")
         self.feature_names: list[str] = list(sparse.sparse_feature_names)
         self.dense_in_features = _in_features(model.dense_arch)
-        self.dense_arch = serving_dense_part(model.dense_arch, "dense_arch")
-        self.sparse_arch = ServingLookup(self.feature_names, ebc, "sparse_arch.embedding_bag_collection")
-        self.inter_arch = serving_dense_part(model.inter_arch, "inter_arch")
-        self.over_arch = serving_dense_part(model.over_arch, "over_arch")
+        self.dense_arch = serving_dense_part(model.dense_arch, "dense_arch", kernels)
+        self.sparse_arch = ServingLookup(self.feature_names, ebc, "sparse_arch.embedding_bag_collection", kernels)
+        self.inter_arch = serving_dense_part(model.inter_arch, "inter_arch", kernels)
+        self.over_arch = serving_dense_part(model.over_arch, "over_arch", kernels)
 
     def forward(self, dense_features: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, 1)`` of ``dense_features (B, in)``, ids ``values (N,)`` and ``lengths (F, B)``."""
@@ -115,14 +129,23 @@ def _in_features(dense_arch: nn.Module) -> int:
     raise ExportError(f"dense_arch ({type(dense_arch).__name__}): no linear layer to take the dense features")
 
 
-def serving_model(model: nn.Module) -> ServingDLRM:
+def _require_operators() -> None:
+    """Load the operator library of ``kernels=True`` programs, or say why it cannot be."""
+    if operator_library() is None:
+        why = LIBRARY.error or "the CPU kernels are switched off (set_cpu_kernel_enabled / COMERA_DISABLE_CPU_KERNEL)"
+        raise ExportError(f"kernels=True: the operator library torch.ops.comera_rec is not available ({why})")
+
+
+def serving_model(model: nn.Module, kernels: bool = False) -> ServingDLRM:
     """The inference form of a trained DLRM (see the module docstring), in eval mode.
 
     Args:
         model: TorchRec ``DLRM`` / ``DLRM_DCN`` (or ``DLRMTrain``), dense or compressed.
+        kernels: the fused CPU kernels as ``torch.ops.comera_rec`` calls (module docstring).
 
     Raises:
-        ExportError: naming the part that has no inference form.
+        ExportError: naming the part that has no inference form, or why the operator
+            library is not available (``kernels``).
 
     Example::
 
@@ -134,7 +157,7 @@ def serving_model(model: nn.Module) -> ServingDLRM:
         >>> serving(*serving.example_inputs(3)).shape
         torch.Size([3, 1])
     """
-    return ServingDLRM(model).eval()
+    return ServingDLRM(model, kernels).eval()
 
 
 def kjt_inputs(features: KeyedJaggedTensor, feature_names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,12 +188,16 @@ def dynamic_shapes() -> tuple[dict[int, Dim], dict[int, Dim], dict[int, Dim]]:
     return {0: batch}, {0: nnz}, {1: batch}
 
 
-def export_dlrm(model: nn.Module, example: Optional[tuple[torch.Tensor, ...]] = None) -> ExportedProgram:
+def export_dlrm(
+    model: nn.Module, example: Optional[tuple[torch.Tensor, ...]] = None, *, kernels: bool = False
+) -> ExportedProgram:
     """``torch.export`` of a DLRM's inference form, batch and id count dynamic.
 
     Args:
         model: a ``ServingDLRM``, or a DLRM to make one of (:func:`serving_model`).
         example: example ``(dense_features, values, lengths (F, B))``; made when ``None``.
+        kernels: for a DLRM, make its inference form with the fused CPU kernels as
+            ``torch.ops.comera_rec`` calls (a ``ServingDLRM`` keeps its own choice).
 
     Returns:
         The exported program: ``ep.module()(dense, values, lengths) -> (B, 1)`` logits.
@@ -183,7 +210,7 @@ def export_dlrm(model: nn.Module, example: Optional[tuple[torch.Tensor, ...]] = 
         >>> ep = export_dlrm(build_dlrm(cfg))  # doctest: +SKIP
         >>> torch.export.save(ep, "model.pt2")  # doctest: +SKIP
     """
-    serving = model if isinstance(model, ServingDLRM) else serving_model(model)
+    serving = model if isinstance(model, ServingDLRM) else serving_model(model, kernels)
     serving.eval()
     args = example if example is not None else serving.example_inputs()
     with torch.no_grad():
@@ -222,5 +249,29 @@ def save_exported(program: ExportedProgram, path: PathLike) -> Path:
 
 
 def load_exported(path: PathLike) -> nn.Module:
-    """The runnable module of a program saved by :func:`save_exported` (``torch.export.load``)."""
+    """The runnable module of a program saved by :func:`save_exported` (``torch.export.load``);
+    the operator library is loaded first when the program calls ``torch.ops.comera_rec``.
+
+    Raises:
+        ExportError: the program calls ``torch.ops.comera_rec`` and the library is not
+            available.
+    """
+    if not operators_loaded() and calls_operators(path):
+        _require_operators()
     return torch.export.load(str(path)).module()
+
+
+def calls_operators(path: PathLike) -> bool:
+    """Whether the program saved at ``path`` calls ``torch.ops.comera_rec`` operators (an
+    export with ``kernels=True``): it then loads only where the operator library is loaded.
+
+    Raises:
+        ValueError: ``path`` is not a saved program (a ``torch.export.save`` archive).
+    """
+    target = f'"torch.ops.{NAMESPACE}.'.encode()  # an operator node's target in the graph
+    try:
+        with zipfile.ZipFile(path) as archive:
+            graphs = [n for n in archive.namelist() if "/models/" in n and n.endswith(".json")]
+            return any(target in archive.read(n) for n in graphs)
+    except zipfile.BadZipFile as error:
+        raise ValueError(f"{path}: not a saved program (torch.export.save archive): {error}") from error

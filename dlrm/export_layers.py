@@ -52,12 +52,15 @@ class ServingTTLinear(nn.Module):
 
     Args:
         layer: the TT layer (controllers are folded into its cores first).
+        kernels: one ``torch.ops.comera_rec.tt_linear`` call (the fused CPU kernel:
+            :mod:`comera_rec.dlrm.serving_ops`) instead of two matrix products.
     """
 
     __module__ = "comera_rec.dlrm.export"  # its public home (re-exported there): exported programs and pickles name it
 
-    def __init__(self, layer: TTLinear) -> None:
+    def __init__(self, layer: TTLinear, kernels: bool = False) -> None:
         super().__init__()
+        self.kernels = kernels
         with torch.no_grad():
             inputs, outputs = layer._split()
             left = merge_input_chain(inputs)[: layer.in_features]  # (in, r)
@@ -72,6 +75,9 @@ class ServingTTLinear(nn.Module):
         # a DLRM's layers see (B, in) rows: no reshapes in the graph (each node costs
         # microseconds of a one-row batch's time); other leading dims are flattened
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if self.kernels:
+            y = torch.ops.comera_rec.tt_linear(rows, self.left, self.right, self.bias, self.relu)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
         t = rows @ self.left  # (B, r)
         if self.bias is not None and self.relu:
             # one ATen op: the ReLU applied in place to the product's output (a ReLU of its
@@ -85,22 +91,28 @@ class ServingTTLinear(nn.Module):
 
 
 class ServingPairwiseDot(nn.Module):
-    """``PairwiseDotInteraction`` without its kernel: ``[dense, dots of pairs i < j]``.
+    """``PairwiseDotInteraction``: ``[dense, dots of pairs i < j]``, by default without its
+    kernel (a batched GEMM and a gather).
 
     Args:
         num_sparse_features: F.
+        kernels: one ``torch.ops.comera_rec.pairwise_dots`` call (the fused CPU kernel:
+            :mod:`comera_rec.dlrm.serving_ops`).
     """
 
     __module__ = "comera_rec.dlrm.export"  # its public home (re-exported there): exported programs and pickles name it
 
-    def __init__(self, num_sparse_features: int) -> None:
+    def __init__(self, num_sparse_features: int, kernels: bool = False) -> None:
         super().__init__()
+        self.kernels = kernels
         n = num_sparse_features + 1
         rows, cols = torch.triu_indices(n, n, offset=1)
         self.register_buffer("upper", rows * n + cols)  # flat (i, j), i < j, in output order
         self.n = n
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            return torch.ops.comera_rec.pairwise_dots(dense_features, sparse_features)
         combined = torch.cat([dense_features.unsqueeze(1), sparse_features], dim=1)  # (B, n, D)
         grid = torch.bmm(combined, combined.transpose(1, 2))  # (B, n, n)
         pairs = grid.reshape(-1, self.n * self.n).index_select(1, self.upper)
@@ -140,24 +152,30 @@ def _all_tt_projections(net: TTLowRankCrossNet) -> bool:
     return all(isinstance(p, TTLinear) and p.bias is None and not p.relu for p in (*net.V, *net.W))
 
 
-def serving_dense_part(module: nn.Module, where: str) -> nn.Module:
+def serving_dense_part(module: nn.Module, where: str, kernels: bool = False) -> nn.Module:
     """A copy of ``module`` with every compressed or fused layer in its inference form.
+
+    Args:
+        module: a dense arch, interaction or over arch of a DLRM.
+        where: its path in the model, for error messages.
+        kernels: TT layers and the pairwise-dot interaction as ``torch.ops.comera_rec``
+            calls (:mod:`comera_rec.dlrm.serving_ops`; the caller loads the operators).
 
     Raises:
         ExportError: a TT module other than ``TTLinear`` (named by its path) is inside.
     """
     if isinstance(module, TTLinear):
-        return ServingTTLinear(module)
+        return ServingTTLinear(module, kernels)
     if isinstance(module, TTLowRankCrossNet) and _all_tt_projections(module):
         return ServingCrossNet(module)
     if isinstance(module, NarrowLinear):
         return ServingLinear(module, relu=module.relu)
     if isinstance(module, PairwiseDotInteraction):
-        return ServingPairwiseDot(module.num_sparse_features)
+        return ServingPairwiseDot(module.num_sparse_features, kernels)
     if isinstance(module, TensorTrainModule):
         raise ExportError(f"{where} ({type(module).__name__}): no inference form for this tensor-train module")
     out = copy.copy(module)  # shallow: children are replaced below, parameters shared (not written)
     out._modules = type(module._modules)()
     for name, child in module._modules.items():
-        out._modules[name] = None if child is None else serving_dense_part(child, f"{where}.{name}")
+        out._modules[name] = None if child is None else serving_dense_part(child, f"{where}.{name}", kernels)
     return out

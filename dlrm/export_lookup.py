@@ -1,6 +1,7 @@
 """The sparse arch of a DLRM's inference form (:mod:`comera_rec.dlrm.export`): uncompressed
 tables concatenated into one ``embedding_bag``, TTM tables read through their precontracted
-halves, one small contraction per distinct ``(table, id)`` key of the batch."""
+halves, one small contraction per distinct ``(table, id)`` key of the batch (or, with
+``kernels=True``, one ``torch.ops.comera_rec.ttm_halves_bags`` call: two rows per id)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from comera_rec.dlrm.export_layers import ExportError
+from comera_rec.dlrm.serving_ops import HALVES_PAD_BYTES
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
 from comera_rec.tensor.halves import split_point, whole_halves
 
@@ -30,6 +32,10 @@ class ServingLookup(nn.Module):
         feature_names: the sparse features in the arch's (and the inputs') order.
         ebc: a TorchRec ``EmbeddingBagCollection`` or a ``TTMEmbeddingBagCollection``.
         where: the collection's path in the model, for error messages.
+        kernels: the TTM tables' bags pooled by ``torch.ops.comera_rec.ttm_halves_bags``
+            (the fused CPU kernel over each stack's halves, rank padded to
+            :data:`~comera_rec.dlrm.serving_ops.HALVES_PAD_BYTES`; the caller loads the
+            operators) instead of PyTorch operators.
 
     Raises:
         ExportError: a weighted or sharded collection, an unknown collection type, a
@@ -38,8 +44,9 @@ class ServingLookup(nn.Module):
 
     __module__ = "comera_rec.dlrm.export"  # its public home (re-exported there): exported programs and pickles name it
 
-    def __init__(self, feature_names: list[str], ebc: nn.Module, where: str) -> None:
+    def __init__(self, feature_names: list[str], ebc: nn.Module, where: str, kernels: bool = False) -> None:
         super().__init__()
+        self.kernels = kernels
         kind = type(ebc).__name__
         if not isinstance(ebc, (EmbeddingBagCollection, TTMEmbeddingBagCollection)):
             raise ExportError(f"{where} ({kind}): only EmbeddingBagCollection and TTMEmbeddingBagCollection export")
@@ -100,7 +107,25 @@ class ServingLookup(nn.Module):
         # ---- TTM groups: halves contracted once over all their row indices; stacks whose
         # halves have one row block shape share one lookup (fewer graph nodes a batch)
         self.groups = nn.ModuleList()
-        if isinstance(ebc, TTMEmbeddingBagCollection):
+        # kernels: per stack its halves in the kernel's layout and, per feature, the table
+        # of the stack it reads (-1: none)
+        self.kernel_lefts, self.kernel_rights = nn.ParameterList(), nn.ParameterList()
+        self.prefix_rows: list[int] = []
+        self.suffix_rows: list[int] = []
+        kernel_tables: list[list[int]] = []
+        if isinstance(ebc, TTMEmbeddingBagCollection) and kernels:
+            for g, stack in enumerate(ebc.groups):
+                members = ebc._group_tables[g]
+                trains = {i: members.index(table_of[f]) for i, f in enumerate(feature_names) if table_of[f] in members}
+                if trains:
+                    left, right, n_left, n_right = _kernel_halves(stack)
+                    self.kernel_lefts.append(nn.Parameter(left, requires_grad=False))
+                    self.kernel_rights.append(nn.Parameter(right, requires_grad=False))
+                    self.prefix_rows.append(n_left)
+                    self.suffix_rows.append(n_right)
+                    kernel_tables.append([trains.get(i, -1) for i in range(num_features)])
+        self.register_buffer("kernel_tables", torch.tensor(kernel_tables, dtype=torch.long).view(-1, num_features))
+        if isinstance(ebc, TTMEmbeddingBagCollection) and not kernels:
             buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, int, int, dict[int, int]]]] = {}
             for g, stack in enumerate(ebc.groups):
                 members = ebc._group_tables[g]
@@ -140,6 +165,19 @@ class ServingLookup(nn.Module):
                     per_sample_weights=self.dense_weight_of[feature],
                     include_last_offset=True,
                 )
+        if len(self.kernel_lefts):
+            if pooled is None:
+                pooled = torch.zeros(num_features * batch, self.dim, dtype=self.dense_weight.dtype)
+            pooled = torch.ops.comera_rec.ttm_halves_bags(
+                pooled,
+                ids,
+                offsets,
+                list(self.kernel_lefts),
+                list(self.kernel_rights),
+                self.kernel_tables,
+                self.prefix_rows,
+                self.suffix_rows,
+            )
         for group in self.groups:
             part = group(ids, feature, offsets)
             pooled = part if pooled is None else pooled + part
@@ -158,6 +196,19 @@ def _stack_halves(stack: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, in
         left, right = whole_halves([c.detach() for c in stack.scaled_cores()])
     h = split_point(len(stack.row_shape))
     return left, right, math.prod(stack.row_shape[:h]), math.prod(stack.row_shape[h:])
+
+
+def _kernel_halves(stack: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """A stack's halves as ``torch.ops.comera_rec.ttm_halves_bags`` reads them: ``P (T N_l,
+    M_l, rp)`` and ``S (T N_r, M_r, rp)``, the rank zero-padded to a multiple of
+    :data:`~comera_rec.dlrm.serving_ops.HALVES_PAD_BYTES`; and ``N_l``, ``N_r``."""
+    left, right, n_left, n_right = _stack_halves(stack)  # (T N_l, M_l, r), (T N_r, r, M_r)
+    rank = left.shape[-1]
+    lanes = max(1, HALVES_PAD_BYTES // left.element_size())
+    pad = -rank % lanes
+    prefixes = F.pad(left, (0, pad)).contiguous()
+    suffixes = F.pad(right.transpose(1, 2), (0, pad)).contiguous()
+    return prefixes, suffixes, n_left, n_right
 
 
 class _ServingTTMHalves(nn.Module):

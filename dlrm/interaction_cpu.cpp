@@ -231,7 +231,9 @@ std::vector<torch::Tensor> pairwise_dots_backward(torch::Tensor grad, torch::Ten
 
 // An extension of its own (built by comera_rec.dlrm.interaction_kernel with the tensor
 // core's build, simd.h from comera_rec/tensor/kernels on the include path).
+#ifndef COMERA_OPERATOR_LIBRARY  // the operator library (serving_ops_cpu.cpp) binds no Python module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pairwise_dots_forward", &pairwise_dots_forward, "fused pairwise-dot interaction: forward");
   m.def("pairwise_dots_backward", &pairwise_dots_backward, "fused pairwise-dot interaction: backward");
 }
+#endif

@@ -10,6 +10,11 @@ Four variants at Criteo Kaggle shapes (``--quick``: tiny shapes, a smoke run):
 * ``tt_eager``: the compressed model (TTM tables, TT layers, fused interaction, rank 32)
   as the trainer builds it, loaded from its saved state dict (fused CPU kernels on).
 * ``tt_export``: its exported inference form, run as ``dense_export``.
+* ``tt_kernels``: its exported inference form with the fused CPU kernels as operators
+  (``export_dlrm(..., kernels=True)``: TTM lookups, TT layers and the interaction as
+  ``torch.ops.comera_rec`` calls), run as ``dense_export`` after
+  ``torch.ops.load_library`` of the operator library (:mod:`comera_rec.dlrm.serving_ops`;
+  left out, with a line saying so, where it cannot be built).
 
 One process builds both models (seed 0; the figures do not depend on trained values) and
 saves, per model, the eager state dict (``torch.save``) and the exported program
@@ -48,7 +53,9 @@ from comera_rec.dlrm.serving_measure import (  # noqa: F401  (re-exported: impor
     prepare_child,
     time_batches,
 )
+from comera_rec.dlrm.serving_ops import LIBRARY, operator_library
 from comera_rec.dlrm.serving_setup import (  # noqa: F401  (re-exported too)
+    EXPORTED_FORMS,
     INPUTS,
     TINY_TABLE_SIZES,
     VARIANTS,
@@ -56,6 +63,7 @@ from comera_rec.dlrm.serving_setup import (  # noqa: F401  (re-exported too)
     batches,
     model_config,
     paths,
+    variant_file,
 )
 from comera_rec.utils.benchmark import fmt_bytes
 from comera_rec.utils.logs import quiet_foreign_notices
@@ -84,18 +92,22 @@ def run(setup: ServingSetup) -> ServingReport:
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         setup = replace(setup, workdir=setup.workdir or tmp)
         Path(setup.workdir).mkdir(parents=True, exist_ok=True)
+        if "tt_kernels" in setup.variants and operator_library() is None:
+            print(f"tt_kernels left out: the operator library is not available ({LIBRARY.error})", flush=True)
+            setup = replace(setup, variants=tuple(v for v in setup.variants if v != "tt_kernels"))
         kinds = sorted({v.split("_")[0] for v in setup.variants})
         prepared = in_process(prepare_child, ",".join(kinds), setup)  # one process builds both
         runs: dict[str, list[dict]] = {v: [] for v in setup.variants}
         for _ in range(setup.rounds):
             for v in setup.variants:  # alternating: the machine's drift hits every variant alike
                 runs[v].append(
-                    measure_exported(v, setup) if v.endswith("_export") else in_process(measure_child, v, setup)
+                    measure_exported(v, setup)
+                    if v.split("_")[1] in EXPORTED_FORMS
+                    else in_process(measure_child, v, setup)
                 )
         results = {}
         for v, rs in runs.items():
-            kind, form = v.split("_")
-            file = paths(setup.workdir, kind)[0 if form == "eager" else 1]
+            file = variant_file(setup.workdir, v)
             results[v] = {
                 "load_s": statistics.median(r["load_s"] for r in rs),
                 "peak": max(r["peak"] for r in rs),
@@ -144,6 +156,7 @@ def tables(setup: ServingSetup, prepared: dict[str, dict], results: dict[str, di
     notes = "; ".join(
         f"{k}: {p['params']:,} parameters, export {p['export_s']:.1f} s, exported vs eager max |diff| "
         f"{p['max_abs_diff']:.1e}"
+        + (f" (with the kernels {p['kernels_max_abs_diff']:.1e})" if "kernels_max_abs_diff" in p else "")
         for k, p in prepared.items()
     )
     lines += ["", notes]
@@ -195,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> ServingReport:
         parser.error("--mlperf and --quick are different shapes: choose one")
     if args.mlperf and any(v.startswith("dense") for v in args.variants):
         if args.variants != list(VARIANTS):
-            parser.error("--mlperf: the dense model's tables need 97 GiB; run --variants tt_eager tt_export")
+            parser.error("--mlperf: the dense model's tables need 97 GiB; run --variants tt_eager tt_export tt_kernels")
         args.variants = [v for v in VARIANTS if v.startswith("tt")]
     setup = ServingSetup(
         rounds=args.rounds,

@@ -20,7 +20,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from comera_rec.dlrm.export import export_dlrm, kjt_inputs, save_exported, serving_model
 from comera_rec.dlrm.model import build_dlrm
-from comera_rec.dlrm.serving_setup import INPUTS, ServingSetup, batches, model_config, paths
+from comera_rec.dlrm.serving_ops import operator_library
+from comera_rec.dlrm.serving_setup import INPUTS, ServingSetup, batches, model_config, paths, variant_file
 from comera_rec.tensor import cached_weights
 from comera_rec.utils.benchmark import current_rss_bytes, peak_rss_bytes
 from comera_rec.utils.host import SERVING_MMAP_THRESHOLD, freed_memory_environment, keep_freed_memory
@@ -45,15 +46,16 @@ def prepare_child(kinds: str, setup: ServingSetup, queue: Any) -> None:  # runs 
     )
     out = {}
     for kind in kinds.split(","):
-        out[kind] = _prepare(kind, setup)
+        out[kind] = _prepare(kind, setup, kernels=kind == "tt" and "tt_kernels" in setup.variants)
         torch._dynamo.reset()  # export's caches: the next model is traced afresh
     queue.put(out)
     _leave(queue)
 
 
-def _prepare(kind: str, setup: ServingSetup) -> dict:
+def _prepare(kind: str, setup: ServingSetup, kernels: bool = False) -> dict:
     """:func:`prepare_child` for one model; its parameter count, export time and the
-    exported-vs-eager max abs difference on one batch of 64."""
+    exported-vs-eager max abs difference on one batch of 64 (``kernels``: also the program
+    calling the operator library, and its difference)."""
     assert setup.workdir is not None
     torch.manual_seed(0)
     model = build_dlrm(model_config(kind, setup)).eval()
@@ -65,14 +67,21 @@ def _prepare(kind: str, setup: ServingSetup) -> dict:
     export_s = time.perf_counter() - start
     save_exported(program, program_path)
     batch = batches(replace(setup, distinct=1), 64)[0]
+    args = (batch.dense_features, *kjt_inputs(batch.sparse_features, serving.feature_names))
     with torch.inference_mode():
         eager = model(batch.dense_features, batch.sparse_features)
-        exported = program.module()(batch.dense_features, *kjt_inputs(batch.sparse_features, serving.feature_names))
-    return {
+        exported = program.module()(*args)
+    out = {
         "params": sum(p.numel() for p in model.parameters()),
         "export_s": export_s,
         "max_abs_diff": float((eager - exported).abs().max()),
     }
+    if kernels:
+        program = export_dlrm(serving_model(model, kernels=True))
+        save_exported(program, variant_file(setup.workdir, f"{kind}_kernels"))
+        with torch.inference_mode():
+            out["kernels_max_abs_diff"] = float((eager - program.module()(*args)).abs().max())
+    return out
 
 
 def load_eager(kind: str, setup: ServingSetup) -> nn.Module:
@@ -177,6 +186,8 @@ inputs = {b: saved["batches"][b] for b in args["batch_sizes"]}
 del saved
 base = rss()
 start = time.perf_counter()
+if args["library"]:  # the operators a kernels program calls (their library's RSS counts as the model's)
+    torch.ops.load_library(args["library"])
 model = torch.export.load(args["program"]).module()
 load_s = time.perf_counter() - start
 per_batch = {}
@@ -212,11 +223,12 @@ def measure_exported(variant: str, setup: ServingSetup) -> dict:
         RuntimeError: the interpreter failed (its output is quoted).
     """
     assert setup.workdir is not None
-    kind = variant.split("_")[0]
+    library = operator_library() if variant.endswith("_kernels") else None
     args = {
         "threads": setup.threads,
         "inputs": str(Path(setup.workdir) / INPUTS),
-        "program": str(paths(setup.workdir, kind)[1]),
+        "program": str(variant_file(setup.workdir, variant)),
+        "library": str(library) if library is not None else None,
         "batch_sizes": list(setup.batch_sizes),
         "warmup": setup.warmup,
         "iters": setup.iters,

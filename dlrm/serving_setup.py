@@ -10,7 +10,8 @@ from typing import Optional
 
 from comera_rec.dlrm.config import DLRMConfig
 
-VARIANTS = ("dense_eager", "dense_export", "tt_eager", "tt_export")
+VARIANTS = ("dense_eager", "dense_export", "tt_eager", "tt_export", "tt_kernels")
+EXPORTED_FORMS = ("export", "kernels")  # the variants run as exported programs in a torch-only interpreter
 INPUTS = "inputs.pt"  # the batches every variant scores, written once by the preparing process
 
 # --quick: 26 small tables, four of them (>= 10k rows) TT-compressed
@@ -103,3 +104,11 @@ def batches(setup: ServingSetup, batch_size: int) -> list:
 def paths(workdir: str, kind: str) -> tuple[Path, Path]:
     """``(eager state dict, exported program)`` files of model ``kind``."""
     return Path(workdir) / f"{kind}_state.pt", Path(workdir) / f"{kind}.pt2"
+
+
+def variant_file(workdir: str, variant: str) -> Path:
+    """The file variant ``variant`` loads: the state dict (``*_eager``), the exported program
+    (``*_export``) or the program calling the operator library (``*_kernels``)."""
+    kind, form = variant.split("_")
+    state, program = paths(workdir, kind)
+    return {"eager": state, "export": program}.get(form, Path(workdir) / f"{kind}_kernels.pt2")

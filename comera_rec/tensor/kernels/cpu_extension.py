@@ -159,18 +159,30 @@ def _needs_build(name: str, build_dir: Path, sources: Sequence[Path] | None = No
 
 
 def _load(
-    prefix: str, sources: Sequence[Path], what: str, fallback: str, ahead: str, quiet: bool
+    prefix: str,
+    sources: Sequence[Path],
+    what: str,
+    fallback: str,
+    ahead: str,
+    quiet: bool,
+    defines: Sequence[str] = (),
+    python_module: bool = True,
 ) -> tuple[object | None, str | None]:
     """Build (when needed) and load the extension ``prefix`` of ``sources``: ``(module,
     None)``, or ``(None, why)`` when it cannot be built (logged). ``what`` names it in the
     log, ``fallback`` says what runs instead, ``ahead`` the command that builds it at set-up;
-    ``quiet``: the caller says its own lines around a build."""
+    ``quiet``: the caller says its own lines around a build. ``defines``: preprocessor
+    macros of this build; ``python_module=False``: a library of PyTorch operators, loaded
+    with ``torch.ops.load_library`` (the module is then the library's path, a ``str``)."""
     _forced_vector_bytes()  # a bad value is the caller's error, not a failed build
     with _build_lock:
         try:
             from torch.utils.cpp_extension import load
 
             name, build_dir, flags = _build_spec(prefix, sources)
+            flags = flags + [f"-D{macro}" for macro in defines]
+            if not python_module:  # its kernels bind to nothing outside it (loaded with RTLD_GLOBAL)
+                flags.append("-fvisibility=hidden")
             building = _needs_build(name, build_dir, sources)
             if building and not quiet:
                 logger.info(
@@ -192,6 +204,7 @@ def _load(
                     extra_cflags=flags,
                     extra_ldflags=["-fopenmp"],
                     extra_include_paths=[str(KERNELS_DIR)],
+                    is_python_module=python_module,
                     verbose=False,
                 )
             if building and not quiet:
@@ -237,9 +250,13 @@ class CpuExtension:
 
     Args:
         prefix: the build's name before the host and source tags (one per extension).
-        sources: the ``.cpp`` files (one folder).
+        sources: the ``.cpp`` files (the first one's folder names the build, with the headers).
         what: how the log names it, e.g. ``"DLRM's fused CPU interaction kernel"``.
         fallback: what runs when it cannot be built, for the log.
+        defines: preprocessor macros of its build (``"NAME"`` or ``"NAME=VALUE"``).
+        python_module: ``False``: a library of PyTorch operators (``TORCH_LIBRARY``), not
+            a Python module; :meth:`load` then registers them in this process and returns
+            the library's path.
 
     Example::
 
@@ -249,9 +266,20 @@ class CpuExtension:
         module = EXT.load()  # None when it cannot be built
     """
 
-    def __init__(self, prefix: str, sources: Sequence[Path], what: str, fallback: str) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        sources: Sequence[Path],
+        what: str,
+        fallback: str,
+        *,
+        defines: Sequence[str] = (),
+        python_module: bool = True,
+    ) -> None:
         self.prefix = prefix
         self.sources = [Path(p) for p in sources]
+        self.defines = tuple(defines)
+        self.python_module = python_module
         self.what = what
         self.fallback = fallback
         self.error: str | None = None  # why the last build failed
@@ -268,6 +296,8 @@ class CpuExtension:
             self.fallback,
             "`python -m comera_rec.tensor.kernels <its module>`",
             self.quiet,
+            self.defines,
+            self.python_module,
         )
         return module
 

@@ -1112,6 +1112,9 @@ std::vector<torch::Tensor> tt_chains_backward(torch::Tensor grad_left, torch::Te
 std::vector<int64_t> check_jagged(torch::Tensor values, torch::Tensor lengths, torch::Tensor offsets, int64_t batch,
                                   std::vector<int64_t> bounds);
 
+// The Python module's bindings; the operator library (comera_rec/dlrm/serving_ops_cpu.cpp)
+// compiles these sources without them, registering PyTorch operators instead.
+#ifndef COMERA_OPERATOR_LIBRARY
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_bytes", [] { return comera::kVectorBytes; }, "the vector width this build's kernels use");
   m.def("ttm_bag_forward", &ttm_bag_forward, "fused de-duplicated TTM embedding-bag lookup (forward)");
@@ -1130,3 +1133,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tt_chains_backward", &tt_chains_backward, "the gradient of tt_chains_forward");
   m.def("check_jagged", &check_jagged, "input checks of a jagged batch in one pass");
 }
+#endif

@@ -1,0 +1,141 @@
+// The fused CPU scoring kernels as PyTorch operators, torch.ops.comera_rec.*, for exported
+// DLRM programs (comera_rec/dlrm/export.py, kernels=True). A library of its own, built from
+// the kernels' sources without their Python bindings (COMERA_OPERATOR_LIBRARY), so that a
+// server loads it with torch.ops.load_library alone: no comera-rec, no TorchRec. Each
+// operator has a Meta kernel (the output's shape) for torch.export to trace it.
+//
+// The operands are as the exported program stores them, independent of the host's vector
+// width (the same program runs on AVX2 and AVX-512 hosts): a TT layer's merged chains
+// unpacked (packed per call, a few microseconds), TTM halves with the rank padded to a
+// multiple of 64 bytes (whole vectors at every width).
+
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "simd.h"
+
+// ttm_cpu.cpp, tt_linear_cpu.cpp, interaction_cpu.cpp
+torch::Tensor ttm_bag_forward_halves(torch::Tensor ptab, torch::Tensor stab, torch::Tensor ids, torch::Tensor trains,
+                                     torch::Tensor offsets, torch::Tensor weights, int64_t dim, int64_t batch,
+                                     int64_t T, int64_t Nr);
+std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left, torch::Tensor right,
+                                             torch::Tensor bias, bool relu);
+torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse);
+
+namespace {
+
+// into (F B, D), bags of a key-major batch (values (N,), offsets (F B + 1,)): a copy of
+// `into` in which each bag of a feature f that table tables[s, f] >= 0 of stack s reads is
+// that table's pooled sum over the stack's whole halves (lefts[s] (T N_l, M_l, rp),
+// rights[s] (T N_r, M_r, rp); N_l = prefix_rows[s], N_r = suffix_rows[s]).
+torch::Tensor ttm_halves_bags(const torch::Tensor& into, const torch::Tensor& values, const torch::Tensor& offsets,
+                              std::vector<torch::Tensor> lefts, std::vector<torch::Tensor> rights,
+                              const torch::Tensor& tables, std::vector<int64_t> prefix_rows,
+                              std::vector<int64_t> suffix_rows) {
+  const int64_t S = static_cast<int64_t>(lefts.size());
+  TORCH_CHECK(rights.size() == lefts.size() && prefix_rows.size() == lefts.size() &&
+                  suffix_rows.size() == lefts.size(),
+              "ttm_halves_bags: ", lefts.size(), " left halves, ", rights.size(), " right halves, ",
+              prefix_rows.size(), " and ", suffix_rows.size(), " row counts: one of each per stack");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == S, "ttm_halves_bags: tables must be (stacks, features), got ",
+              tables.sizes(), " for ", S, " stacks");
+  TORCH_CHECK(into.dim() == 2 && offsets.dim() == 1 && values.dim() == 1,
+              "ttm_halves_bags: expected into (F B, D), values (N,) and offsets (F B + 1,), got ", into.sizes(), ", ",
+              values.sizes(), " and ", offsets.sizes());
+  const int64_t F = tables.size(1), bags = offsets.size(0) - 1, dim = into.size(1);
+  TORCH_CHECK(F >= 1 && bags >= 0 && bags % F == 0 && into.size(0) == bags, "ttm_halves_bags: ", bags,
+              " bags and ", into.size(0), " output rows are not whole rows of ", F, " features");
+  const int64_t B = bags / F;
+  auto out = into.contiguous().clone();
+  const auto off = offsets.to(torch::kLong).contiguous();
+  const auto ids = values.to(torch::kLong).contiguous();
+  const auto tab = tables.to(torch::kLong).contiguous();
+  const int64_t* o = off.data_ptr<int64_t>();
+  const int64_t* t_of = tab.data_ptr<int64_t>();
+  const auto none = torch::empty({0}, ids.options());
+  for (int64_t s = 0; s < S; ++s) {
+    const auto& left = lefts[s];
+    const auto& right = rights[s];
+    const int64_t Nl = prefix_rows[s], Nr = suffix_rows[s];
+    TORCH_CHECK(left.dim() == 3 && right.dim() == 3 && Nl >= 1 && Nr >= 1 && left.size(0) % Nl == 0 &&
+                    right.size(0) == left.size(0) / Nl * Nr,
+                "ttm_halves_bags: stack ", s, "'s halves ", left.sizes(), " and ", right.sizes(), " are not tables of ",
+                Nl, " prefixes and ", Nr, " suffixes");
+    TORCH_CHECK(left.scalar_type() == out.scalar_type(), "ttm_halves_bags: stack ", s, "'s halves are ",
+                left.scalar_type(), ", the output ", out.scalar_type());
+    const int64_t lanes = comera::kVectorBytes / static_cast<int64_t>(left.element_size());
+    TORCH_CHECK(left.size(2) % lanes == 0, "ttm_halves_bags: stack ", s, "'s rank is padded to ", left.size(2),
+                ", not a whole number of this host's ", lanes, "-value vectors (export pads it to 64 bytes)");
+    const int64_t T = left.size(0) / Nl;
+    for (int64_t f = 0; f < F; ++f) {
+      const int64_t t = t_of[s * F + f];
+      if (t < 0) continue;
+      TORCH_CHECK(t < T, "ttm_halves_bags: feature ", f, " reads table ", t, " of a stack of ", T);
+      const int64_t lo = o[f * B], hi = o[(f + 1) * B];
+      TORCH_CHECK(lo >= 0 && lo <= hi && hi <= ids.size(0), "ttm_halves_bags: feature ", f, "'s offsets [", lo, ", ",
+                  hi, ") outside the ", ids.size(0), " ids");
+      auto pooled = ttm_bag_forward_halves(left.narrow(0, t * Nl, Nl), right.narrow(0, t * Nr, Nr),
+                                           ids.narrow(0, lo, hi - lo), none, off.narrow(0, f * B, B + 1) - lo, none,
+                                           dim, 0, 1, Nr);  // (B, D)
+      out.narrow(0, f * B, B).copy_(pooled);
+    }
+  }
+  return out;
+}
+
+torch::Tensor ttm_halves_bags_meta(const torch::Tensor& into, const torch::Tensor& values,
+                                   const torch::Tensor& offsets, std::vector<torch::Tensor> lefts,
+                                   std::vector<torch::Tensor> rights, const torch::Tensor& tables,
+                                   std::vector<int64_t> prefix_rows, std::vector<int64_t> suffix_rows) {
+  return at::empty_symint(into.sym_sizes(), into.options());
+}
+
+// relu?(x @ left @ right + bias): x (B, in), left (in, r), right (r, out).
+torch::Tensor tt_linear(const torch::Tensor& x, const torch::Tensor& left, const torch::Tensor& right,
+                        const std::optional<torch::Tensor>& bias, bool relu) {
+  const auto b = bias.has_value() ? *bias : torch::empty({0}, x.options());
+  return tt_linear_forward(x, left, right, b, relu)[0];
+}
+
+torch::Tensor tt_linear_meta(const torch::Tensor& x, const torch::Tensor& left, const torch::Tensor& right,
+                             const std::optional<torch::Tensor>& bias, bool relu) {
+  TORCH_CHECK(x.dim() == 2 && right.dim() == 2, "tt_linear: x and right must be matrices");
+  return at::empty_symint({x.sym_size(0), right.sym_size(1)}, x.options());
+}
+
+torch::Tensor pairwise_dots(const torch::Tensor& dense, const torch::Tensor& sparse) {
+  return pairwise_dots_forward(dense, sparse);
+}
+
+torch::Tensor pairwise_dots_meta(const torch::Tensor& dense, const torch::Tensor& sparse) {
+  TORCH_CHECK(dense.dim() == 2 && sparse.dim() == 3, "pairwise_dots: expected dense (B, D) and sparse (B, F, D)");
+  // sizes as SymInts throughout: size(i) of a traced tensor would fix every dim (the batch too)
+  const c10::SymInt n = sparse.sym_size(1) + 1;
+  return at::empty_symint({dense.sym_size(0), dense.sym_size(1) + n * (n - 1) / 2}, dense.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(comera_rec, m) {
+  m.def(
+      "ttm_halves_bags(Tensor into, Tensor values, Tensor offsets, Tensor[] lefts, Tensor[] rights, Tensor tables, "
+      "int[] prefix_rows, int[] suffix_rows) -> Tensor");
+  m.def("tt_linear(Tensor x, Tensor left, Tensor right, Tensor? bias, bool relu) -> Tensor");
+  m.def("pairwise_dots(Tensor dense, Tensor sparse) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(comera_rec, CPU, m) {
+  m.impl("ttm_halves_bags", &ttm_halves_bags);
+  m.impl("tt_linear", &tt_linear);
+  m.impl("pairwise_dots", &pairwise_dots);
+}
+
+TORCH_LIBRARY_IMPL(comera_rec, Meta, m) {
+  m.impl("ttm_halves_bags", &ttm_halves_bags_meta);
+  m.impl("tt_linear", &tt_linear_meta);
+  m.impl("pairwise_dots", &pairwise_dots_meta);
+}

@@ -1,0 +1,261 @@
+"""comera_rec.dlrm.serving_ops and export_dlrm(kernels=True): the fused CPU kernels as
+``torch.ops.comera_rec`` operators equal references computed another way (float64 products,
+the plain-PyTorch inference form, the eager model), trace with dynamic batch sizes, name bad
+input, and a program calling them runs in an interpreter that imports torch only."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from comera_rec.dlrm.export import (
+    ExportError,
+    ServingLookup,
+    calls_operators,
+    export_dlrm,
+    kjt_inputs,
+    load_exported,
+    save_exported,
+    serving_model,
+)
+from comera_rec.dlrm.export_layers import ServingPairwiseDot
+from comera_rec.dlrm.model import build_dlrm
+from comera_rec.dlrm.serving_ops import HALVES_PAD_BYTES, LIBRARY, operator_library, operators_loaded
+from comera_rec.rank.truncation import truncate_model
+from comera_rec.tensor import kernels
+from comera_rec.tensor.train import tensor_train_modules
+from tests.dlrm.test_export import TINY, TOL, batches, check_equal
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library() -> Path:
+    # built at set-up (make); a failed build fails these tests instead of skipping them
+    path = operator_library()
+    assert path is not None, f"the operator library did not build: {LIBRARY.error}"
+    return path
+
+
+def tt_dlrm(**changes: object) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_dlrm(replace(TINY, **{"compressed": True, "fused_interaction": True, **changes})).eval()
+
+
+# ------------------------------------------------------------------------------ operators
+
+
+@given(
+    rows=st.integers(0, 9),
+    n_in=st.integers(1, 40),
+    n_out=st.integers(1, 40),
+    rank=st.integers(1, 20),
+    relu=st.booleans(),
+    bias=st.booleans(),
+)
+def test_tt_linear_equals_float64_products(rows: int, n_in: int, n_out: int, rank: int, relu: bool, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + n_in * 40 + n_out)
+    x, left, right = (torch.randn(*s, generator=g) for s in ((rows, n_in), (n_in, rank), (rank, n_out)))
+    b = torch.randn(n_out, generator=g) if bias else None
+    y = torch.ops.comera_rec.tt_linear(x, left, right, b, relu)
+    want = x.double() @ left.double() @ right.double() + (b.double() if bias else 0)
+    want = want.clamp_min(0) if relu else want
+    assert y.shape == (rows, n_out) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pairwise_dots_equal_the_plain_form(dtype: torch.dtype) -> None:
+    dense, sparse = torch.randn(6, 8, dtype=dtype), torch.randn(6, 5, 8, dtype=dtype)
+    want = ServingPairwiseDot(5)(dense.double(), sparse.double())
+    got = torch.ops.comera_rec.pairwise_dots(dense, sparse.transpose(0, 1).contiguous().transpose(0, 1))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_meta_kernels_give_the_shapes_of_any_batch() -> None:
+    # what torch.export traces with: no data, the batch a symbol
+    ops = torch.ops.comera_rec
+    x, left, right = torch.empty(7, 12, device="meta"), torch.empty(12, 3, device="meta"), torch.empty(3, 5)
+    assert ops.tt_linear(x, left, right.to("meta"), None, True).shape == (7, 5)
+    assert ops.pairwise_dots(torch.empty(4, 8, device="meta"), torch.empty(4, 3, 8, device="meta")).shape == (4, 8 + 6)
+    into = torch.empty(10, 8, device="meta")
+    out = ops.ttm_halves_bags(into, torch.empty(0, dtype=torch.long, device="meta"),
+                              torch.empty(11, dtype=torch.long, device="meta"), [], [],
+                              torch.empty(0, 2, dtype=torch.long, device="meta"), [], [])  # fmt: skip
+    assert out.shape == (10, 8)
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_lookup_with_the_operator_equals_the_plain_form(mean: bool) -> None:
+    # TT features in two stacks and dense ones, in an order unlike the collection's; sum and
+    # mean pooling, empty bags included (lengths of 0)
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+    from comera_rec.integration import CompressionPolicy, TableOverride
+    from comera_rec.integration.collection import TTMEmbeddingBagCollection
+    from tests.integration.helpers import kjt
+
+    pooling = PoolingType.MEAN if mean else PoolingType.SUM
+    tables = [
+        EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=100, feature_names=["f1"], pooling=pooling),
+        EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=90, feature_names=["f2"]),
+        EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=10, feature_names=["f0"], pooling=pooling),
+        EmbeddingBagConfig(name="d", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
+    ]
+    policy = CompressionPolicy(
+        rank=3,  # padded to whole 64-byte vectors in the kernels' halves
+        min_rows_to_compress=50,
+        min_params_to_compress=0,
+        min_gain=0.0,
+        per_table={
+            "a": TableOverride(shape=((10, 10), (2, 4))),
+            "b": TableOverride(shape=((9, 10), (2, 4))),
+            "d": TableOverride(shape=((5, 6, 10), (2, 2, 2))),
+        },
+    )
+    torch.manual_seed(0)
+    ebc = TTMEmbeddingBagCollection(tables, policy).eval()
+    order = ["f3", "f1", "f0", "f2"]
+    plain, fused = ServingLookup(order, ebc, "ebc"), ServingLookup(order, ebc, "ebc", kernels=True)
+    assert len(fused.groups) == 0 and len(fused.kernel_lefts) == len(ebc.groups)
+    lanes = HALVES_PAD_BYTES // 4
+    assert all(p.shape[-1] % lanes == 0 for p in (*fused.kernel_lefts, *fused.kernel_rights))
+    features = kjt(batch=6, seed=2)
+    values, lengths = kjt_inputs(features, order)
+    assert (lengths == 0).any()  # empty bags in the batch
+    with torch.no_grad():
+        want = ebc(features).to_dict()
+        got = fused(values, lengths)
+        torch.testing.assert_close(got, plain(values, lengths), **TOL)
+    for i, name in enumerate(order):
+        torch.testing.assert_close(got[:, i], want[name], **TOL)
+
+
+def test_bad_lookup_input_is_named() -> None:
+    left, right = torch.randn(2 * 3, 2, 16), torch.randn(2 * 4, 2, 16)  # 2 tables, N_l 3, N_r 4
+    into = torch.zeros(4, 4)  # F = 2 features, B = 2
+    offsets = torch.tensor([0, 1, 2, 3, 4])
+    tables = torch.tensor([[0, 1]])
+    ops = torch.ops.comera_rec
+    with pytest.raises(RuntimeError, match=r"id 12 out of range \[0, 12\)"):
+        ops.ttm_halves_bags(into, torch.tensor([0, 12, 1, 2]), offsets, [left], [right], tables, [3], [4])
+    with pytest.raises(RuntimeError, match="reads table 2 of a stack of 2"):
+        ops.ttm_halves_bags(
+            into, torch.tensor([0, 1, 1, 2]), offsets, [left], [right], torch.tensor([[0, 2]]), [3], [4]
+        )
+    with pytest.raises(RuntimeError, match="not a whole number"):
+        ops.ttm_halves_bags(into, torch.tensor([0, 1, 1, 2]), offsets, [left[..., :3].contiguous()],
+                            [right[..., :3].contiguous()], tables, [3], [4])  # fmt: skip
+    with pytest.raises(RuntimeError, match="not whole rows of 3 features"):
+        ops.ttm_halves_bags(into, torch.tensor([0, 1, 1, 2]), offsets, [left], [right], torch.tensor([[0, 1, -1]]),
+                            [3], [4])  # fmt: skip
+    # the result equals the halves' products, rows a feature's table does not read left as given
+    ids = torch.tensor([5, 11, 0, 7])
+    out = ops.ttm_halves_bags(into + 9, ids, offsets, [left], [right], torch.tensor([[-1, 1]]), [3], [4])
+    torch.testing.assert_close(out[:2], torch.full((2, 4), 9.0))
+    for row, i in ((2, 0), (3, 7)):  # feature 1 reads table 1: prefix 3 + i // 4, suffix 4 + i % 4
+        p, s = left[3 + i // 4], right[4 + i % 4]
+        torch.testing.assert_close(out[row], (p.double() @ s.double().t()).flatten()[:4].float(), **TOL)
+
+
+# ------------------------------------------------------------------------------ programs
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"fused_interaction": False},
+        {"fused_interaction": False, "interaction": "dcn", "dcn_num_layers": 2, "dcn_low_rank": 16},
+    ],
+    ids=["tt_fused", "tt", "tt_dcn"],
+)
+def test_program_with_the_operators_equals_eager(changes: dict) -> None:
+    model = tt_dlrm(**changes)
+    program = export_dlrm(model, kernels=True)
+    check_equal(model, program.module(), serving_model(model).feature_names)
+    ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "comera_rec.ttm_halves_bags.default" in ops and "comera_rec.tt_linear.default" in ops
+    assert ("comera_rec.pairwise_dots.default" in ops) == (not changes)  # the fused interaction's kernel
+    assert "aten._unique2.default" not in ops  # the ids are de-duplicated inside the operator
+
+
+def test_program_with_the_operators_after_rank_truncation() -> None:
+    model = tt_dlrm()
+    with torch.no_grad():
+        for _, module in tensor_train_modules(model):
+            for d in module.controllers:
+                d[..., (d.shape[-1] + 1) // 2 :] = 0.0
+    assert truncate_model(model, 1e-6).changed
+    check_equal(model, export_dlrm(model, kernels=True).module(), serving_model(model).feature_names)
+
+
+_TORCH_ONLY = """
+import sys, torch
+try:
+    torch.export.load(sys.argv[1])
+    raise SystemExit("loaded without the operator library")
+except RuntimeError:  # its operators are not registered (the log names them)
+    pass
+torch.ops.load_library(sys.argv[4])
+program = torch.export.load(sys.argv[1]).module()
+with torch.no_grad():
+    torch.save(program(*torch.load(sys.argv[2])), sys.argv[3])
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("comera_rec", "torchrec", "fbgemm_gpu"))
+assert not loaded, loaded
+"""
+
+
+def test_program_runs_with_torch_and_the_library_only(tmp_path: Path, library: Path) -> None:
+    model = tt_dlrm()
+    names = serving_model(model).feature_names
+    path = save_exported(export_dlrm(model, kernels=True), tmp_path / "model.pt2")
+    batch = batches(16)[0]
+    inputs = (batch.dense_features, *kjt_inputs(batch.sparse_features, names))
+    torch.save(inputs, tmp_path / "inputs.pt")
+    script = tmp_path / "serve.py"
+    script.write_text(_TORCH_ONLY)
+    subprocess.run(
+        [sys.executable, str(script), str(path), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"), str(library)],
+        check=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    with torch.no_grad():
+        eager = model(batch.dense_features, batch.sparse_features)
+        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), eager, **TOL)
+        # comera-rec's own loader: the library is loaded in this process, the program runs
+        torch.testing.assert_close(load_exported(path)(*inputs), eager, **TOL)
+    assert operators_loaded()
+    # and in a fresh process, where nothing loaded the library yet
+    fresh = (
+        "import sys, torch; from comera_rec.dlrm.export import load_exported; "
+        "out = load_exported(sys.argv[1])(*torch.load(sys.argv[2])); torch.save(out, sys.argv[3])"
+    )
+    subprocess.run(
+        [sys.executable, "-c", fresh, str(path), str(tmp_path / "inputs.pt"), str(tmp_path / "fresh.pt")],
+        check=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    torch.testing.assert_close(torch.load(tmp_path / "fresh.pt"), eager, **TOL)
+    assert calls_operators(path)
+    assert not calls_operators(save_exported(export_dlrm(model), tmp_path / "plain.pt2"))
+    with pytest.raises(ValueError, match="not a saved program"):
+        calls_operators(script)
+
+
+def test_kernels_switched_off_is_a_named_error() -> None:
+    model = tt_dlrm()
+    kernels.set_cpu_kernel_enabled(False)
+    try:
+        with pytest.raises(ExportError, match=r"kernels=True: the operator library torch.ops.comera_rec"):
+            serving_model(model, kernels=True)
+    finally:
+        kernels.set_cpu_kernel_enabled(True)
