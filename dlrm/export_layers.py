@@ -14,6 +14,7 @@ from torch import nn
 from comera_rec.dlrm.interaction import PairwiseDotInteraction
 from comera_rec.integration.mlp import TTLowRankCrossNet, merge_projections
 from comera_rec.tensor.contract import merge_input_chain, merge_output_chain
+from comera_rec.tensor.kernels.tt_linear_cpu import CROSS_BLOCK_ROWS
 from comera_rec.tensor.linear import NarrowLinear, TTLinear
 from comera_rec.tensor.train import TensorTrainModule
 
@@ -127,12 +128,17 @@ class ServingCrossNet(nn.Module):
 
     Args:
         net: the cross net (weights detached).
+        kernels: the whole net one ``torch.ops.comera_rec.tt_cross`` call (the fused CPU
+            kernel: :mod:`comera_rec.dlrm.serving_ops`), its input's column blocks read
+            where they are (:meth:`forward_blocks`).
     """
 
     __module__ = "comera_rec.dlrm.export"  # its public home (re-exported there): exported programs and pickles name it
 
-    def __init__(self, net: TTLowRankCrossNet) -> None:
+    def __init__(self, net: TTLowRankCrossNet, kernels: bool = False) -> None:
         super().__init__()
+        self.kernels = kernels
+        self.block_rows = CROSS_BLOCK_ROWS
         with torch.no_grad():
             merged = [merge_projections(v, w) for v, w in zip(net.V, net.W)]
         self.lefts = nn.ParameterList([nn.Parameter(left.detach().clone(), requires_grad=False) for left, _ in merged])
@@ -140,11 +146,21 @@ class ServingCrossNet(nn.Module):
         self.biases = nn.ParameterList([nn.Parameter(b.detach().clone(), requires_grad=False) for b in net.bias])
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            return self.forward_blocks([input])
         x0 = input
         x = x0
         for left, right, bias in zip(self.lefts, self.rights, self.biases):
             x = torch.addcmul(x, x0, torch.addmm(bias, x @ left, right))
         return x
+
+    def forward_blocks(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """``self(torch.cat(blocks, dim=1))``; with ``kernels`` the blocks are not joined."""
+        if not self.kernels:
+            return self(torch.cat(blocks, dim=1))
+        return torch.ops.comera_rec.tt_cross(
+            blocks, list(self.lefts), list(self.rights), list(self.biases), self.block_rows
+        )
 
 
 def _all_tt_projections(net: TTLowRankCrossNet) -> bool:
@@ -167,7 +183,7 @@ def serving_dense_part(module: nn.Module, where: str, kernels: bool = False) -> 
     if isinstance(module, TTLinear):
         return ServingTTLinear(module, kernels)
     if isinstance(module, TTLowRankCrossNet) and _all_tt_projections(module):
-        return ServingCrossNet(module)
+        return ServingCrossNet(module, kernels)
     if isinstance(module, NarrowLinear):
         return ServingLinear(module, relu=module.relu)
     if isinstance(module, PairwiseDotInteraction):

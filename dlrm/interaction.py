@@ -180,7 +180,7 @@ class BlockDCNInteraction(InteractionDCNArch):
         crossnet = self.crossnet
         if (
             self.F > 0
-            and isinstance(crossnet, TTLowRankCrossNet)
+            and hasattr(crossnet, "forward_blocks")  # TTLowRankCrossNet, or its inference form
             and not isinstance(dense_features, torch.fx.Proxy)
             and not isinstance(sparse_features, torch.fx.Proxy)
         ):

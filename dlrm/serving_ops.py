@@ -3,7 +3,7 @@ exported programs.
 
 An exported DLRM (:func:`comera_rec.dlrm.export.export_dlrm`) is made of plain PyTorch
 operators by default, and runs wherever torch does. With ``kernels=True`` its TTM lookups,
-TT layers and pairwise-dot interaction are instead calls of three operators of a small C++
+TT layers, pairwise-dot interaction and DCN cross net are instead calls of operators of a small C++
 library (``serving_ops_cpu.cpp``, built from the fused kernels' sources as the other CPU
 kernels are: :class:`~comera_rec.tensor.kernels.cpu_extension.CpuExtension`):
 
@@ -12,7 +12,9 @@ kernels are: :class:`~comera_rec.tensor.kernels.cpu_extension.CpuExtension`):
   bags;
 * ``comera_rec::tt_linear``: ``relu?(x @ left @ right + bias)``, a TT layer's merged
   chains in one pass over the rows;
-* ``comera_rec::pairwise_dots``: DLRM's dot interaction in one pass.
+* ``comera_rec::pairwise_dots``: DLRM's dot interaction in one pass;
+* ``comera_rec::tt_cross``: a DCN cross net whose layers are merged TT weights, row blocks
+  taken through every layer at once, its input's column blocks read where they are.
 
 A server runs such a program with torch alone, after loading the library::
 
@@ -53,7 +55,7 @@ LIBRARY = register_cpu_extension(
 )
 
 NAMESPACE = "comera_rec"
-OPERATORS = ("ttm_halves_bags", "tt_linear", "pairwise_dots")
+OPERATORS = ("ttm_halves_bags", "tt_linear", "pairwise_dots", "tt_cross")
 HALVES_PAD_BYTES = 64
 """The TTM halves' rank is zero-padded to a multiple of this many bytes in a program: whole
 vectors at every width (16, 32 and 64 bytes), so one program runs on every x86 host."""

@@ -1,5 +1,5 @@
 // The fused CPU scoring kernels as PyTorch operators, torch.ops.comera_rec.*, for exported
-// DLRM programs (comera_rec/dlrm/export.py, kernels=True). A library of its own, built from
+// DLRM programs (TTM lookups, TT layers, the pairwise-dot interaction, the DCN cross net) (comera_rec/dlrm/export.py, kernels=True). A library of its own, built from
 // the kernels' sources without their Python bindings (COMERA_OPERATOR_LIBRARY), so that a
 // server loads it with torch.ops.load_library alone: no comera-rec, no TorchRec. Each
 // operator has a Meta kernel (the output's shape) for torch.export to trace it.
@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -25,8 +26,17 @@ torch::Tensor ttm_bag_forward_halves(torch::Tensor ptab, torch::Tensor stab, tor
 std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left, torch::Tensor right,
                                              torch::Tensor bias, bool relu);
 torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse);
+torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
+                               std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
+                               int64_t block_rows);
 
 namespace {
+
+// Below this many rows a TT layer or cross net is two plain products per layer: the fused
+// kernels pack their weights on every call (a program's operands do not depend on the
+// host's vector width), which costs more than a few rows' arithmetic (MLPerf's cross net:
+// 1.25 ms a one-row call).
+constexpr int64_t kPackedRows = 8;
 
 // into (F B, D), bags of a key-major batch (values (N,), offsets (F B + 1,)): a copy of
 // `into` in which each bag of a feature f that table tables[s, f] >= 0 of stack s reads is
@@ -71,6 +81,11 @@ torch::Tensor ttm_halves_bags(const torch::Tensor& into, const torch::Tensor& va
     TORCH_CHECK(left.size(2) % lanes == 0, "ttm_halves_bags: stack ", s, "'s rank is padded to ", left.size(2),
                 ", not a whole number of this host's ", lanes, "-value vectors (export pads it to 64 bytes)");
     const int64_t T = left.size(0) / Nl;
+    // the stack's features' ids side by side (table index per id), their bags' offsets
+    // rebased: one kernel call per stack, not one per feature (a one-row batch's time is
+    // mostly calls; a large one's parallel regions are then one per stack)
+    std::vector<int64_t> features;
+    int64_t n_ids = 0;
     for (int64_t f = 0; f < F; ++f) {
       const int64_t t = t_of[s * F + f];
       if (t < 0) continue;
@@ -78,11 +93,30 @@ torch::Tensor ttm_halves_bags(const torch::Tensor& into, const torch::Tensor& va
       const int64_t lo = o[f * B], hi = o[(f + 1) * B];
       TORCH_CHECK(lo >= 0 && lo <= hi && hi <= ids.size(0), "ttm_halves_bags: feature ", f, "'s offsets [", lo, ", ",
                   hi, ") outside the ", ids.size(0), " ids");
-      auto pooled = ttm_bag_forward_halves(left.narrow(0, t * Nl, Nl), right.narrow(0, t * Nr, Nr),
-                                           ids.narrow(0, lo, hi - lo), none, off.narrow(0, f * B, B + 1) - lo, none,
-                                           dim, 0, 1, Nr);  // (B, D)
-      out.narrow(0, f * B, B).copy_(pooled);
+      features.push_back(f);
+      n_ids += hi - lo;
     }
+    if (features.empty()) continue;
+    const int64_t Fg = static_cast<int64_t>(features.size());
+    auto stack_ids = torch::empty({n_ids}, ids.options());
+    auto stack_tables = torch::empty({n_ids}, ids.options());
+    auto stack_offsets = torch::empty({Fg * B + 1}, off.options());
+    int64_t* si = stack_ids.data_ptr<int64_t>();
+    int64_t* st = stack_tables.data_ptr<int64_t>();
+    int64_t* so = stack_offsets.data_ptr<int64_t>();
+    const int64_t* all_ids = ids.data_ptr<int64_t>();
+    int64_t at_id = 0;
+    for (int64_t j = 0; j < Fg; ++j) {
+      const int64_t f = features[j], t = t_of[s * F + f], lo = o[f * B], hi = o[(f + 1) * B];
+      std::copy(all_ids + lo, all_ids + hi, si + at_id);
+      std::fill(st + at_id, st + at_id + (hi - lo), t);
+      for (int64_t b = 0; b < B; ++b) so[j * B + b] = at_id + o[f * B + b] - lo;
+      at_id += hi - lo;
+    }
+    so[Fg * B] = at_id;
+    auto pooled = ttm_bag_forward_halves(left, right, stack_ids, stack_tables, stack_offsets, none, dim, 0, T,
+                                         Nr);  // (Fg B, D)
+    for (int64_t j = 0; j < Fg; ++j) out.narrow(0, features[j] * B, B).copy_(pooled.narrow(0, j * B, B));
   }
   return out;
 }
@@ -97,6 +131,11 @@ torch::Tensor ttm_halves_bags_meta(const torch::Tensor& into, const torch::Tenso
 // relu?(x @ left @ right + bias): x (B, in), left (in, r), right (r, out).
 torch::Tensor tt_linear(const torch::Tensor& x, const torch::Tensor& left, const torch::Tensor& right,
                         const std::optional<torch::Tensor>& bias, bool relu) {
+  if (x.dim() == 2 && x.size(0) < kPackedRows) {
+    const auto t = at::mm(x, left);
+    auto y = bias.has_value() ? at::addmm(*bias, t, right) : at::mm(t, right);
+    return relu ? y.clamp_min_(0) : y;
+  }
   const auto b = bias.has_value() ? *bias : torch::empty({0}, x.options());
   return tt_linear_forward(x, left, right, b, relu)[0];
 }
@@ -118,6 +157,31 @@ torch::Tensor pairwise_dots_meta(const torch::Tensor& dense, const torch::Tensor
   return at::empty_symint({dense.sym_size(0), dense.sym_size(1) + n * (n - 1) / 2}, dense.options());
 }
 
+// A DCN cross net, x_{k+1} = x_k + x0 * ((x_k @ left_k) @ right_k + bias_k), x0 the column
+// blocks x0_parts side by side (never joined into one tensor); empty biases: none.
+torch::Tensor tt_cross(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
+                       std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases, int64_t block_rows) {
+  if (!x0_parts.empty() && x0_parts[0].dim() == 2 && x0_parts[0].size(0) < kPackedRows &&
+      rights.size() == lefts.size() && biases.size() == lefts.size()) {
+    const auto x0 = x0_parts.size() == 1 ? x0_parts[0] : at::cat(x0_parts, 1);
+    auto x = x0;
+    for (size_t k = 0; k < lefts.size(); ++k) {
+      const auto t = at::mm(x, lefts[k]);
+      x = at::addcmul(x, x0, biases[k].numel() ? at::addmm(biases[k], t, rights[k]) : at::mm(t, rights[k]));
+    }
+    return x;
+  }
+  return tt_cross_forward(std::move(x0_parts), std::move(lefts), std::move(rights), std::move(biases), block_rows);
+}
+
+torch::Tensor tt_cross_meta(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
+                            std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases, int64_t block_rows) {
+  TORCH_CHECK(!x0_parts.empty() && x0_parts[0].dim() == 2, "tt_cross: x0 needs at least one (B, N_p) column block");
+  c10::SymInt width = 0;
+  for (const auto& part : x0_parts) width = width + part.sym_size(1);
+  return at::empty_symint({x0_parts[0].sym_size(0), width}, x0_parts[0].options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(comera_rec, m) {
@@ -126,16 +190,19 @@ TORCH_LIBRARY(comera_rec, m) {
       "int[] prefix_rows, int[] suffix_rows) -> Tensor");
   m.def("tt_linear(Tensor x, Tensor left, Tensor right, Tensor? bias, bool relu) -> Tensor");
   m.def("pairwise_dots(Tensor dense, Tensor sparse) -> Tensor");
+  m.def("tt_cross(Tensor[] x0_parts, Tensor[] lefts, Tensor[] rights, Tensor[] biases, int block_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(comera_rec, CPU, m) {
   m.impl("ttm_halves_bags", &ttm_halves_bags);
   m.impl("tt_linear", &tt_linear);
   m.impl("pairwise_dots", &pairwise_dots);
+  m.impl("tt_cross", &tt_cross);
 }
 
 TORCH_LIBRARY_IMPL(comera_rec, Meta, m) {
   m.impl("ttm_halves_bags", &ttm_halves_bags_meta);
   m.impl("tt_linear", &tt_linear_meta);
   m.impl("pairwise_dots", &pairwise_dots_meta);
+  m.impl("tt_cross", &tt_cross_meta);
 }

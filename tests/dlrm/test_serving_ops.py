@@ -78,6 +78,29 @@ def test_pairwise_dots_equal_the_plain_form(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
 
 
+def test_cross_net_operator_equals_the_plain_form() -> None:
+    from comera_rec.dlrm.export_layers import ServingCrossNet
+    from comera_rec.integration.mlp import TTLowRankCrossNet
+
+    torch.manual_seed(0)
+    net = TTLowRankCrossNet(24, num_layers=3, low_rank=8, tt_rank=3, min_gain=0.0)
+    with torch.no_grad():
+        for b in net.bias:
+            b.normal_()
+    plain, fused = ServingCrossNet(net), ServingCrossNet(net, kernels=True)
+    x = torch.randn(50, 24)  # more rows than one block (block_rows)
+    assert x.shape[0] > fused.block_rows
+    with torch.no_grad():
+        want = net.forward_layers(x)
+        torch.testing.assert_close(plain(x), want, **TOL)
+        torch.testing.assert_close(fused(x), want, **TOL)
+        # the input as column blocks, never joined
+        torch.testing.assert_close(fused.forward_blocks([x[:, :5], x[:, 5:]]), want, **TOL)
+        # a few rows: plain products, not the packed kernel
+        torch.testing.assert_close(fused.forward_blocks([x[:3, :5], x[:3, 5:]]), want[:3], **TOL)
+    assert torch.ops.comera_rec.tt_cross([x[:2].to("meta"), x[:2, :3].to("meta")], [], [], [], 4).shape == (2, 27)
+
+
 def test_meta_kernels_give_the_shapes_of_any_batch() -> None:
     # what torch.export traces with: no data, the batch a symbol
     ops = torch.ops.comera_rec
@@ -183,6 +206,7 @@ def test_program_with_the_operators_equals_eager(changes: dict) -> None:
     ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert "comera_rec.ttm_halves_bags.default" in ops and "comera_rec.tt_linear.default" in ops
     assert ("comera_rec.pairwise_dots.default" in ops) == (not changes)  # the fused interaction's kernel
+    assert ("comera_rec.tt_cross.default" in ops) == (changes.get("interaction") == "dcn")
     assert "aten._unique2.default" not in ops  # the ids are de-duplicated inside the operator
 
 
