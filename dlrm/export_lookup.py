@@ -168,7 +168,8 @@ class ServingLookup(nn.Module):
         if len(self.kernel_lefts):
             if pooled is None:
                 pooled = torch.zeros(num_features * batch, self.dim, dtype=self.dense_weight.dtype)
-            pooled = torch.ops.comera_rec.ttm_halves_bags(
+            # (B, F, D), written sample-major in one pass: no transposed copy after
+            bags = torch.ops.comera_rec.ttm_halves_bags(
                 pooled,
                 ids,
                 offsets,
@@ -178,6 +179,10 @@ class ServingLookup(nn.Module):
                 self.prefix_rows,
                 self.suffix_rows,
             )
+            if self.any_mean:
+                divisor = torch.where(self.mean.unsqueeze(1), lengths.clamp_min(1), torch.ones_like(lengths))
+                bags = bags / divisor.t().unsqueeze(2)  # (B, F, 1)
+            return bags
         for group in self.groups:
             part = group(ids, feature, offsets)
             pooled = part if pooled is None else pooled + part

@@ -11,6 +11,7 @@
 
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -38,10 +39,13 @@ namespace {
 // 1.25 ms a one-row call).
 constexpr int64_t kPackedRows = 8;
 
-// into (F B, D), bags of a key-major batch (values (N,), offsets (F B + 1,)): a copy of
-// `into` in which each bag of a feature f that table tables[s, f] >= 0 of stack s reads is
-// that table's pooled sum over the stack's whole halves (lefts[s] (T N_l, M_l, rp),
-// rights[s] (T N_r, M_r, rp); N_l = prefix_rows[s], N_r = suffix_rows[s]).
+// into (F B, D): the bags of a key-major batch (values (N,), offsets (F B + 1,)) pooled
+// feature by feature, as embedding_bag gives them. Returns them sample-major, (B, F, D), each
+// bag of a feature f that table tables[s, f] >= 0 of stack s reads replaced by that table's
+// pooled sum over the stack's whole halves (lefts[s] (T N_l, M_l, rp), rights[s] (T N_r,
+// M_r, rp); N_l = prefix_rows[s], N_r = suffix_rows[s]). One kernel call per stack, and one
+// pass writes the output: no (F B, D) copy, no transposition after (the interaction reads
+// (B, F, D) rows).
 torch::Tensor ttm_halves_bags(const torch::Tensor& into, const torch::Tensor& values, const torch::Tensor& offsets,
                               std::vector<torch::Tensor> lefts, std::vector<torch::Tensor> rights,
                               const torch::Tensor& tables, std::vector<int64_t> prefix_rows,
@@ -60,13 +64,16 @@ torch::Tensor ttm_halves_bags(const torch::Tensor& into, const torch::Tensor& va
   TORCH_CHECK(F >= 1 && bags >= 0 && bags % F == 0 && into.size(0) == bags, "ttm_halves_bags: ", bags,
               " bags and ", into.size(0), " output rows are not whole rows of ", F, " features");
   const int64_t B = bags / F;
-  auto out = into.contiguous().clone();
+  const auto dense = into.contiguous();
   const auto off = offsets.to(torch::kLong).contiguous();
   const auto ids = values.to(torch::kLong).contiguous();
   const auto tab = tables.to(torch::kLong).contiguous();
   const int64_t* o = off.data_ptr<int64_t>();
   const int64_t* t_of = tab.data_ptr<int64_t>();
   const auto none = torch::empty({0}, ids.options());
+  // per feature: the stack whose result holds its bags (-1: into) and its column block there
+  std::vector<int64_t> stack_of(F, -1), block_of(F, 0);
+  std::vector<torch::Tensor> pooled(S);  // per stack (B, F_s D)
   for (int64_t s = 0; s < S; ++s) {
     const auto& left = lefts[s];
     const auto& right = rights[s];
@@ -75,49 +82,71 @@ torch::Tensor ttm_halves_bags(const torch::Tensor& into, const torch::Tensor& va
                     right.size(0) == left.size(0) / Nl * Nr,
                 "ttm_halves_bags: stack ", s, "'s halves ", left.sizes(), " and ", right.sizes(), " are not tables of ",
                 Nl, " prefixes and ", Nr, " suffixes");
-    TORCH_CHECK(left.scalar_type() == out.scalar_type(), "ttm_halves_bags: stack ", s, "'s halves are ",
-                left.scalar_type(), ", the output ", out.scalar_type());
+    TORCH_CHECK(left.scalar_type() == dense.scalar_type(), "ttm_halves_bags: stack ", s, "'s halves are ",
+                left.scalar_type(), ", the bags ", dense.scalar_type());
     const int64_t lanes = comera::kVectorBytes / static_cast<int64_t>(left.element_size());
     TORCH_CHECK(left.size(2) % lanes == 0, "ttm_halves_bags: stack ", s, "'s rank is padded to ", left.size(2),
                 ", not a whole number of this host's ", lanes, "-value vectors (export pads it to 64 bytes)");
     const int64_t T = left.size(0) / Nl;
-    // the stack's features' ids side by side (table index per id), their bags' offsets
-    // rebased: one kernel call per stack, not one per feature (a one-row batch's time is
-    // mostly calls; a large one's parallel regions are then one per stack)
+    // the stack's features' ids side by side (a table index per id), their bags' offsets
+    // rebased: one kernel call per stack, its bags stream-major as the kernel lays out
+    // (B, F_s D) with batch B
     std::vector<int64_t> features;
     int64_t n_ids = 0;
     for (int64_t f = 0; f < F; ++f) {
       const int64_t t = t_of[s * F + f];
       if (t < 0) continue;
       TORCH_CHECK(t < T, "ttm_halves_bags: feature ", f, " reads table ", t, " of a stack of ", T);
+      TORCH_CHECK(stack_of[f] < 0, "ttm_halves_bags: feature ", f, " is read by stacks ", stack_of[f], " and ", s);
       const int64_t lo = o[f * B], hi = o[(f + 1) * B];
       TORCH_CHECK(lo >= 0 && lo <= hi && hi <= ids.size(0), "ttm_halves_bags: feature ", f, "'s offsets [", lo, ", ",
                   hi, ") outside the ", ids.size(0), " ids");
+      stack_of[f] = s;
+      block_of[f] = static_cast<int64_t>(features.size());
       features.push_back(f);
       n_ids += hi - lo;
     }
-    if (features.empty()) continue;
-    const int64_t Fg = static_cast<int64_t>(features.size());
+    if (features.empty() || B == 0) continue;
+    const int64_t Fs = static_cast<int64_t>(features.size());
     auto stack_ids = torch::empty({n_ids}, ids.options());
     auto stack_tables = torch::empty({n_ids}, ids.options());
-    auto stack_offsets = torch::empty({Fg * B + 1}, off.options());
+    auto stack_offsets = torch::empty({Fs * B + 1}, off.options());
     int64_t* si = stack_ids.data_ptr<int64_t>();
     int64_t* st = stack_tables.data_ptr<int64_t>();
     int64_t* so = stack_offsets.data_ptr<int64_t>();
     const int64_t* all_ids = ids.data_ptr<int64_t>();
     int64_t at_id = 0;
-    for (int64_t j = 0; j < Fg; ++j) {
+    for (int64_t j = 0; j < Fs; ++j) {
       const int64_t f = features[j], t = t_of[s * F + f], lo = o[f * B], hi = o[(f + 1) * B];
       std::copy(all_ids + lo, all_ids + hi, si + at_id);
       std::fill(st + at_id, st + at_id + (hi - lo), t);
       for (int64_t b = 0; b < B; ++b) so[j * B + b] = at_id + o[f * B + b] - lo;
       at_id += hi - lo;
     }
-    so[Fg * B] = at_id;
-    auto pooled = ttm_bag_forward_halves(left, right, stack_ids, stack_tables, stack_offsets, none, dim, 0, T,
-                                         Nr);  // (Fg B, D)
-    for (int64_t j = 0; j < Fg; ++j) out.narrow(0, features[j] * B, B).copy_(pooled.narrow(0, j * B, B));
+    so[Fs * B] = at_id;
+    pooled[s] = ttm_bag_forward_halves(left, right, stack_ids, stack_tables, stack_offsets, none, dim, B, T, Nr);
   }
+  auto out = torch::empty({B, F, dim}, dense.options());
+  AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "ttm_halves_bags", [&] {
+    using T_ = scalar_t;
+    std::vector<const T_*> base(F);  // where feature f's bag of sample 0 is, and the step between samples
+    std::vector<int64_t> step(F);
+    for (int64_t f = 0; f < F; ++f) {
+      if (stack_of[f] < 0) {
+        base[f] = dense.data_ptr<T_>() + f * B * dim;
+        step[f] = dim;
+      } else {
+        const auto& p = pooled[stack_of[f]];
+        base[f] = p.data_ptr<T_>() + block_of[f] * dim;
+        step[f] = p.size(1);
+      }
+    }
+    T_* dst = out.data_ptr<T_>();
+    at::parallel_for(0, B, 256, [&](int64_t lo, int64_t hi) {
+      for (int64_t b = lo; b < hi; ++b)
+        for (int64_t f = 0; f < F; ++f) std::copy_n(base[f] + b * step[f], dim, dst + (b * F + f) * dim);
+    });
+  });
   return out;
 }
 
@@ -125,7 +154,8 @@ torch::Tensor ttm_halves_bags_meta(const torch::Tensor& into, const torch::Tenso
                                    const torch::Tensor& offsets, std::vector<torch::Tensor> lefts,
                                    std::vector<torch::Tensor> rights, const torch::Tensor& tables,
                                    std::vector<int64_t> prefix_rows, std::vector<int64_t> suffix_rows) {
-  return at::empty_symint(into.sym_sizes(), into.options());
+  const int64_t F = tables.size(1);
+  return at::empty_symint({into.sym_size(0) / F, c10::SymInt(F), into.sym_size(1)}, into.options());
 }
 
 // relu?(x @ left @ right + bias): x (B, in), left (in, r), right (r, out).

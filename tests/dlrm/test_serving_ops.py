@@ -111,7 +111,7 @@ def test_meta_kernels_give_the_shapes_of_any_batch() -> None:
     out = ops.ttm_halves_bags(into, torch.empty(0, dtype=torch.long, device="meta"),
                               torch.empty(11, dtype=torch.long, device="meta"), [], [],
                               torch.empty(0, 2, dtype=torch.long, device="meta"), [], [])  # fmt: skip
-    assert out.shape == (10, 8)
+    assert out.shape == (5, 2, 8)  # the F B bags sample-major
 
 
 @pytest.mark.parametrize("mean", [False, True])
@@ -178,13 +178,18 @@ def test_bad_lookup_input_is_named() -> None:
     with pytest.raises(RuntimeError, match="not whole rows of 3 features"):
         ops.ttm_halves_bags(into, torch.tensor([0, 1, 1, 2]), offsets, [left], [right], torch.tensor([[0, 1, -1]]),
                             [3], [4])  # fmt: skip
-    # the result equals the halves' products, rows a feature's table does not read left as given
+    with pytest.raises(RuntimeError, match="feature 1 is read by stacks 0 and 1"):
+        ops.ttm_halves_bags(into, torch.tensor([0, 1, 1, 2]), offsets, [left, left], [right, right],
+                            torch.tensor([[0, 1], [-1, 0]]), [3, 3], [4, 4])  # fmt: skip
+    # (B, F, D): the products of the halves' rows, and the given bags of features no table reads
     ids = torch.tensor([5, 11, 0, 7])
-    out = ops.ttm_halves_bags(into + 9, ids, offsets, [left], [right], torch.tensor([[-1, 1]]), [3], [4])
-    torch.testing.assert_close(out[:2], torch.full((2, 4), 9.0))
-    for row, i in ((2, 0), (3, 7)):  # feature 1 reads table 1: prefix 3 + i // 4, suffix 4 + i % 4
+    given = torch.arange(16.0).view(4, 4)  # feature-major: rows 0, 1 feature 0's bags
+    out = ops.ttm_halves_bags(given, ids, offsets, [left], [right], torch.tensor([[-1, 1]]), [3], [4])
+    assert out.shape == (2, 2, 4)
+    torch.testing.assert_close(out[:, 0], given[:2])
+    for b, i in ((0, 0), (1, 7)):  # feature 1 reads table 1: prefix 3 + i // 4, suffix 4 + i % 4
         p, s = left[3 + i // 4], right[4 + i % 4]
-        torch.testing.assert_close(out[row], (p.double() @ s.double().t()).flatten()[:4].float(), **TOL)
+        torch.testing.assert_close(out[b, 1], (p.double() @ s.double().t()).flatten()[:4].float(), **TOL)
 
 
 # ------------------------------------------------------------------------------ programs
