@@ -158,6 +158,14 @@ def test_lookup_with_the_operator_equals_the_plain_form(mean: bool) -> None:
         torch.testing.assert_close(got, plain(values, lengths), **TOL)
     for i, name in enumerate(order):
         torch.testing.assert_close(got[:, i], want[name], **TOL)
+    # only TT features read: no uncompressed bags to start from
+    only_tt = ["f2", "f3", "f1"]
+    lookup = ServingLookup(only_tt, ebc, "ebc", kernels=True)
+    assert not lookup.has_dense
+    with torch.no_grad():
+        got = lookup(*kjt_inputs(features, only_tt))
+    for i, name in enumerate(only_tt):
+        torch.testing.assert_close(got[:, i], want[name], **TOL)
 
 
 def test_bad_lookup_input_is_named() -> None:
