@@ -190,15 +190,13 @@ def test_parts_without_inference_form_are_named() -> None:
         serving_model(nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("mean", [False, True])
-def test_stacks_with_one_row_block_shape_share_a_lookup(mean: bool) -> None:
-    # a and b: other row shapes, the same (M_l, r) and (r, M_r) blocks: one concatenated
-    # lookup; d: other blocks, a lookup of its own; c: dense. The same pooled bags as the
-    # collection, with features of every kind in one batch and in any order
+def mixed_collection(mean: bool, rank: int = 4) -> TTMEmbeddingBagCollection:
+    """Tables a and b (other row shapes, the same (M_l, r) and (r, M_r) blocks), d (other
+    blocks: a stack of its own) compressed, c dense; a and c mean-pooled where ``mean``.
+    Features f1, f2, f0, f3 (as ``tests.integration.helpers.kjt`` draws them)."""
     from torchrec.modules.embedding_configs import PoolingType
 
     from comera_rec.integration import CompressionPolicy, TableOverride
-    from tests.integration.helpers import kjt
 
     pooling = PoolingType.MEAN if mean else PoolingType.SUM
     tables = [
@@ -208,7 +206,7 @@ def test_stacks_with_one_row_block_shape_share_a_lookup(mean: bool) -> None:
         EmbeddingBagConfig(name="d", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
     ]
     policy = CompressionPolicy(
-        rank=4,
+        rank=rank,
         min_rows_to_compress=50,
         min_params_to_compress=0,
         min_gain=0.0,
@@ -219,7 +217,16 @@ def test_stacks_with_one_row_block_shape_share_a_lookup(mean: bool) -> None:
         },
     )
     torch.manual_seed(0)
-    ebc = TTMEmbeddingBagCollection(tables, policy).eval()
+    return TTMEmbeddingBagCollection(tables, policy).eval()
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_stacks_with_one_row_block_shape_share_a_lookup(mean: bool) -> None:
+    # a and b: one concatenated lookup; d: a lookup of its own; c: dense. The same pooled
+    # bags as the collection, with features of every kind in one batch and in any order
+    from tests.integration.helpers import kjt
+
+    ebc = mixed_collection(mean)
     assert len(ebc.groups) == 3 and ebc.dense_tables() == ["c"]
     order = ["f3", "f1", "f0", "f2"]
     lookup = ServingLookup(order, ebc, "ebc")

@@ -31,7 +31,7 @@ from comera_rec.dlrm.serving_ops import HALVES_PAD_BYTES, LIBRARY, operator_libr
 from comera_rec.rank.truncation import truncate_model
 from comera_rec.tensor import kernels
 from comera_rec.tensor.train import tensor_train_modules
-from tests.dlrm.test_export import TINY, TOL, batches, check_equal
+from tests.dlrm.test_export import TINY, TOL, batches, check_equal, mixed_collection
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -117,33 +117,11 @@ def test_meta_kernels_give_the_shapes_of_any_batch() -> None:
 @pytest.mark.parametrize("mean", [False, True])
 def test_lookup_with_the_operator_equals_the_plain_form(mean: bool) -> None:
     # TT features in two stacks and dense ones, in an order unlike the collection's; sum and
-    # mean pooling, empty bags included (lengths of 0)
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-
-    from comera_rec.integration import CompressionPolicy, TableOverride
-    from comera_rec.integration.collection import TTMEmbeddingBagCollection
+    # mean pooling, empty bags included (lengths of 0); rank 3, padded to whole 64-byte
+    # vectors in the kernels' halves
     from tests.integration.helpers import kjt
 
-    pooling = PoolingType.MEAN if mean else PoolingType.SUM
-    tables = [
-        EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=100, feature_names=["f1"], pooling=pooling),
-        EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=90, feature_names=["f2"]),
-        EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=10, feature_names=["f0"], pooling=pooling),
-        EmbeddingBagConfig(name="d", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
-    ]
-    policy = CompressionPolicy(
-        rank=3,  # padded to whole 64-byte vectors in the kernels' halves
-        min_rows_to_compress=50,
-        min_params_to_compress=0,
-        min_gain=0.0,
-        per_table={
-            "a": TableOverride(shape=((10, 10), (2, 4))),
-            "b": TableOverride(shape=((9, 10), (2, 4))),
-            "d": TableOverride(shape=((5, 6, 10), (2, 2, 2))),
-        },
-    )
-    torch.manual_seed(0)
-    ebc = TTMEmbeddingBagCollection(tables, policy).eval()
+    ebc = mixed_collection(mean, rank=3)
     order = ["f3", "f1", "f0", "f2"]
     plain, fused = ServingLookup(order, ebc, "ebc"), ServingLookup(order, ebc, "ebc", kernels=True)
     assert len(fused.groups) == 0 and len(fused.kernel_lefts) == len(ebc.groups)
