@@ -25,7 +25,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from comera_rec.dlrm.interaction_kernel import pairwise_dots_cpu, pairwise_kernel_applies
 from comera_rec.integration.fused_tables import fused_tables_lookup, single_lookup
-from comera_rec.integration.mlp import TTLowRankCrossNet
 
 
 class _PairwiseDots(torch.autograd.Function):
@@ -167,6 +166,7 @@ class BlockDCNInteraction(InteractionDCNArch):
 
     Example::
 
+        >>> from comera_rec.integration.mlp import TTLowRankCrossNet
         >>> net = TTLowRankCrossNet(12, num_layers=1, low_rank=4, tt_rank=2, min_gain=0.0)
         >>> arch = BlockDCNInteraction(2, net)
         >>> dense, sparse = torch.randn(3, 4), torch.randn(3, 2, 4)
