@@ -103,6 +103,11 @@ class ServingLookup(nn.Module):
         self.register_buffer("dense_base", torch.tensor(base, dtype=torch.long))
         self.register_buffer("dense_take", torch.tensor(on, dtype=torch.long))  # 0: another feature's id reads row 0
         self.register_buffer("dense_weight_of", torch.tensor(on, dtype=weight.dtype))
+        # kernels: per feature the first row of its uncompressed table (-1: none) and its rows
+        first = [base[i] if on[i] else -1 for i in range(num_features)]
+        rows = [dense_weights[table_of[f]].shape[0] if on[i] else 0 for i, f in enumerate(feature_names)]
+        self.register_buffer("dense_first", torch.tensor(first, dtype=torch.long))
+        self.register_buffer("dense_rows", torch.tensor(rows, dtype=torch.long))
 
         # ---- TTM groups: halves contracted once over all their row indices; stacks whose
         # halves have one row block shape share one lookup (fewer graph nodes a batch)
@@ -144,11 +149,30 @@ class ServingLookup(nn.Module):
         flat = lengths.reshape(-1)
         flat = flat if flat.dtype == torch.long else flat.long()
         offsets = F.pad(torch.cumsum(flat, 0), (1, 0))  # (F * B + 1,)
+        ids = values if values.dtype == torch.long else values.long()
+        if len(self.kernel_lefts):
+            # (B, F, D), every bag (uncompressed tables' too) pooled by the operator and
+            # written sample-major in one pass
+            bags = torch.ops.comera_rec.ttm_halves_bags(
+                ids,
+                offsets,
+                self.dense_weight,
+                self.dense_first,
+                self.dense_rows,
+                list(self.kernel_lefts),
+                list(self.kernel_rights),
+                self.kernel_tables,
+                self.prefix_rows,
+                self.suffix_rows,
+            )
+            if self.any_mean:
+                divisor = torch.where(self.mean.unsqueeze(1), lengths.clamp_min(1), torch.ones_like(lengths))
+                bags = bags / divisor.t().unsqueeze(2)  # (B, F, 1)
+            return bags
         bag = torch.repeat_interleave(
             torch.arange(num_features * batch, device=flat.device), flat, output_size=values.shape[0]
         )
         feature = bag // batch  # (N,) the feature of every id
-        ids = values if values.dtype == torch.long else values.long()
         pooled: Optional[torch.Tensor] = None
         if self.has_dense:
             if self.all_dense:
@@ -165,24 +189,6 @@ class ServingLookup(nn.Module):
                     per_sample_weights=self.dense_weight_of[feature],
                     include_last_offset=True,
                 )
-        if len(self.kernel_lefts):
-            if pooled is None:
-                pooled = torch.zeros(num_features * batch, self.dim, dtype=self.dense_weight.dtype)
-            # (B, F, D), written sample-major in one pass: no transposed copy after
-            bags = torch.ops.comera_rec.ttm_halves_bags(
-                pooled,
-                ids,
-                offsets,
-                list(self.kernel_lefts),
-                list(self.kernel_rights),
-                self.kernel_tables,
-                self.prefix_rows,
-                self.suffix_rows,
-            )
-            if self.any_mean:
-                divisor = torch.where(self.mean.unsqueeze(1), lengths.clamp_min(1), torch.ones_like(lengths))
-                bags = bags / divisor.t().unsqueeze(2)  # (B, F, 1)
-            return bags
         for group in self.groups:
             part = group(ids, feature, offsets)
             pooled = part if pooled is None else pooled + part

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -39,17 +40,19 @@ namespace {
 // 1.25 ms a one-row call).
 constexpr int64_t kPackedRows = 8;
 
-// into (F B, D): the bags of a key-major batch (values (N,), offsets (F B + 1,)) pooled
-// feature by feature, as embedding_bag gives them. Returns them sample-major, (B, F, D), each
-// bag of a feature f that table tables[s, f] >= 0 of stack s reads replaced by that table's
-// pooled sum over the stack's whole halves (lefts[s] (T N_l, M_l, rp), rights[s] (T N_r,
-// M_r, rp); N_l = prefix_rows[s], N_r = suffix_rows[s]). One kernel call per stack, and one
-// pass writes the output: no (F B, D) copy, no transposition after (the interaction reads
-// (B, F, D) rows).
-torch::Tensor ttm_halves_bags(const torch::Tensor& into, const torch::Tensor& values, const torch::Tensor& offsets,
-                              std::vector<torch::Tensor> lefts, std::vector<torch::Tensor> rights,
-                              const torch::Tensor& tables, std::vector<int64_t> prefix_rows,
-                              std::vector<int64_t> suffix_rows) {
+// Every bag of a key-major batch (values (N,) ids, offsets (F B + 1,)), pooled (sums) and
+// returned sample-major, (B, F, D):
+// - a feature f with dense_base[f] >= 0 reads rows dense_base[f] .. + dense_rows[f] of the
+//   uncompressed tables' concatenated weight dense_weight (W, D);
+// - a feature f that table tables[s, f] >= 0 of stack s reads is pooled over that stack's
+//   whole halves (lefts[s] (T N_l, M_l, rp), rights[s] (T N_r, M_r, rp); N_l = prefix_rows[s],
+//   N_r = suffix_rows[s]), one kernel call per stack.
+// One pass over the samples writes the output: no (F B, D) intermediate, no transposition.
+torch::Tensor ttm_halves_bags(const torch::Tensor& values, const torch::Tensor& offsets,
+                              const torch::Tensor& dense_weight, const torch::Tensor& dense_base,
+                              const torch::Tensor& dense_rows, std::vector<torch::Tensor> lefts,
+                              std::vector<torch::Tensor> rights, const torch::Tensor& tables,
+                              std::vector<int64_t> prefix_rows, std::vector<int64_t> suffix_rows) {
   const int64_t S = static_cast<int64_t>(lefts.size());
   TORCH_CHECK(rights.size() == lefts.size() && prefix_rows.size() == lefts.size() &&
                   suffix_rows.size() == lefts.size(),
@@ -57,21 +60,31 @@ torch::Tensor ttm_halves_bags(const torch::Tensor& into, const torch::Tensor& va
               prefix_rows.size(), " and ", suffix_rows.size(), " row counts: one of each per stack");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == S, "ttm_halves_bags: tables must be (stacks, features), got ",
               tables.sizes(), " for ", S, " stacks");
-  TORCH_CHECK(into.dim() == 2 && offsets.dim() == 1 && values.dim() == 1,
-              "ttm_halves_bags: expected into (F B, D), values (N,) and offsets (F B + 1,), got ", into.sizes(), ", ",
-              values.sizes(), " and ", offsets.sizes());
-  const int64_t F = tables.size(1), bags = offsets.size(0) - 1, dim = into.size(1);
-  TORCH_CHECK(F >= 1 && bags >= 0 && bags % F == 0 && into.size(0) == bags, "ttm_halves_bags: ", bags,
-              " bags and ", into.size(0), " output rows are not whole rows of ", F, " features");
+  TORCH_CHECK(dense_weight.dim() == 2 && offsets.dim() == 1 && values.dim() == 1,
+              "ttm_halves_bags: expected dense_weight (W, D), values (N,) and offsets (F B + 1,), got ",
+              dense_weight.sizes(), ", ", values.sizes(), " and ", offsets.sizes());
+  const int64_t F = tables.size(1), bags = offsets.size(0) - 1, dim = dense_weight.size(1);
+  TORCH_CHECK(F >= 1 && bags >= 0 && bags % F == 0, "ttm_halves_bags: ", bags, " bags are not whole rows of ", F,
+              " features");
+  TORCH_CHECK(dense_base.numel() == F && dense_rows.numel() == F, "ttm_halves_bags: dense_base and dense_rows need ",
+              F, " values (one per feature), got ", dense_base.numel(), " and ", dense_rows.numel());
   const int64_t B = bags / F;
-  const auto dense = into.contiguous();
+  const auto dense = dense_weight.contiguous();
+  const auto dbase = dense_base.to(torch::kLong).contiguous();
+  const auto drows = dense_rows.to(torch::kLong).contiguous();
+  const int64_t* first_row = dbase.data_ptr<int64_t>();
+  const int64_t* num_rows = drows.data_ptr<int64_t>();
+  for (int64_t f = 0; f < F; ++f)
+    TORCH_CHECK(first_row[f] < 0 || (num_rows[f] >= 0 && first_row[f] + num_rows[f] <= dense.size(0)),
+                "ttm_halves_bags: feature ", f, "'s rows [", first_row[f], ", ", first_row[f] + num_rows[f],
+                ") outside the ", dense.size(0), " rows of dense_weight");
   const auto off = offsets.to(torch::kLong).contiguous();
   const auto ids = values.to(torch::kLong).contiguous();
   const auto tab = tables.to(torch::kLong).contiguous();
   const int64_t* o = off.data_ptr<int64_t>();
   const int64_t* t_of = tab.data_ptr<int64_t>();
   const auto none = torch::empty({0}, ids.options());
-  // per feature: the stack whose result holds its bags (-1: into) and its column block there
+  // per feature: the stack whose result holds its bags (-1: an uncompressed table) and its column block there
   std::vector<int64_t> stack_of(F, -1), block_of(F, 0);
   std::vector<torch::Tensor> pooled(S);  // per stack (B, F_s D)
   for (int64_t s = 0; s < S; ++s) {
@@ -98,6 +111,7 @@ torch::Tensor ttm_halves_bags(const torch::Tensor& into, const torch::Tensor& va
       if (t < 0) continue;
       TORCH_CHECK(t < T, "ttm_halves_bags: feature ", f, " reads table ", t, " of a stack of ", T);
       TORCH_CHECK(stack_of[f] < 0, "ttm_halves_bags: feature ", f, " is read by stacks ", stack_of[f], " and ", s);
+      TORCH_CHECK(first_row[f] < 0, "ttm_halves_bags: feature ", f, " is read by stack ", s, " and a dense table");
       const int64_t lo = o[f * B], hi = o[(f + 1) * B];
       TORCH_CHECK(lo >= 0 && lo <= hi && hi <= ids.size(0), "ttm_halves_bags: feature ", f, "'s offsets [", lo, ", ",
                   hi, ") outside the ", ids.size(0), " ids");
@@ -126,36 +140,63 @@ torch::Tensor ttm_halves_bags(const torch::Tensor& into, const torch::Tensor& va
     so[Fs * B] = at_id;
     pooled[s] = ttm_bag_forward_halves(left, right, stack_ids, stack_tables, stack_offsets, none, dim, B, T, Nr);
   }
+  for (int64_t f = 0; f < F; ++f)
+    TORCH_CHECK(stack_of[f] >= 0 || first_row[f] >= 0, "ttm_halves_bags: feature ", f, " is read by no table");
   auto out = torch::empty({B, F, dim}, dense.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::atomic<bool> bad{false};
   AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "ttm_halves_bags", [&] {
     using T_ = scalar_t;
-    std::vector<const T_*> base(F);  // where feature f's bag of sample 0 is, and the step between samples
-    std::vector<int64_t> step(F);
+    std::vector<const T_*> base(F, nullptr);  // a stack's result: feature f's bag of sample 0, and the step
+    std::vector<int64_t> step(F, 0);
     for (int64_t f = 0; f < F; ++f) {
-      if (stack_of[f] < 0) {
-        base[f] = dense.data_ptr<T_>() + f * B * dim;
-        step[f] = dim;
-      } else {
+      if (stack_of[f] >= 0) {
         const auto& p = pooled[stack_of[f]];
         base[f] = p.data_ptr<T_>() + block_of[f] * dim;
         step[f] = p.size(1);
       }
     }
+    const T_* W = dense.data_ptr<T_>();
     T_* dst = out.data_ptr<T_>();
-    at::parallel_for(0, B, 256, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, B, 64, [&](int64_t lo, int64_t hi) {
       for (int64_t b = lo; b < hi; ++b)
-        for (int64_t f = 0; f < F; ++f) std::copy_n(base[f] + b * step[f], dim, dst + (b * F + f) * dim);
+        for (int64_t f = 0; f < F; ++f) {
+          T_* row = dst + (b * F + f) * dim;
+          if (base[f] != nullptr) {
+            std::copy_n(base[f] + b * step[f], dim, row);
+            continue;
+          }
+          std::fill_n(row, dim, T_(0));  // an uncompressed table's bag: the sum of its rows
+          for (int64_t i = o[f * B + b]; i < o[f * B + b + 1]; ++i) {
+            if (id[i] < 0 || id[i] >= num_rows[f]) {
+              bad = true;
+              continue;
+            }
+            const T_* src = W + (first_row[f] + id[i]) * dim;
+            for (int64_t d = 0; d < dim; ++d) row[d] += src[d];
+          }
+        }
     });
   });
+  if (bad) {  // name the first id outside its table
+    for (int64_t f = 0; f < F; ++f) {
+      if (stack_of[f] >= 0) continue;
+      for (int64_t i = o[f * B]; i < o[(f + 1) * B]; ++i)
+        TORCH_CHECK(id[i] >= 0 && id[i] < num_rows[f], "ttm_halves_bags: feature ", f, "'s id ", id[i],
+                    " out of range [0, ", num_rows[f], ") of its table");
+    }
+  }
   return out;
 }
 
-torch::Tensor ttm_halves_bags_meta(const torch::Tensor& into, const torch::Tensor& values,
-                                   const torch::Tensor& offsets, std::vector<torch::Tensor> lefts,
+torch::Tensor ttm_halves_bags_meta(const torch::Tensor& values, const torch::Tensor& offsets,
+                                   const torch::Tensor& dense_weight, const torch::Tensor& dense_base,
+                                   const torch::Tensor& dense_rows, std::vector<torch::Tensor> lefts,
                                    std::vector<torch::Tensor> rights, const torch::Tensor& tables,
                                    std::vector<int64_t> prefix_rows, std::vector<int64_t> suffix_rows) {
   const int64_t F = tables.size(1);
-  return at::empty_symint({into.sym_size(0) / F, c10::SymInt(F), into.sym_size(1)}, into.options());
+  return at::empty_symint({(offsets.sym_size(0) - 1) / F, c10::SymInt(F), dense_weight.sym_size(1)},
+                          dense_weight.options());
 }
 
 // relu?(x @ left @ right + bias): x (B, in), left (in, r), right (r, out).
@@ -216,8 +257,8 @@ torch::Tensor tt_cross_meta(std::vector<torch::Tensor> x0_parts, std::vector<tor
 
 TORCH_LIBRARY(comera_rec, m) {
   m.def(
-      "ttm_halves_bags(Tensor into, Tensor values, Tensor offsets, Tensor[] lefts, Tensor[] rights, Tensor tables, "
-      "int[] prefix_rows, int[] suffix_rows) -> Tensor");
+      "ttm_halves_bags(Tensor values, Tensor offsets, Tensor dense_weight, Tensor dense_base, Tensor dense_rows, "
+      "Tensor[] lefts, Tensor[] rights, Tensor tables, int[] prefix_rows, int[] suffix_rows) -> Tensor");
   m.def("tt_linear(Tensor x, Tensor left, Tensor right, Tensor? bias, bool relu) -> Tensor");
   m.def("pairwise_dots(Tensor dense, Tensor sparse) -> Tensor");
   m.def("tt_cross(Tensor[] x0_parts, Tensor[] lefts, Tensor[] rights, Tensor[] biases, int block_rows) -> Tensor");

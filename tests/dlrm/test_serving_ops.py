@@ -107,11 +107,11 @@ def test_meta_kernels_give_the_shapes_of_any_batch() -> None:
     x, left, right = torch.empty(7, 12, device="meta"), torch.empty(12, 3, device="meta"), torch.empty(3, 5)
     assert ops.tt_linear(x, left, right.to("meta"), None, True).shape == (7, 5)
     assert ops.pairwise_dots(torch.empty(4, 8, device="meta"), torch.empty(4, 3, 8, device="meta")).shape == (4, 8 + 6)
-    into = torch.empty(10, 8, device="meta")
-    out = ops.ttm_halves_bags(into, torch.empty(0, dtype=torch.long, device="meta"),
-                              torch.empty(11, dtype=torch.long, device="meta"), [], [],
-                              torch.empty(0, 2, dtype=torch.long, device="meta"), [], [])  # fmt: skip
-    assert out.shape == (5, 2, 8)  # the F B bags sample-major
+    meta = {"dtype": torch.long, "device": "meta"}
+    out = ops.ttm_halves_bags(torch.empty(0, **meta), torch.empty(11, **meta), torch.empty(9, 8, device="meta"),
+                              torch.empty(2, **meta), torch.empty(2, **meta), [], [], torch.empty(0, 2, **meta),
+                              [], [])  # fmt: skip
+    assert out.shape == (5, 2, 8)  # the F B = 10 bags sample-major
 
 
 @pytest.mark.parametrize("mean", [False, True])
@@ -148,31 +148,41 @@ def test_lookup_with_the_operator_equals_the_plain_form(mean: bool) -> None:
 
 def test_bad_lookup_input_is_named() -> None:
     left, right = torch.randn(2 * 3, 2, 16), torch.randn(2 * 4, 2, 16)  # 2 tables, N_l 3, N_r 4
-    into = torch.zeros(4, 4)  # F = 2 features, B = 2
-    offsets = torch.tensor([0, 1, 2, 3, 4])
+    offsets = torch.tensor([0, 1, 2, 3, 4])  # F = 2 features, B = 2, one id a bag
+    weight = torch.randn(10, 4)  # the uncompressed tables: rows 6-9 feature 0's table
+    first, rows = torch.tensor([-1, -1]), torch.tensor([0, 0])  # no feature reads them
     tables = torch.tensor([[0, 1]])
-    ops = torch.ops.comera_rec
-    with pytest.raises(RuntimeError, match=r"id 12 out of range \[0, 12\)"):
-        ops.ttm_halves_bags(into, torch.tensor([0, 12, 1, 2]), offsets, [left], [right], tables, [3], [4])
-    with pytest.raises(RuntimeError, match="reads table 2 of a stack of 2"):
-        ops.ttm_halves_bags(
-            into, torch.tensor([0, 1, 1, 2]), offsets, [left], [right], torch.tensor([[0, 2]]), [3], [4]
+
+    def call(ids, tables=tables, lefts=(left,), rights=(right,), first=first, rows=rows):
+        n = len(lefts)
+        return torch.ops.comera_rec.ttm_halves_bags(
+            torch.tensor(ids), offsets, weight, first, rows, list(lefts), list(rights), tables, [3] * n, [4] * n
         )
+
+    with pytest.raises(RuntimeError, match=r"id 12 out of range \[0, 12\)"):
+        call([0, 12, 1, 2])
+    with pytest.raises(RuntimeError, match="reads table 2 of a stack of 2"):
+        call([0, 1, 1, 2], tables=torch.tensor([[0, 2]]))
     with pytest.raises(RuntimeError, match="not a whole number"):
-        ops.ttm_halves_bags(into, torch.tensor([0, 1, 1, 2]), offsets, [left[..., :3].contiguous()],
-                            [right[..., :3].contiguous()], tables, [3], [4])  # fmt: skip
+        call([0, 1, 1, 2], lefts=(left[..., :3].contiguous(),), rights=(right[..., :3].contiguous(),))
     with pytest.raises(RuntimeError, match="not whole rows of 3 features"):
-        ops.ttm_halves_bags(into, torch.tensor([0, 1, 1, 2]), offsets, [left], [right], torch.tensor([[0, 1, -1]]),
-                            [3], [4])  # fmt: skip
+        call([0, 1, 1, 2], tables=torch.tensor([[0, 1, -1]]))
     with pytest.raises(RuntimeError, match="feature 1 is read by stacks 0 and 1"):
-        ops.ttm_halves_bags(into, torch.tensor([0, 1, 1, 2]), offsets, [left, left], [right, right],
-                            torch.tensor([[0, 1], [-1, 0]]), [3, 3], [4, 4])  # fmt: skip
-    # (B, F, D): the products of the halves' rows, and the given bags of features no table reads
-    ids = torch.tensor([5, 11, 0, 7])
-    given = torch.arange(16.0).view(4, 4)  # feature-major: rows 0, 1 feature 0's bags
-    out = ops.ttm_halves_bags(given, ids, offsets, [left], [right], torch.tensor([[-1, 1]]), [3], [4])
+        call([0, 1, 1, 2], tables=torch.tensor([[0, 1], [-1, 0]]), lefts=(left, left), rights=(right, right))
+    with pytest.raises(RuntimeError, match="feature 0 is read by no table"):
+        call([0, 1, 1, 2], tables=torch.tensor([[-1, 1]]))
+    dense = {"first": torch.tensor([6, -1]), "rows": torch.tensor([4, 0])}
+    with pytest.raises(RuntimeError, match="feature 0 is read by stack 0 and a dense table"):
+        call([0, 1, 1, 2], **dense)
+    with pytest.raises(RuntimeError, match=r"feature 0's id 4 out of range \[0, 4\) of its table"):
+        call([4, 1, 1, 2], tables=torch.tensor([[-1, 1]]), **dense)
+    with pytest.raises(RuntimeError, match=r"feature 0's rows \[6, 11\) outside the 10 rows"):
+        call([0, 1, 1, 2], tables=torch.tensor([[-1, 1]]), first=torch.tensor([6, -1]), rows=torch.tensor([5, 0]))
+    # (B, F, D): feature 0's bags rows of the uncompressed table, feature 1's the products of
+    # the halves' rows of its table
+    out = call([3, 0, 0, 7], tables=torch.tensor([[-1, 1]]), **dense)
     assert out.shape == (2, 2, 4)
-    torch.testing.assert_close(out[:, 0], given[:2])
+    torch.testing.assert_close(out[:, 0], weight[[9, 6]])
     for b, i in ((0, 0), (1, 7)):  # feature 1 reads table 1: prefix 3 + i // 4, suffix 4 + i % 4
         p, s = left[3 + i // 4], right[4 + i % 4]
         torch.testing.assert_close(out[b, 1], (p.double() @ s.double().t()).flatten()[:4].float(), **TOL)
