@@ -21,8 +21,8 @@ What is folded when the serving form is made (values equal up to rounding):
   (the table-batched layout FBGEMM uses); ids of other tables read row 0 with weight 0.
 * ``NarrowLinear`` -> linear + ReLU; ``PairwiseDotInteraction`` -> batched GEMM + gather.
 
-With ``kernels=True`` the TTM lookups, TT layers and the pairwise-dot interaction are calls
-of the fused CPU kernels as PyTorch operators instead (``torch.ops.comera_rec.*``,
+With ``kernels=True`` the sparse lookup, TT layers, pairwise-dot interaction and TT cross net
+are calls of the fused CPU kernels as PyTorch operators instead (``torch.ops.comera_rec.*``,
 :mod:`comera_rec.dlrm.serving_ops`): the same values (to float rounding), as fast as the
 eager compressed model. Such a program runs where the operator library is loaded
 (``torch.ops.load_library``, before ``torch.export.load``), still without comera-rec's
@@ -74,8 +74,8 @@ class ServingDLRM(nn.Module):
     Args:
         model: TorchRec ``DLRM`` or ``DLRM_DCN`` (or ``DLRMTrain`` around one),
             unsharded, dense or compressed.
-        kernels: TTM lookups, TT layers and the pairwise-dot interaction as
-            ``torch.ops.comera_rec`` calls (see the module docstring).
+        kernels: the sparse lookup, TT layers, pairwise-dot interaction and TT cross net
+            as ``torch.ops.comera_rec`` calls (see the module docstring).
 
     Raises:
         ExportError: naming the part that has no inference form, or (``kernels``) why

@@ -1,7 +1,8 @@
 """The sparse arch of a DLRM's inference form (:mod:`comera_rec.dlrm.export`): uncompressed
 tables concatenated into one ``embedding_bag``, TTM tables read through their precontracted
 halves, one small contraction per distinct ``(table, id)`` key of the batch (or, with
-``kernels=True``, one ``torch.ops.comera_rec.ttm_halves_bags`` call: two rows per id)."""
+``kernels=True``, the whole lookup one ``torch.ops.comera_rec.ttm_halves_bags`` call: two
+halves' rows per TTM id, one row per uncompressed id)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ class ServingLookup(nn.Module):
         feature_names: the sparse features in the arch's (and the inputs') order.
         ebc: a TorchRec ``EmbeddingBagCollection`` or a ``TTMEmbeddingBagCollection``.
         where: the collection's path in the model, for error messages.
-        kernels: the TTM tables' bags pooled by ``torch.ops.comera_rec.ttm_halves_bags``
-            (the fused CPU kernel over each stack's halves, rank padded to
-            :data:`~comera_rec.dlrm.serving_ops.HALVES_PAD_BYTES`; the caller loads the
-            operators) instead of PyTorch operators.
+        kernels: where TTM tables are read, every bag pooled by
+            ``torch.ops.comera_rec.ttm_halves_bags`` (the fused CPU kernel over each
+            stack's halves, rank padded to
+            :data:`~comera_rec.dlrm.serving_ops.HALVES_PAD_BYTES`, and the uncompressed
+            tables' rows; the caller loads the operators) instead of PyTorch operators.
 
     Raises:
         ExportError: a weighted or sharded collection, an unknown collection type, a

@@ -11,7 +11,7 @@ Four variants at Criteo Kaggle shapes (``--quick``: tiny shapes, a smoke run):
   as the trainer builds it, loaded from its saved state dict (fused CPU kernels on).
 * ``tt_export``: its exported inference form, run as ``dense_export``.
 * ``tt_kernels``: its exported inference form with the fused CPU kernels as operators
-  (``export_dlrm(..., kernels=True)``: TTM lookups, TT layers and the interaction as
+  (``export_dlrm(..., kernels=True)``: the lookup, TT layers and the interaction as
   ``torch.ops.comera_rec`` calls), run as ``dense_export`` after
   ``torch.ops.load_library`` of the operator library (:mod:`comera_rec.dlrm.serving_ops`;
   left out, with a line saying so, where it cannot be built).

@@ -7,9 +7,9 @@ TT layers, pairwise-dot interaction and DCN cross net are instead calls of opera
 library (``serving_ops_cpu.cpp``, built from the fused kernels' sources as the other CPU
 kernels are: :class:`~comera_rec.tensor.kernels.cpu_extension.CpuExtension`):
 
-* ``comera_rec::ttm_halves_bags``: the bags of TTM-table features pooled over their
-  tables' precontracted halves (two rows per id), written into the uncompressed tables'
-  bags;
+* ``comera_rec::ttm_halves_bags``: the whole sparse lookup: the bags of TTM-table
+  features pooled over their tables' precontracted halves (two rows per id), those of
+  uncompressed tables from their rows, all written sample-major ``(B, F, D)`` in one pass;
 * ``comera_rec::tt_linear``: ``relu?(x @ left @ right + bias)``, a TT layer's merged
   chains in one pass over the rows;
 * ``comera_rec::pairwise_dots``: DLRM's dot interaction in one pass;
