@@ -31,7 +31,8 @@ Python code or TorchRec; :func:`load_exported` loads it when a program needs it.
 Inputs of the program: ``dense_features (B, 13)`` float, and the KeyedJaggedTensor as
 ``values (N,)`` and ``lengths (F, B)`` (its key-major lengths, one row per feature in
 ``ServingDLRM.feature_names`` order; :func:`kjt_inputs` makes them). Output: logits ``(B, 1)``.
-Ids are not range-checked (an out-of-range id is an indexing error, not a named one).
+Ids are not range-checked (an out-of-range id is an indexing error, not a named one; with
+``kernels=True`` an id outside its uncompressed table or its TT row shape is a named error).
 
 The dense parts' inference forms are :mod:`comera_rec.dlrm.export_layers`, the lookup's
 :mod:`comera_rec.dlrm.export_lookup`; their names are importable from here too.
