@@ -174,8 +174,9 @@ def serving_dense_part(module: nn.Module, where: str, kernels: bool = False) -> 
     Args:
         module: a dense arch, interaction or over arch of a DLRM.
         where: its path in the model, for error messages.
-        kernels: TT layers and the pairwise-dot interaction as ``torch.ops.comera_rec``
-            calls (:mod:`comera_rec.dlrm.serving_ops`; the caller loads the operators).
+        kernels: TT layers, TT cross nets and the pairwise-dot interaction as
+            ``torch.ops.comera_rec`` calls (:mod:`comera_rec.dlrm.serving_ops`; the caller
+            loads the operators).
 
     Raises:
         ExportError: a TT module other than ``TTLinear`` (named by its path) is inside.
