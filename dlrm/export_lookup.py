@@ -105,11 +105,6 @@ class ServingLookup(nn.Module):
         self.register_buffer("dense_base", torch.tensor(base, dtype=torch.long))
         self.register_buffer("dense_take", torch.tensor(on, dtype=torch.long))  # 0: another feature's id reads row 0
         self.register_buffer("dense_weight_of", torch.tensor(on, dtype=weight.dtype))
-        # kernels: per feature the first row of its uncompressed table (-1: none) and its rows
-        first = [base[i] if on[i] else -1 for i in range(num_features)]
-        rows = [dense_weights[table_of[f]].shape[0] if on[i] else 0 for i, f in enumerate(feature_names)]
-        self.register_buffer("dense_first", torch.tensor(first, dtype=torch.long))
-        self.register_buffer("dense_rows", torch.tensor(rows, dtype=torch.long))
 
         # ---- TTM groups: halves contracted once over all their row indices; stacks whose
         # halves have one row block shape share one lookup (fewer graph nodes a batch)
@@ -131,7 +126,13 @@ class ServingLookup(nn.Module):
                     self.prefix_rows.append(n_left)
                     self.suffix_rows.append(n_right)
                     kernel_tables.append([trains.get(i, -1) for i in range(num_features)])
-        self.register_buffer("kernel_tables", torch.tensor(kernel_tables, dtype=torch.long).view(-1, num_features))
+        if len(self.kernel_lefts):  # the operator's tables (the plain form keeps none of these)
+            self.register_buffer("kernel_tables", torch.tensor(kernel_tables, dtype=torch.long))
+            # per feature the first row of its uncompressed table (-1: none) and its rows
+            first = [base[i] if on[i] else -1 for i in range(num_features)]
+            rows = [dense_weights[table_of[f]].shape[0] if on[i] else 0 for i, f in enumerate(feature_names)]
+            self.register_buffer("dense_first", torch.tensor(first, dtype=torch.long))
+            self.register_buffer("dense_rows", torch.tensor(rows, dtype=torch.long))
         if isinstance(ebc, TTMEmbeddingBagCollection) and not kernels:
             buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, int, int, dict[int, int]]]] = {}
             for g, stack in enumerate(ebc.groups):
