@@ -240,6 +240,27 @@ def test_scoring_over_whole_halves_equals_the_lookup(rows, cols, ranks, mode, we
     torch.testing.assert_close(got, by_streams.view(3, 3, dim).transpose(0, 1).reshape(3, 3 * dim))
 
 
+# float32 rows are pooled W dot products at a time (pool_row_vectors), a last group of
+# fewer one by one: column counts below, at and past a vector's width, rows of a half's
+# columns that do not fill whole vectors (45 = 3 x 15), MLPerf's 128
+F32_SHAPES = [*SHAPES, ((4, 5, 6), (3, 5, 3), [8, 8]), ((5, 6, 7), (4, 4, 8), [16, 16])]
+
+
+@pytest.mark.parametrize("rows, cols, ranks", F32_SHAPES)
+@pytest.mark.parametrize("dropped", [0, 1, 5])
+def test_float32_pooling_equals_float64_products(rows, cols, ranks, dropped) -> None:
+    cores = [c.detach() for c in make_cores(3, rows, cols, ranks, dtype=torch.float32)]
+    ids, trains, offsets, weights = make_batch(3, math.prod(rows), n_ids=63, dtype=torch.float32)
+    weights = weights.detach()
+    dim = math.prod(cols) - dropped
+    want = lookup([c.double() for c in cores], rows, dim, ids, offsets, "sum", weights.double(), trains, kernel=False)
+    got = lookup(cores, rows, dim, ids, offsets, "sum", weights, trains, kernel=True)  # halves of the batch's rows
+    scored, kept = score(cores, rows, dim, ids, offsets, "sum", weights, trains)  # whole halves
+    assert kept == 1 and got.dtype == scored.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scored.double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("rows, cols, ranks", SHAPES)
 def test_whole_halves_equal_the_halves_contracted_by_torch(rows, cols, ranks) -> None:
     from comera_rec.tensor.halves import left_table, right_table, split_point

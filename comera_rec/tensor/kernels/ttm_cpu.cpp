@@ -202,22 +202,34 @@ inline void contract_one(T* out, const Contraction& k, const T* a, const T* b) {
   contract(out, k, &entry, 1, [a](int64_t) { return a; }, [b](int64_t) { return b; }, kNoPrefetch);
 }
 
-// out += w * row for a float row of 16 columns, 4 x 4: its 16 dot products as vectors, W
-// at a time, each group's lane sums by one transposing sum (hsum_transpose) instead of W
-// separate lane sums. Returns false (nothing done) for other types.
+// out[:dim] += w * row for a float row of (M_l, M_r) columns, col = x * M_r + a the dot
+// product of p's row x and q's row a (rp values each, whole vectors): the dot products as
+// vectors, W at a time, each group's lane sums by one transposing sum (hsum_transpose)
+// instead of W separate lane sums and scalar stores; a last group of fewer than W columns
+// one by one. Returns false (nothing done) for other types. At MLPerf's dim 128 (8 x 16,
+// rank 16, AVX2) the per-column sums were ~2.5x the instructions.
 template <typename T>
-inline bool pool_one_vector(T*, const T*, const T*, int64_t, T) { return false; }
+inline bool pool_row_vectors(T*, const T*, const T*, int64_t, int64_t, int64_t, T) { return false; }
 
 template <>
-inline bool pool_one_vector<float>(float* out, const float* p, const float* q, int64_t rp, float w) {
+inline bool pool_row_vectors<float>(float* out, const float* p, const float* q, int64_t Mr, int64_t rp, int64_t dim,
+                                    float w) {
   constexpr int64_t W = kLanes<float>;
-  for (int g = 0; g < 16; g += W) {  // columns g .. g + W - 1
+  int64_t g = 0;
+  for (; g + W <= dim; g += W) {  // columns g .. g + W - 1
+    const float* pr[W];
+    const float* qr[W];
+    for (int c = 0; c < W; ++c) {
+      pr[c] = p + (g + c) / Mr * rp;
+      qr[c] = q + (g + c) % Mr * rp;
+    }
     vec_t<float> acc[W];
-    for (int c = 0; c < W; ++c) acc[c] = vload(p + (g + c) / 4 * rp) * vload(q + (g + c) % 4 * rp);
+    for (int c = 0; c < W; ++c) acc[c] = vload(pr[c]) * vload(qr[c]);
     for (int64_t k = W; k < rp; k += W)
-      for (int c = 0; c < W; ++c) acc[c] += vload(p + (g + c) / 4 * rp + k) * vload(q + (g + c) % 4 * rp + k);
+      for (int c = 0; c < W; ++c) acc[c] += vload(pr[c] + k) * vload(qr[c] + k);
     vstore(out + g, vload(out + g) + w * hsum_transpose(acc));
   }
+  for (; g < dim; ++g) out[g] += w * dot(p + g / Mr * rp, q + g % Mr * rp, rp);
   return true;
 }
 
@@ -594,6 +606,15 @@ void contract_suffixes(const Train& tr, const std::vector<torch::Tensor>& cores,
 // Shapes of the pooling pass: P rows (M_l, rp), S rows (M_r, rp), the output's layout.
 struct PoolShape {
   int64_t Ml = 0, Mr = 0, rp = 0, dim = 0, batch = 0, streams = 1;
+  // where bag (stream f, sample b) goes, with batch > 0: row b at row_stride values apart,
+  // columns from stream_cols[f]; unset: bag_offset's layout (batch, streams * dim)
+  int64_t row_stride = 0;
+  const int64_t* stream_cols = nullptr;
+
+  int64_t offset(int64_t bag) const {
+    if (stream_cols == nullptr) return bag_offset(bag, dim, batch, streams);
+    return (bag % batch) * row_stride + stream_cols[bag / batch];
+  }
 };
 
 // out[bag] = sum over the bag's ids i of w_i P[ps[i]] S[ss[i]]^T (its first dim columns);
@@ -602,11 +623,10 @@ template <typename T_>
 void pool_bags(const PoolShape& sh, const T_* P, const T_* S, const int32_t* ps, const int32_t* ss,
                const int64_t* off, int64_t B, const T_* w, T_* o) {
   const int64_t Ml = sh.Ml, Mr = sh.Mr, rp = sh.rp, dim = sh.dim;
-  const bool one_vector = std::is_same_v<T_, float> && Ml == 4 && Mr == 4 && dim == 16;
   at::parallel_for(0, B, 128, [&](int64_t b, int64_t e) {
     const int64_t last = off[e];
     for (int64_t bag = b; bag < e; ++bag) {
-      T_* ob = o + bag_offset(bag, dim, sh.batch, sh.streams);
+      T_* ob = o + sh.offset(bag);
       std::fill(ob, ob + dim, T_(0));
       for (int64_t i = off[bag]; i < off[bag + 1]; ++i) {
         if (i + kAhead < last) {
@@ -616,7 +636,7 @@ void pool_bags(const PoolShape& sh, const T_* P, const T_* S, const int32_t* ps,
         const T_ wi = w ? w[i] : T_(1);
         const T_* p = P + ps[i] * Ml * rp;
         const T_* q = S + ss[i] * Mr * rp;
-        if (one_vector && pool_one_vector(ob, p, q, rp, wi)) continue;
+        if (pool_row_vectors(ob, p, q, Mr, rp, dim, wi)) continue;
         for (int64_t x = 0; x < Ml; ++x)
           for (int64_t a = 0; a < Mr; ++a) {
             const int64_t col = x * Mr + a;
@@ -733,10 +753,14 @@ std::vector<torch::Tensor> ttm_halves(std::vector<torch::Tensor> cores) {
 }
 
 // The forward over whole halves (ttm_halves of T tables whose suffix index has N_r
-// values): out (B, D) as ttm_bag_forward gives it, nothing kept for a backward.
-torch::Tensor ttm_bag_forward_halves(torch::Tensor ptab, torch::Tensor stab, torch::Tensor ids, torch::Tensor trains,
-                                     torch::Tensor offsets, torch::Tensor weights, int64_t dim, int64_t batch,
-                                     int64_t T, int64_t Nr) {
+// values) into out: bag (stream f, sample b) at out + b * row_stride + stream_cols[f]
+// (batch > 0, a column offset per stream), every bag written; nothing kept for a backward.
+// A caller that lays several lookups' bags side by side (the scoring operator's (B, F, D))
+// has them written there, with no copy after.
+void ttm_bag_forward_halves_into(torch::Tensor ptab, torch::Tensor stab, torch::Tensor ids, torch::Tensor trains,
+                                 torch::Tensor offsets, torch::Tensor weights, int64_t dim, int64_t batch, int64_t T,
+                                 int64_t Nr, torch::Tensor out, int64_t row_stride,
+                                 const std::vector<int64_t>& stream_cols) {
   TORCH_CHECK(ptab.dim() == 3 && stab.dim() == 3 && ptab.size(2) == stab.size(2) && ptab.is_contiguous() &&
                   stab.is_contiguous() && ptab.scalar_type() == stab.scalar_type(),
               "ttm_bag_forward_halves: halves must be contiguous (U, M, rp) of one rank and dtype, got ", ptab.sizes(),
@@ -746,18 +770,47 @@ torch::Tensor ttm_bag_forward_halves(torch::Tensor ptab, torch::Tensor stab, tor
   const int64_t Nl = ptab.size(0) / T, Ml = ptab.size(1), Mr = stab.size(1), rp = ptab.size(2);
   TORCH_CHECK(dim >= 1 && dim <= Ml * Mr, "ttm_bag_forward_halves: embedding_dim ", dim, " outside [1, ", Ml * Mr, "]");
   const BagInputs in = bag_inputs("ttm_bag_forward_halves", ids, trains, offsets, weights, ptab.scalar_type(), batch);
+  TORCH_CHECK(batch > 0 && static_cast<int64_t>(stream_cols.size()) == in.streams && out.is_contiguous() &&
+                  out.scalar_type() == ptab.scalar_type(),
+              "ttm_bag_forward_halves: ", stream_cols.size(), " column offsets for ", in.streams,
+              " streams, or an output not contiguous of the halves' dtype");
+  for (const int64_t col : stream_cols)
+    TORCH_CHECK(col >= 0 && col + dim <= row_stride && (batch - 1) * row_stride + col + dim <= out.numel(),
+                "ttm_bag_forward_halves: a stream's columns [", col, ", ", col + dim, ") outside rows of ", row_stride,
+                " values, or the output");
   auto iopt = torch::TensorOptions().dtype(torch::kInt);
   auto pkeys = torch::empty({in.N}, iopt), skeys = torch::empty({in.N}, iopt);
   keys_of_ids(in.ids.data_ptr<int64_t>(), in.has_trains ? in.trains.data_ptr<int64_t>() : nullptr, in.N, T, Nl, Nr,
               pkeys.data_ptr<int32_t>(), skeys.data_ptr<int32_t>());
-  auto out = bag_output(in, dim, batch, ptab.options());
-  const PoolShape sh{Ml, Mr, rp, dim, batch, in.streams};
+  PoolShape sh{Ml, Mr, rp, dim, batch, in.streams};
+  sh.row_stride = row_stride;
+  sh.stream_cols = stream_cols.data();
   AT_DISPATCH_FLOATING_TYPES(ptab.scalar_type(), "ttm_bag_forward_halves", [&] {
     using T_ = scalar_t;
     pool_bags(sh, ptab.data_ptr<T_>(), stab.data_ptr<T_>(), pkeys.data_ptr<int32_t>(), skeys.data_ptr<int32_t>(),
               in.offsets.data_ptr<int64_t>(), in.B, in.weighted ? in.weights.data_ptr<T_>() : nullptr,
               out.data_ptr<T_>());
   });
+}
+
+// The same forward, out (B, D) as ttm_bag_forward gives it.
+torch::Tensor ttm_bag_forward_halves(torch::Tensor ptab, torch::Tensor stab, torch::Tensor ids, torch::Tensor trains,
+                                     torch::Tensor offsets, torch::Tensor weights, int64_t dim, int64_t batch,
+                                     int64_t T, int64_t Nr) {
+  TORCH_CHECK(ptab.dim() == 3, "ttm_bag_forward_halves: halves must be contiguous (U, M, rp) of one rank and dtype, got ",
+              ptab.sizes(), " and ", stab.sizes());
+  const BagInputs in = bag_inputs("ttm_bag_forward_halves", ids, trains, offsets, weights, ptab.scalar_type(), batch);
+  auto out = bag_output(in, dim, batch, ptab.options());
+  if (batch == 0) {  // one stream: its bags are the rows
+    if (in.B == 0) return out;
+    std::vector<int64_t> cols{0};
+    ttm_bag_forward_halves_into(ptab, stab, in.ids, trains, in.offsets, weights, dim, in.B, T, Nr, out, dim, cols);
+    return out;
+  }
+  std::vector<int64_t> cols(in.streams);
+  for (int64_t f = 0; f < in.streams; ++f) cols[f] = f * dim;
+  ttm_bag_forward_halves_into(ptab, stab, in.ids, trains, in.offsets, weights, dim, batch, T, Nr, out,
+                              in.streams * dim, cols);
   return out;
 }
 
