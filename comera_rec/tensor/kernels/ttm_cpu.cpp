@@ -215,13 +215,14 @@ template <>
 inline bool pool_row_vectors<float>(float* out, const float* p, const float* q, int64_t Mr, int64_t rp, int64_t dim,
                                     float w) {
   constexpr int64_t W = kLanes<float>;
-  int64_t g = 0;
+  int64_t g = 0, x = 0, a = 0;  // column g is (x, a): counted, not divided (an idiv per column cost more than its sums)
   for (; g + W <= dim; g += W) {  // columns g .. g + W - 1
     const float* pr[W];
     const float* qr[W];
     for (int c = 0; c < W; ++c) {
-      pr[c] = p + (g + c) / Mr * rp;
-      qr[c] = q + (g + c) % Mr * rp;
+      pr[c] = p + x * rp;
+      qr[c] = q + a * rp;
+      if (++a == Mr) a = 0, ++x;
     }
     vec_t<float> acc[W];
     for (int c = 0; c < W; ++c) acc[c] = vload(pr[c]) * vload(qr[c]);
@@ -229,7 +230,10 @@ inline bool pool_row_vectors<float>(float* out, const float* p, const float* q, 
       for (int c = 0; c < W; ++c) acc[c] += vload(pr[c] + k) * vload(qr[c] + k);
     vstore(out + g, vload(out + g) + w * hsum_transpose(acc));
   }
-  for (; g < dim; ++g) out[g] += w * dot(p + g / Mr * rp, q + g % Mr * rp, rp);
+  for (; g < dim; ++g) {
+    out[g] += w * dot(p + x * rp, q + a * rp, rp);
+    if (++a == Mr) a = 0, ++x;
+  }
   return true;
 }
 
