@@ -756,15 +756,14 @@ std::vector<torch::Tensor> ttm_halves(std::vector<torch::Tensor> cores) {
   return {ptab, stab};
 }
 
-// The forward over whole halves (ttm_halves of T tables whose suffix index has N_r
-// values) into out: bag (stream f, sample b) at out + b * row_stride + stream_cols[f]
-// (batch > 0, a column offset per stream), every bag written; nothing kept for a backward.
-// A caller that lays several lookups' bags side by side (the scoring operator's (B, F, D))
-// has them written there, with no copy after.
-void ttm_bag_forward_halves_into(torch::Tensor ptab, torch::Tensor stab, torch::Tensor ids, torch::Tensor trains,
-                                 torch::Tensor offsets, torch::Tensor weights, int64_t dim, int64_t batch, int64_t T,
-                                 int64_t Nr, torch::Tensor out, int64_t row_stride,
-                                 const std::vector<int64_t>& stream_cols) {
+namespace {
+
+// The forward over whole halves (ttm_halves of T tables whose suffix index has N_r values)
+// of the bags in, into out: row_stride / stream_cols as PoolShape takes them (null:
+// bag_offset's layout); nothing kept for a backward.
+void pool_over_halves(const torch::Tensor& ptab, const torch::Tensor& stab, const BagInputs& in, int64_t dim,
+                      int64_t batch, int64_t T, int64_t Nr, int64_t row_stride, const int64_t* stream_cols,
+                      torch::Tensor& out) {
   TORCH_CHECK(ptab.dim() == 3 && stab.dim() == 3 && ptab.size(2) == stab.size(2) && ptab.is_contiguous() &&
                   stab.is_contiguous() && ptab.scalar_type() == stab.scalar_type(),
               "ttm_bag_forward_halves: halves must be contiguous (U, M, rp) of one rank and dtype, got ", ptab.sizes(),
@@ -773,6 +772,41 @@ void ttm_bag_forward_halves_into(torch::Tensor ptab, torch::Tensor stab, torch::
               ptab.size(0), " and ", stab.size(0), " rows are not ", T, " tables with ", Nr, " suffixes");
   const int64_t Nl = ptab.size(0) / T, Ml = ptab.size(1), Mr = stab.size(1), rp = ptab.size(2);
   TORCH_CHECK(dim >= 1 && dim <= Ml * Mr, "ttm_bag_forward_halves: embedding_dim ", dim, " outside [1, ", Ml * Mr, "]");
+  auto iopt = torch::TensorOptions().dtype(torch::kInt);
+  auto pkeys = torch::empty({in.N}, iopt), skeys = torch::empty({in.N}, iopt);
+  keys_of_ids(in.ids.data_ptr<int64_t>(), in.has_trains ? in.trains.data_ptr<int64_t>() : nullptr, in.N, T, Nl, Nr,
+              pkeys.data_ptr<int32_t>(), skeys.data_ptr<int32_t>());
+  PoolShape sh{Ml, Mr, rp, dim, batch, in.streams};
+  sh.row_stride = row_stride;
+  sh.stream_cols = stream_cols;
+  AT_DISPATCH_FLOATING_TYPES(ptab.scalar_type(), "ttm_bag_forward_halves", [&] {
+    using T_ = scalar_t;
+    pool_bags(sh, ptab.data_ptr<T_>(), stab.data_ptr<T_>(), pkeys.data_ptr<int32_t>(), skeys.data_ptr<int32_t>(),
+              in.offsets.data_ptr<int64_t>(), in.B, in.weighted ? in.weights.data_ptr<T_>() : nullptr,
+              out.data_ptr<T_>());
+  });
+}
+
+}  // namespace
+
+// The forward over whole halves, out (B, D) as ttm_bag_forward gives it.
+torch::Tensor ttm_bag_forward_halves(torch::Tensor ptab, torch::Tensor stab, torch::Tensor ids, torch::Tensor trains,
+                                     torch::Tensor offsets, torch::Tensor weights, int64_t dim, int64_t batch,
+                                     int64_t T, int64_t Nr) {
+  const BagInputs in = bag_inputs("ttm_bag_forward_halves", ids, trains, offsets, weights, ptab.scalar_type(), batch);
+  auto out = bag_output(in, dim, batch, ptab.options());
+  pool_over_halves(ptab, stab, in, dim, batch, T, Nr, 0, nullptr, out);
+  return out;
+}
+
+// The same forward into out: bag (stream f, sample b) at out + b * row_stride +
+// stream_cols[f] (batch > 0, a column offset per stream), every bag written. A caller that
+// lays several lookups' bags side by side (the scoring operator's (B, F, D)) has them
+// written there, with no copy after.
+void ttm_bag_forward_halves_into(torch::Tensor ptab, torch::Tensor stab, torch::Tensor ids, torch::Tensor trains,
+                                 torch::Tensor offsets, torch::Tensor weights, int64_t dim, int64_t batch, int64_t T,
+                                 int64_t Nr, torch::Tensor out, int64_t row_stride,
+                                 const std::vector<int64_t>& stream_cols) {
   const BagInputs in = bag_inputs("ttm_bag_forward_halves", ids, trains, offsets, weights, ptab.scalar_type(), batch);
   TORCH_CHECK(batch > 0 && static_cast<int64_t>(stream_cols.size()) == in.streams && out.is_contiguous() &&
                   out.scalar_type() == ptab.scalar_type(),
@@ -782,40 +816,7 @@ void ttm_bag_forward_halves_into(torch::Tensor ptab, torch::Tensor stab, torch::
     TORCH_CHECK(col >= 0 && col + dim <= row_stride && (batch - 1) * row_stride + col + dim <= out.numel(),
                 "ttm_bag_forward_halves: a stream's columns [", col, ", ", col + dim, ") outside rows of ", row_stride,
                 " values, or the output");
-  auto iopt = torch::TensorOptions().dtype(torch::kInt);
-  auto pkeys = torch::empty({in.N}, iopt), skeys = torch::empty({in.N}, iopt);
-  keys_of_ids(in.ids.data_ptr<int64_t>(), in.has_trains ? in.trains.data_ptr<int64_t>() : nullptr, in.N, T, Nl, Nr,
-              pkeys.data_ptr<int32_t>(), skeys.data_ptr<int32_t>());
-  PoolShape sh{Ml, Mr, rp, dim, batch, in.streams};
-  sh.row_stride = row_stride;
-  sh.stream_cols = stream_cols.data();
-  AT_DISPATCH_FLOATING_TYPES(ptab.scalar_type(), "ttm_bag_forward_halves", [&] {
-    using T_ = scalar_t;
-    pool_bags(sh, ptab.data_ptr<T_>(), stab.data_ptr<T_>(), pkeys.data_ptr<int32_t>(), skeys.data_ptr<int32_t>(),
-              in.offsets.data_ptr<int64_t>(), in.B, in.weighted ? in.weights.data_ptr<T_>() : nullptr,
-              out.data_ptr<T_>());
-  });
-}
-
-// The same forward, out (B, D) as ttm_bag_forward gives it.
-torch::Tensor ttm_bag_forward_halves(torch::Tensor ptab, torch::Tensor stab, torch::Tensor ids, torch::Tensor trains,
-                                     torch::Tensor offsets, torch::Tensor weights, int64_t dim, int64_t batch,
-                                     int64_t T, int64_t Nr) {
-  TORCH_CHECK(ptab.dim() == 3, "ttm_bag_forward_halves: halves must be contiguous (U, M, rp) of one rank and dtype, got ",
-              ptab.sizes(), " and ", stab.sizes());
-  const BagInputs in = bag_inputs("ttm_bag_forward_halves", ids, trains, offsets, weights, ptab.scalar_type(), batch);
-  auto out = bag_output(in, dim, batch, ptab.options());
-  if (batch == 0) {  // one stream: its bags are the rows
-    if (in.B == 0) return out;
-    std::vector<int64_t> cols{0};
-    ttm_bag_forward_halves_into(ptab, stab, in.ids, trains, in.offsets, weights, dim, in.B, T, Nr, out, dim, cols);
-    return out;
-  }
-  std::vector<int64_t> cols(in.streams);
-  for (int64_t f = 0; f < in.streams; ++f) cols[f] = f * dim;
-  ttm_bag_forward_halves_into(ptab, stab, in.ids, trains, in.offsets, weights, dim, batch, T, Nr, out,
-                              in.streams * dim, cols);
-  return out;
+  pool_over_halves(ptab, stab, in, dim, batch, T, Nr, row_stride, stream_cols.data(), out);
 }
 
 // Backward. Returns the gradients of the d cores, then of the weights (undefined unless
