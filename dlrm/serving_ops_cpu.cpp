@@ -31,7 +31,8 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
 torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse);
 torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
                                std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
-                               int64_t block_rows);
+                               int64_t block_rows, torch::Tensor next_left, torch::Tensor next_right,
+                               torch::Tensor next_bias, bool next_relu);
 
 namespace {
 
@@ -223,21 +224,33 @@ torch::Tensor pairwise_dots_meta(const torch::Tensor& dense, const torch::Tensor
   return at::empty_symint({dense.sym_size(0), dense.sym_size(1) + n * (n - 1) / 2}, dense.options());
 }
 
+// Whether a cross net of these inputs is two plain products per layer (kPackedRows).
+bool few_cross_rows(const std::vector<torch::Tensor>& x0_parts, const std::vector<torch::Tensor>& lefts,
+                    const std::vector<torch::Tensor>& rights, const std::vector<torch::Tensor>& biases) {
+  return !x0_parts.empty() && x0_parts[0].dim() == 2 && x0_parts[0].size(0) < kPackedRows &&
+         rights.size() == lefts.size() && biases.size() == lefts.size();
+}
+
+// few_cross_rows' cross net: x0_parts joined, then each layer's products.
+torch::Tensor cross_by_products(const std::vector<torch::Tensor>& x0_parts, const std::vector<torch::Tensor>& lefts,
+                                const std::vector<torch::Tensor>& rights, const std::vector<torch::Tensor>& biases) {
+  const auto x0 = x0_parts.size() == 1 ? x0_parts[0] : at::cat(x0_parts, 1);
+  auto x = x0;
+  for (size_t k = 0; k < lefts.size(); ++k) {
+    const auto t = at::mm(x, lefts[k]);
+    x = at::addcmul(x, x0, biases[k].numel() ? at::addmm(biases[k], t, rights[k]) : at::mm(t, rights[k]));
+  }
+  return x;
+}
+
 // A DCN cross net, x_{k+1} = x_k + x0 * ((x_k @ left_k) @ right_k + bias_k), x0 the column
 // blocks x0_parts side by side (never joined into one tensor); empty biases: none.
 torch::Tensor tt_cross(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
                        std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases, int64_t block_rows) {
-  if (!x0_parts.empty() && x0_parts[0].dim() == 2 && x0_parts[0].size(0) < kPackedRows &&
-      rights.size() == lefts.size() && biases.size() == lefts.size()) {
-    const auto x0 = x0_parts.size() == 1 ? x0_parts[0] : at::cat(x0_parts, 1);
-    auto x = x0;
-    for (size_t k = 0; k < lefts.size(); ++k) {
-      const auto t = at::mm(x, lefts[k]);
-      x = at::addcmul(x, x0, biases[k].numel() ? at::addmm(biases[k], t, rights[k]) : at::mm(t, rights[k]));
-    }
-    return x;
-  }
-  return tt_cross_forward(std::move(x0_parts), std::move(lefts), std::move(rights), std::move(biases), block_rows);
+  if (few_cross_rows(x0_parts, lefts, rights, biases)) return cross_by_products(x0_parts, lefts, rights, biases);
+  const auto none = torch::empty({0}, x0_parts[0].options());
+  return tt_cross_forward(std::move(x0_parts), std::move(lefts), std::move(rights), std::move(biases), block_rows,
+                          none, none, none, false);
 }
 
 torch::Tensor tt_cross_meta(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
@@ -246,6 +259,29 @@ torch::Tensor tt_cross_meta(std::vector<torch::Tensor> x0_parts, std::vector<tor
   c10::SymInt width = 0;
   for (const auto& part : x0_parts) width = width + part.sym_size(1);
   return at::empty_symint({x0_parts[0].sym_size(0), width}, x0_parts[0].options());
+}
+
+// tt_linear(tt_cross(...), left, right, bias, relu) in one pass: the net's (B, N) output is
+// never written (a DCN's cross net, then its top MLP's first layer).
+torch::Tensor tt_cross_linear(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
+                              std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases, int64_t block_rows,
+                              const torch::Tensor& left, const torch::Tensor& right,
+                              const std::optional<torch::Tensor>& bias, bool relu) {
+  if (few_cross_rows(x0_parts, lefts, rights, biases))
+    return tt_linear(cross_by_products(x0_parts, lefts, rights, biases), left, right, bias, relu);
+  TORCH_CHECK(left.numel() > 0, "tt_cross_linear: the next layer's left is empty");
+  const auto b = bias.has_value() ? *bias : torch::empty({0}, left.options());
+  return tt_cross_forward(std::move(x0_parts), std::move(lefts), std::move(rights), std::move(biases), block_rows,
+                          left, right, b, relu);
+}
+
+torch::Tensor tt_cross_linear_meta(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
+                                   std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
+                                   int64_t block_rows, const torch::Tensor& left, const torch::Tensor& right,
+                                   const std::optional<torch::Tensor>& bias, bool relu) {
+  TORCH_CHECK(!x0_parts.empty() && x0_parts[0].dim() == 2 && right.dim() == 2,
+              "tt_cross_linear: x0 needs at least one (B, N_p) column block, right must be a matrix");
+  return at::empty_symint({x0_parts[0].sym_size(0), right.sym_size(1)}, x0_parts[0].options());
 }
 
 }  // namespace
@@ -257,6 +293,9 @@ TORCH_LIBRARY(comera_rec, m) {
   m.def("tt_linear(Tensor x, Tensor left, Tensor right, Tensor? bias, bool relu) -> Tensor");
   m.def("pairwise_dots(Tensor dense, Tensor sparse) -> Tensor");
   m.def("tt_cross(Tensor[] x0_parts, Tensor[] lefts, Tensor[] rights, Tensor[] biases, int block_rows) -> Tensor");
+  m.def(
+      "tt_cross_linear(Tensor[] x0_parts, Tensor[] lefts, Tensor[] rights, Tensor[] biases, int block_rows, "
+      "Tensor left, Tensor right, Tensor? bias, bool relu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(comera_rec, CPU, m) {
@@ -264,6 +303,7 @@ TORCH_LIBRARY_IMPL(comera_rec, CPU, m) {
   m.impl("tt_linear", &tt_linear);
   m.impl("pairwise_dots", &pairwise_dots);
   m.impl("tt_cross", &tt_cross);
+  m.impl("tt_cross_linear", &tt_cross_linear);
 }
 
 TORCH_LIBRARY_IMPL(comera_rec, Meta, m) {
@@ -271,4 +311,5 @@ TORCH_LIBRARY_IMPL(comera_rec, Meta, m) {
   m.impl("tt_linear", &tt_linear_meta);
   m.impl("pairwise_dots", &pairwise_dots_meta);
   m.impl("tt_cross", &tt_cross_meta);
+  m.impl("tt_cross_linear", &tt_cross_linear_meta);
 }

@@ -282,3 +282,33 @@ def test_serving_layers_equal_float64_and_fuse_the_relu(relu: bool, bias: bool) 
         assert ("aten._addmm_activation.default" in ops) == fused, ops
         assert ("aten.relu.default" in ops) == (relu and not fused), ops
         torch.testing.assert_close(program.module()(inp), form(inp), rtol=0, atol=0)
+
+
+def test_the_top_mlps_first_tt_layer_moves_into_the_cross_net_with_kernels() -> None:
+    from torch import nn
+
+    from comera_rec.dlrm.export_layers import ServingTTLinear, fuse_cross_net_and_top_layer, serving_dense_part
+
+    config = replace(TINY, compressed=True, interaction="dcn", dcn_num_layers=2, dcn_low_rank=16)
+    model = build_dlrm(config).eval()
+    first = model.over_arch.model[0]._mlp[0]._linear
+    assert isinstance(first, TTLinear)
+    # without kernels: the parts stay as they are
+    assert serving_model(model).inter_arch.crossnet.next_layer is None
+    plain_inter = serving_dense_part(model.inter_arch, "inter_arch")
+    plain_over = serving_dense_part(model.over_arch, "over_arch")
+    assert not fuse_cross_net_and_top_layer(plain_inter, plain_over)
+    # with kernels (the parts' forms; calling them needs the operator library)
+    inter = serving_dense_part(model.inter_arch, "inter_arch", kernels=True)
+    over = serving_dense_part(model.over_arch, "over_arch", kernels=True)
+    assert fuse_cross_net_and_top_layer(inter, over)
+    moved = inter.crossnet.next_layer
+    assert isinstance(moved, ServingTTLinear) and moved.kernels
+    assert isinstance(over.model[0]._mlp[0]._linear, nn.Identity)
+    assert isinstance(model.over_arch.model[0]._mlp[0]._linear, TTLinear)  # the trained model is left as it was
+    assert not fuse_cross_net_and_top_layer(inter, over)  # once only
+    # a dot interaction has no cross net to take it
+    dot = build_dlrm(replace(TINY, compressed=True)).eval()
+    over_dot = serving_dense_part(dot.over_arch, "over_arch", kernels=True)
+    assert not fuse_cross_net_and_top_layer(serving_dense_part(dot.inter_arch, "inter_arch", kernels=True), over_dot)
+    assert isinstance(over_dot.model[0]._mlp[0]._linear, ServingTTLinear)

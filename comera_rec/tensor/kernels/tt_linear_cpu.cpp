@@ -464,6 +464,14 @@ struct CrossTiles {
   }
 };
 
+// One TT linear over a block of rows (L.B of them), tile after tile, in the calling thread.
+template <typename T, int V>
+struct LinearTiles {
+  static void run(const Layer<T>& L, bool relu, T* y) {
+    for (int64_t b0 = 0; b0 < L.B; b0 += kTile) forward_tile<T, V>(L, b0, relu, nullptr, y);
+  }
+};
+
 template <typename T, int V>
 struct BackwardRows {
   static void run(const Layer<T>& L, const Grads<T>& d, int64_t chunks, int64_t chunk_rows, T* gL, T* gR, T* gB) {
@@ -599,9 +607,16 @@ torch::Tensor tt_linear_forward_packed(torch::Tensor x, std::vector<torch::Tenso
 // dense features then the pooled embeddings): with more than one, each thread copies its
 // block's rows of them into one (block_rows, N) buffer, which then serves as x_0, so the
 // (B, N) concatenation is never made.
+//
+// With a next layer (next_left not empty) the net's output goes on through one TT linear,
+// relu?((x_L @ next_left) @ next_right + next_bias), block by block while the block's x_L
+// is in cache, and that layer's (B, n_next) output is returned: the net's (B, N) output is
+// never written to memory nor read back (MLPerf at 4096 rows: 56 MB each way; not writing
+// it made the net 1.15x faster on a 2-core AVX2 EPYC).
 torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
                                std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
-                               int64_t block_rows) {
+                               int64_t block_rows, torch::Tensor next_left, torch::Tensor next_right,
+                               torch::Tensor next_bias, bool next_relu) {
   const auto layers = lefts.size();
   TORCH_CHECK(layers >= 1 && rights.size() == layers && biases.size() == layers, "tt_cross: ", lefts.size(),
               " lefts, ", rights.size(), " rights and ", biases.size(), " biases; one each per layer, at least one");
@@ -624,7 +639,10 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
     TORCH_CHECK(rights[k].size(1) == n, "tt_cross: layer ", k, " has ", rights[k].size(1), " outputs for ", n,
                 " input features; a cross layer keeps its width");
   }
-  auto out = torch::empty({B, n}, x0_parts[0].options());
+  const bool then = next_left.numel() > 0;  // a next layer takes the net's output
+  if (then) check_inputs(like, next_left, next_right, next_bias);
+  const int64_t n_out = then ? next_right.size(1) : n;
+  auto out = torch::empty({B, n_out}, x0_parts[0].options());
   AT_DISPATCH_FLOATING_TYPES(x0_parts[0].scalar_type(), "tt_cross_forward", [&] {
     using T = scalar_t;
     constexpr int64_t W = kLanes<T>;
@@ -633,6 +651,12 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
     for (size_t k = 0; k < layers; ++k) {
       const auto operands = forward_operands<T>(lefts[k], rights[k], biases[k]);
       L[k] = forward_layer<T>(like, operands, lefts[k].size(1), n);
+      kept.insert(kept.end(), operands.begin(), operands.end());
+    }
+    Layer<T> next;
+    if (then) {
+      const auto operands = forward_operands<T>(next_left, next_right, next_bias);
+      next = forward_layer<T>(like, operands, next_left.size(1), n_out);
       kept.insert(kept.end(), operands.begin(), operands.end());
     }
     std::vector<const T*> part_ptr;
@@ -646,6 +670,7 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
     const int64_t blocks = (B + block_rows - 1) / block_rows;
     at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
       std::vector<T> gathered(whole ? 0 : std::min(block_rows, B) * n);  // this thread's block of x0
+      std::vector<T> net_out(then ? std::min(block_rows, B) * n : 0);     // its block of x_k, not returned
       for (int64_t blk = lo; blk < hi; ++blk) {
         const int64_t b0 = blk * block_rows, rows = std::min(block_rows, B - b0);
         const T* x0_block = whole ? part_ptr[0] + b0 * n : gathered.data();
@@ -659,12 +684,19 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
             }
           }
         }
+        T* x_block = then ? net_out.data() : out_ptr + b0 * n;
         for (size_t k = 0; k < layers; ++k) {
           Layer<T> block = L[k];
           block.B = rows;
-          block.x = k == 0 ? x0_block : out_ptr + b0 * n;
+          block.x = k == 0 ? x0_block : x_block;
           block.x0 = x0_block;
-          with_vectors<T, CrossTiles>(block.R / W, block, out_ptr + b0 * n);
+          with_vectors<T, CrossTiles>(block.R / W, block, x_block);
+        }
+        if (then) {
+          Layer<T> head = next;
+          head.B = rows;
+          head.x = x_block;
+          with_vectors<T, LinearTiles>(head.R / W, head, next_relu, out_ptr + b0 * n_out);
         }
       }
     });

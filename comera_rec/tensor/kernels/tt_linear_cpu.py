@@ -138,6 +138,8 @@ def tt_cross_cpu(
     x0: torch.Tensor | Sequence[torch.Tensor],
     layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     block_rows: int | None = None,
+    next_layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    next_relu: bool = False,
 ) -> torch.Tensor:
     """A DCN cross net for scoring: ``x_{k+1} = x_k + x0 * ((x_k @ left_k) @ right_k +
     bias_k)`` from ``x_0 = x0``, each layer's two projections merged into one TT weight, in
@@ -156,9 +158,14 @@ def tt_cross_cpu(
         layers: ``(left (N, r_k), right (r_k, N), bias (N,) or None)`` per layer.
         block_rows: rows a thread takes through every layer at a time
             (:data:`CROSS_BLOCK_ROWS` by default).
+        next_layer: ``(left (N, r), right (r, N_out), bias (N_out,) or None)``, a TT linear
+            that takes the net's output block by block while it is in cache (a DCN's top
+            MLP's first layer): its output is returned, and the net's ``(B, N)`` output is
+            never written to memory.
+        next_relu: apply the ReLU to ``next_layer``'s output.
 
     Returns:
-        ``(B, N)``, a new tensor.
+        ``(B, N)``, or ``(B, N_out)`` with ``next_layer``; a new tensor.
 
     Raises:
         RuntimeError: gradients would be needed, no layers, or shapes that do not fit
@@ -173,19 +180,34 @@ def tt_cross_cpu(
         True
         >>> torch.allclose(tt_cross_cpu([x0[:, :6], x0[:, 6:]], [(left, right, None)]), want, atol=1e-5)
         True
+        >>> top_left, top_right = torch.randn(16, 3), torch.randn(3, 5)
+        >>> y = tt_cross_cpu(x0, [(left, right, None)], next_layer=(top_left, top_right, None), next_relu=True)
+        >>> torch.allclose(y, torch.relu(want @ top_left @ top_right), atol=1e-4)
+        True
     """
     parts = [x0] if isinstance(x0, torch.Tensor) else list(x0)
-    if records_grad(*parts, *(t for layer in layers for t in layer)):
+    after = list(next_layer) if next_layer is not None else []
+    if records_grad(*parts, *(t for layer in [*layers, after] for t in layer)):
         raise RuntimeError("tt_cross_cpu: scoring only; with gradients call the layers one by one")
     if block_rows is None:
         block_rows = CROSS_BLOCK_ROWS
     empty = _EMPTY.to(parts[0].dtype) if parts else _EMPTY
+    if next_layer is None:
+        next_left, next_right, next_bias = empty, empty, empty
+    else:
+        next_left, next_right, next_bias = next_layer
+        if next_left.numel() == 0:
+            raise RuntimeError("tt_cross_cpu: next_layer's left is empty")
     return extension().tt_cross_forward(
         parts,
         [left for left, _, _ in layers],
         [right for _, right, _ in layers],
         [bias if bias is not None else empty for _, _, bias in layers],
         int(block_rows),
+        next_left,
+        next_right,
+        next_bias if next_bias is not None else empty,
+        bool(next_relu),
     )
 
 
