@@ -27,8 +27,8 @@ are calls of the fused CPU kernels as PyTorch operators instead (``torch.ops.com
 eager compressed model. Such a program runs where the operator library is loaded
 (``torch.ops.load_library``, before ``torch.export.load``), still without comera-rec's
 Python code or TorchRec; :func:`load_exported` loads it when a program needs it. A DCN
-model's TT cross net and its top MLP's first TT layer are then one call
-(:func:`~comera_rec.dlrm.export_layers.fuse_cross_net_and_top_layer`).
+model's TT cross net and its top MLP's TT layers are then one call
+(:func:`~comera_rec.dlrm.export_layers.fuse_cross_net_and_top_mlp`).
 
 Inputs of the program: ``dense_features (B, 13)`` float, and the KeyedJaggedTensor as
 ``values (N,)`` and ``lengths (F, B)`` (its key-major lengths, one row per feature in
@@ -59,7 +59,7 @@ from comera_rec.dlrm.export_layers import (  # noqa: F401
     ServingLinear,
     ServingPairwiseDot,
     ServingTTLinear,
-    fuse_cross_net_and_top_layer,
+    fuse_cross_net_and_top_mlp,
     serving_dense_part,
 )
 from comera_rec.dlrm.export_lookup import ServingLookup
@@ -105,7 +105,7 @@ class ServingDLRM(nn.Module):
         self.inter_arch = serving_dense_part(model.inter_arch, "inter_arch", kernels)
         self.over_arch = serving_dense_part(model.over_arch, "over_arch", kernels)
         if kernels:
-            fuse_cross_net_and_top_layer(self.inter_arch, self.over_arch)
+            fuse_cross_net_and_top_mlp(self.inter_arch, self.over_arch)
 
     def forward(self, dense_features: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, 1)`` of ``dense_features (B, in)``, ids ``values (N,)`` and ``lengths (F, B)``."""

@@ -1,13 +1,12 @@
 """The dense parts of a DLRM's inference form (:mod:`comera_rec.dlrm.export`): linear and
 TT layers with their chains merged, a TT cross net with each layer's projections merged into
 one weight, the pairwise-dot interaction without its kernel, :func:`serving_dense_part`,
-which swaps them into a copy of a dense arch, and :func:`fuse_cross_net_and_top_layer`,
-which hands a DCN top MLP's first layer to the cross net's kernel."""
+which swaps them into a copy of a dense arch, and :func:`fuse_cross_net_and_top_mlp`,
+which hands a DCN top MLP's TT layers to the cross net's kernel."""
 
 from __future__ import annotations
 
 import copy
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -137,10 +136,11 @@ class ServingCrossNet(nn.Module):
             where they are (:meth:`forward_blocks`).
 
     Attributes:
-        next_layer: a TT layer applied to the net's output, or None (the default). With
-            ``kernels``, net and layer are one ``torch.ops.comera_rec.tt_cross_linear``
-            call, which never writes the net's ``(B, N)`` output to memory
-            (:func:`fuse_cross_net_and_top_layer` sets it).
+        next_layers: TT layers applied to the net's output one after the other (none by
+            default). With ``kernels``, net and layers are one
+            ``torch.ops.comera_rec.tt_cross_mlp`` call, which writes neither the net's
+            ``(B, N)`` output nor the layers' own but the last to memory
+            (:func:`fuse_cross_net_and_top_mlp` sets them).
     """
 
     __module__ = "comera_rec.dlrm.export"  # its public home (re-exported there): exported programs and pickles name it
@@ -154,7 +154,7 @@ class ServingCrossNet(nn.Module):
         self.lefts = nn.ParameterList([nn.Parameter(left.detach().clone(), requires_grad=False) for left, _ in merged])
         self.rights = nn.ParameterList([nn.Parameter(r.detach().clone(), requires_grad=False) for _, r in merged])
         self.biases = nn.ParameterList([nn.Parameter(b.detach().clone(), requires_grad=False) for b in net.bias])
-        self.next_layer: Optional[ServingTTLinear] = None
+        self.next_layers = nn.ModuleList()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.kernels:
@@ -163,18 +163,28 @@ class ServingCrossNet(nn.Module):
         x = x0
         for left, right, bias in zip(self.lefts, self.rights, self.biases):
             x = torch.addcmul(x, x0, torch.addmm(bias, x @ left, right))
-        return x if self.next_layer is None else self.next_layer(x)
+        for layer in self.next_layers:
+            x = layer(x)
+        return x
 
     def forward_blocks(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """``self(torch.cat(blocks, dim=1))``; with ``kernels`` the blocks are not joined."""
         if not self.kernels:
             return self(torch.cat(blocks, dim=1))
         lefts, rights, biases = list(self.lefts), list(self.rights), list(self.biases)
-        after = self.next_layer
-        if after is None:
+        if len(self.next_layers) == 0:
             return torch.ops.comera_rec.tt_cross(blocks, lefts, rights, biases, self.block_rows)
-        return torch.ops.comera_rec.tt_cross_linear(
-            blocks, lefts, rights, biases, self.block_rows, after.left, after.right, after.bias, after.relu
+        after: list[ServingTTLinear] = list(self.next_layers)
+        return torch.ops.comera_rec.tt_cross_mlp(
+            blocks,
+            lefts,
+            rights,
+            biases,
+            self.block_rows,
+            [layer.left for layer in after],
+            [layer.right for layer in after],
+            [layer.bias if layer.bias is not None else layer.right.new_empty(0) for layer in after],
+            [layer.relu for layer in after],
         )
 
 
@@ -213,41 +223,39 @@ def serving_dense_part(module: nn.Module, where: str, kernels: bool = False) -> 
     return out
 
 
-def _first_layer(over_arch: nn.Module) -> Optional[tuple[nn.Module, str, nn.Module]]:
-    """``(parent, name, layer)``: the layer ``over_arch`` applies to its input first, found
-    through TorchRec's ``OverArch``, ``MLP``, ``Perceptron`` (with no activation of its own)
-    and ``nn.Sequential``; None where the first step is anything else."""
-    parent: Optional[nn.Module] = None
-    name, module = "", over_arch
+def _perceptrons(over_arch: nn.Module) -> list[nn.Module]:
+    """The layers of the MLP that ``over_arch`` applies to its input first, found through
+    TorchRec's ``OverArch``, ``MLP`` and ``nn.Sequential``; empty where it begins otherwise."""
+    module = over_arch
     while True:
         if isinstance(module, OverArch):
-            parent, name, module = module, "model", module.model
+            module = module.model
         elif isinstance(module, MLP):
-            parent, name, module = module, "_mlp", module._mlp
-        elif isinstance(module, nn.Sequential) and len(module) > 0:
-            parent, name, module = module, "0", module[0]
-        elif isinstance(module, Perceptron) and isinstance(module._activation_fn, nn.Identity):
-            parent, name, module = module, "_linear", module._linear
+            module = module._mlp
+        elif isinstance(module, nn.Sequential) and len(module) > 0 and not isinstance(module[0], Perceptron):
+            module = module[0]
         else:
-            return None if parent is None else (parent, name, module)
+            return list(module) if isinstance(module, nn.Sequential) else []
 
 
-def fuse_cross_net_and_top_layer(inter_arch: nn.Module, over_arch: nn.Module) -> bool:
-    """Move the first layer of a DCN's top MLP into its cross net's kernel call.
+def fuse_cross_net_and_top_mlp(inter_arch: nn.Module, over_arch: nn.Module) -> int:
+    """Move the leading TT layers of a DCN's top MLP into its cross net's kernel call.
 
     Where ``inter_arch`` is a DCN interaction whose cross net is a :class:`ServingCrossNet`
-    with kernels and ``over_arch`` first applies a :class:`ServingTTLinear` with kernels,
-    that layer becomes the cross net's ``next_layer`` and an ``nn.Identity`` takes its place
-    in ``over_arch``: ``over_arch(inter_arch(...))`` computes the same, and the cross net's
-    ``(B, N)`` output (MLPerf's 3456 columns) is never written to memory and read back.
-    Both modules are changed in place (serving copies, see :func:`serving_dense_part`).
+    with kernels and ``over_arch``'s MLP begins with perceptrons whose layer is a
+    :class:`ServingTTLinear` with kernels (no activation of their own: a TT layer applies
+    its ReLU itself), those layers become the cross net's ``next_layers`` and
+    ``nn.Identity`` takes their place in ``over_arch``: ``over_arch(inter_arch(...))``
+    computes the same, and neither the cross net's ``(B, N)`` output (MLPerf's 3456
+    columns) nor those layers' outputs are written to memory and read back. Both modules
+    are changed in place (serving copies, see :func:`serving_dense_part`).
 
     Args:
         inter_arch: the interaction of a serving DLRM.
         over_arch: its over arch.
 
     Returns:
-        Whether the layer was moved (False, and nothing changed, for any other model).
+        How many layers moved (0, and nothing changed, for any other model).
 
     Example::
 
@@ -256,20 +264,25 @@ def fuse_cross_net_and_top_layer(inter_arch: nn.Module, over_arch: nn.Module) ->
         >>> cfg = DLRMConfig(table_sizes=[100, 50], embedding_dim=8, bottom_mlp=[16, 8],
         ...                  top_mlp=[16, 1], rank=4, min_params_to_compress=0)
         >>> model = build_dlrm(cfg)  # a dot interaction: nothing to fuse
-        >>> fuse_cross_net_and_top_layer(model.inter_arch, model.over_arch)
-        False
+        >>> fuse_cross_net_and_top_mlp(model.inter_arch, model.over_arch)
+        0
     """
     crossnet = getattr(inter_arch, "crossnet", None)
     if not (isinstance(inter_arch, InteractionDCNArch) and isinstance(crossnet, ServingCrossNet) and crossnet.kernels):
-        return False
-    if crossnet.next_layer is not None:
-        return False
-    found = _first_layer(over_arch)
-    if found is None:
-        return False
-    parent, name, layer = found
-    if not (isinstance(layer, ServingTTLinear) and layer.kernels):
-        return False
-    crossnet.next_layer = layer
-    setattr(parent, name, nn.Identity())
-    return True
+        return 0
+    if len(crossnet.next_layers) > 0:
+        return 0
+    moved = 0
+    for perceptron in _perceptrons(over_arch):
+        layer = getattr(perceptron, "_linear", None)
+        if not (
+            isinstance(perceptron, Perceptron)
+            and isinstance(perceptron._activation_fn, nn.Identity)
+            and isinstance(layer, ServingTTLinear)
+            and layer.kernels
+        ):
+            break
+        crossnet.next_layers.append(layer)
+        perceptron._linear = nn.Identity()
+        moved += 1
+    return moved

@@ -1,6 +1,7 @@
 // The fused CPU scoring kernels as PyTorch operators, torch.ops.comera_rec.*, for exported
-// DLRM programs (TTM lookups, TT layers, the pairwise-dot interaction, the DCN cross net) (comera_rec/dlrm/export.py, kernels=True). A library of its own, built from
-// the kernels' sources without their Python bindings (COMERA_OPERATOR_LIBRARY), so that a
+// DLRM programs (TTM lookups, TT layers, the pairwise-dot interaction, the DCN cross net alone
+// or with the top MLP's TT layers) (comera_rec/dlrm/export.py, kernels=True). A library of its
+// own, built from the kernels' sources without their Python bindings (COMERA_OPERATOR_LIBRARY), so that a
 // server loads it with torch.ops.load_library alone: no comera-rec, no TorchRec. Each
 // operator has a Meta kernel (the output's shape) for torch.export to trace it.
 //
@@ -31,8 +32,9 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
 torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse);
 torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
                                std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
-                               int64_t block_rows, torch::Tensor next_left, torch::Tensor next_right,
-                               torch::Tensor next_bias, bool next_relu);
+                               int64_t block_rows, std::vector<torch::Tensor> next_lefts,
+                               std::vector<torch::Tensor> next_rights, std::vector<torch::Tensor> next_biases,
+                               std::vector<bool> next_relus);
 
 namespace {
 
@@ -248,9 +250,8 @@ torch::Tensor cross_by_products(const std::vector<torch::Tensor>& x0_parts, cons
 torch::Tensor tt_cross(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
                        std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases, int64_t block_rows) {
   if (few_cross_rows(x0_parts, lefts, rights, biases)) return cross_by_products(x0_parts, lefts, rights, biases);
-  const auto none = torch::empty({0}, x0_parts[0].options());
-  return tt_cross_forward(std::move(x0_parts), std::move(lefts), std::move(rights), std::move(biases), block_rows,
-                          none, none, none, false);
+  return tt_cross_forward(std::move(x0_parts), std::move(lefts), std::move(rights), std::move(biases), block_rows, {},
+                          {}, {}, {});
 }
 
 torch::Tensor tt_cross_meta(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
@@ -261,27 +262,36 @@ torch::Tensor tt_cross_meta(std::vector<torch::Tensor> x0_parts, std::vector<tor
   return at::empty_symint({x0_parts[0].sym_size(0), width}, x0_parts[0].options());
 }
 
-// tt_linear(tt_cross(...), left, right, bias, relu) in one pass: the net's (B, N) output is
-// never written (a DCN's cross net, then its top MLP's first layer).
-torch::Tensor tt_cross_linear(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
-                              std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases, int64_t block_rows,
-                              const torch::Tensor& left, const torch::Tensor& right,
-                              const std::optional<torch::Tensor>& bias, bool relu) {
-  if (few_cross_rows(x0_parts, lefts, rights, biases))
-    return tt_linear(cross_by_products(x0_parts, lefts, rights, biases), left, right, bias, relu);
-  TORCH_CHECK(left.numel() > 0, "tt_cross_linear: the next layer's left is empty");
-  const auto b = bias.has_value() ? *bias : torch::empty({0}, left.options());
+// The cross net, then the TT layers of an MLP, relu_j?((x @ mlp_lefts[j]) @ mlp_rights[j] +
+// mlp_biases[j]) (empty bias: none), in one pass: the net's (B, N) output and the layers' own
+// outputs but the last are never written (a DCN's cross net, then its top MLP's TT layers).
+torch::Tensor tt_cross_mlp(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
+                           std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases, int64_t block_rows,
+                           std::vector<torch::Tensor> mlp_lefts, std::vector<torch::Tensor> mlp_rights,
+                           std::vector<torch::Tensor> mlp_biases, const c10::List<bool>& relu_list) {
+  TORCH_CHECK(!mlp_lefts.empty(), "tt_cross_mlp: no MLP layers (tt_cross is the net alone)");
+  std::vector<bool> relus(relu_list.begin(), relu_list.end());
+  if (few_cross_rows(x0_parts, lefts, rights, biases) && mlp_rights.size() == mlp_lefts.size() &&
+      mlp_biases.size() == mlp_lefts.size() && relus.size() == mlp_lefts.size()) {
+    auto x = cross_by_products(x0_parts, lefts, rights, biases);
+    for (size_t j = 0; j < mlp_lefts.size(); ++j) {
+      const auto bias = mlp_biases[j].numel() ? std::optional<torch::Tensor>(mlp_biases[j]) : std::nullopt;
+      x = tt_linear(x, mlp_lefts[j], mlp_rights[j], bias, relus[j]);
+    }
+    return x;
+  }
   return tt_cross_forward(std::move(x0_parts), std::move(lefts), std::move(rights), std::move(biases), block_rows,
-                          left, right, b, relu);
+                          std::move(mlp_lefts), std::move(mlp_rights), std::move(mlp_biases), std::move(relus));
 }
 
-torch::Tensor tt_cross_linear_meta(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
-                                   std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
-                                   int64_t block_rows, const torch::Tensor& left, const torch::Tensor& right,
-                                   const std::optional<torch::Tensor>& bias, bool relu) {
-  TORCH_CHECK(!x0_parts.empty() && x0_parts[0].dim() == 2 && right.dim() == 2,
-              "tt_cross_linear: x0 needs at least one (B, N_p) column block, right must be a matrix");
-  return at::empty_symint({x0_parts[0].sym_size(0), right.sym_size(1)}, x0_parts[0].options());
+torch::Tensor tt_cross_mlp_meta(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
+                                std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
+                                int64_t block_rows, std::vector<torch::Tensor> mlp_lefts,
+                                std::vector<torch::Tensor> mlp_rights, std::vector<torch::Tensor> mlp_biases,
+                                const c10::List<bool>& relus) {
+  TORCH_CHECK(!x0_parts.empty() && x0_parts[0].dim() == 2 && !mlp_rights.empty() && mlp_rights.back().dim() == 2,
+              "tt_cross_mlp: x0 needs at least one (B, N_p) column block, and the MLP at least one layer");
+  return at::empty_symint({x0_parts[0].sym_size(0), mlp_rights.back().sym_size(1)}, x0_parts[0].options());
 }
 
 }  // namespace
@@ -294,8 +304,8 @@ TORCH_LIBRARY(comera_rec, m) {
   m.def("pairwise_dots(Tensor dense, Tensor sparse) -> Tensor");
   m.def("tt_cross(Tensor[] x0_parts, Tensor[] lefts, Tensor[] rights, Tensor[] biases, int block_rows) -> Tensor");
   m.def(
-      "tt_cross_linear(Tensor[] x0_parts, Tensor[] lefts, Tensor[] rights, Tensor[] biases, int block_rows, "
-      "Tensor left, Tensor right, Tensor? bias, bool relu) -> Tensor");
+      "tt_cross_mlp(Tensor[] x0_parts, Tensor[] lefts, Tensor[] rights, Tensor[] biases, int block_rows, "
+      "Tensor[] mlp_lefts, Tensor[] mlp_rights, Tensor[] mlp_biases, bool[] relus) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(comera_rec, CPU, m) {
@@ -303,7 +313,7 @@ TORCH_LIBRARY_IMPL(comera_rec, CPU, m) {
   m.impl("tt_linear", &tt_linear);
   m.impl("pairwise_dots", &pairwise_dots);
   m.impl("tt_cross", &tt_cross);
-  m.impl("tt_cross_linear", &tt_cross_linear);
+  m.impl("tt_cross_mlp", &tt_cross_mlp);
 }
 
 TORCH_LIBRARY_IMPL(comera_rec, Meta, m) {
@@ -311,5 +321,5 @@ TORCH_LIBRARY_IMPL(comera_rec, Meta, m) {
   m.impl("tt_linear", &tt_linear_meta);
   m.impl("pairwise_dots", &pairwise_dots_meta);
   m.impl("tt_cross", &tt_cross_meta);
-  m.impl("tt_cross_linear", &tt_cross_linear_meta);
+  m.impl("tt_cross_mlp", &tt_cross_mlp_meta);
 }

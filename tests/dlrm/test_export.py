@@ -284,31 +284,39 @@ def test_serving_layers_equal_float64_and_fuse_the_relu(relu: bool, bias: bool) 
         torch.testing.assert_close(program.module()(inp), form(inp), rtol=0, atol=0)
 
 
-def test_the_top_mlps_first_tt_layer_moves_into_the_cross_net_with_kernels() -> None:
+def test_the_top_mlps_tt_layers_move_into_the_cross_net_with_kernels() -> None:
     from torch import nn
 
-    from comera_rec.dlrm.export_layers import ServingTTLinear, fuse_cross_net_and_top_layer, serving_dense_part
+    from comera_rec.dlrm.export_layers import ServingTTLinear, fuse_cross_net_and_top_mlp, serving_dense_part
 
     config = replace(TINY, compressed=True, interaction="dcn", dcn_num_layers=2, dcn_low_rank=16)
     model = build_dlrm(config).eval()
-    first = model.over_arch.model[0]._mlp[0]._linear
-    assert isinstance(first, TTLinear)
+    perceptrons = list(model.over_arch.model[0]._mlp)
+    assert [type(p._linear) for p in perceptrons] == [TTLinear, TTLinear]
     # without kernels: the parts stay as they are
-    assert serving_model(model).inter_arch.crossnet.next_layer is None
+    assert len(serving_model(model).inter_arch.crossnet.next_layers) == 0
     plain_inter = serving_dense_part(model.inter_arch, "inter_arch")
     plain_over = serving_dense_part(model.over_arch, "over_arch")
-    assert not fuse_cross_net_and_top_layer(plain_inter, plain_over)
+    assert fuse_cross_net_and_top_mlp(plain_inter, plain_over) == 0
     # with kernels (the parts' forms; calling them needs the operator library)
     inter = serving_dense_part(model.inter_arch, "inter_arch", kernels=True)
     over = serving_dense_part(model.over_arch, "over_arch", kernels=True)
-    assert fuse_cross_net_and_top_layer(inter, over)
-    moved = inter.crossnet.next_layer
-    assert isinstance(moved, ServingTTLinear) and moved.kernels
-    assert isinstance(over.model[0]._mlp[0]._linear, nn.Identity)
+    assert fuse_cross_net_and_top_mlp(inter, over) == 2
+    moved = list(inter.crossnet.next_layers)
+    assert all(isinstance(m, ServingTTLinear) and m.kernels for m in moved)
+    assert [m.right.shape[1] for m in moved] == [64, 32]  # in the top MLP's order
+    assert all(isinstance(p._linear, nn.Identity) for p in over.model[0]._mlp)
+    assert isinstance(over.model[1], nn.Linear)  # the last layer stays
     assert isinstance(model.over_arch.model[0]._mlp[0]._linear, TTLinear)  # the trained model is left as it was
-    assert not fuse_cross_net_and_top_layer(inter, over)  # once only
-    # a dot interaction has no cross net to take it
+    assert fuse_cross_net_and_top_mlp(inter, over) == 0  # once only
+    # a layer that is not TT ends the run: the ones after it stay where they are
+    over = serving_dense_part(model.over_arch, "over_arch", kernels=True)
+    over.model[0]._mlp[1]._activation_fn = nn.ReLU()
+    inter = serving_dense_part(model.inter_arch, "inter_arch", kernels=True)
+    assert fuse_cross_net_and_top_mlp(inter, over) == 1
+    assert isinstance(over.model[0]._mlp[1]._linear, ServingTTLinear)
+    # a dot interaction has no cross net to take them
     dot = build_dlrm(replace(TINY, compressed=True)).eval()
     over_dot = serving_dense_part(dot.over_arch, "over_arch", kernels=True)
-    assert not fuse_cross_net_and_top_layer(serving_dense_part(dot.inter_arch, "inter_arch", kernels=True), over_dot)
+    assert fuse_cross_net_and_top_mlp(serving_dense_part(dot.inter_arch, "inter_arch", kernels=True), over_dot) == 0
     assert isinstance(over_dot.model[0]._mlp[0]._linear, ServingTTLinear)

@@ -101,32 +101,37 @@ def test_cross_net_operator_equals_the_plain_form() -> None:
     assert torch.ops.comera_rec.tt_cross([x[:2].to("meta"), x[:2, :3].to("meta")], [], [], [], 4).shape == (2, 27)
 
 
-@pytest.mark.parametrize("relu", [True, False])
-def test_cross_net_and_next_layer_operator_equals_the_plain_form(relu: bool) -> None:
+def test_cross_net_and_mlp_operator_equals_the_plain_form() -> None:
     from comera_rec.dlrm.export_layers import ServingCrossNet, ServingTTLinear
     from comera_rec.integration.mlp import TTLowRankCrossNet
     from comera_rec.tensor.linear import TTLinear
 
     torch.manual_seed(0)
     net = TTLowRankCrossNet(24, num_layers=2, low_rank=8, tt_rank=3, min_gain=0.0)
-    top = TTLinear(24, 20, rank=3, relu=relu)
+    top = [TTLinear(24, 20, rank=3, relu=True), TTLinear(20, 12, rank=2, bias=False), TTLinear(12, 6, rank=4)]
     plain, fused = ServingCrossNet(net), ServingCrossNet(net, kernels=True)
-    plain.next_layer, fused.next_layer = ServingTTLinear(top), ServingTTLinear(top, kernels=True)
+    plain.next_layers.extend(ServingTTLinear(layer) for layer in top)
+    fused.next_layers.extend(ServingTTLinear(layer, kernels=True) for layer in top)
     x = torch.randn(50, 24)  # more rows than one block
     with torch.no_grad():
-        want = top(net.forward_layers(x))
+        want = net.forward_layers(x)
+        for layer in top:
+            want = layer(want)
         torch.testing.assert_close(plain(x), want, **TOL)
         torch.testing.assert_close(fused(x), want, **TOL)
         torch.testing.assert_close(fused.forward_blocks([x[:, :5], x[:, 5:]]), want, **TOL)
         # a few rows: plain products, not the packed kernel
         torch.testing.assert_close(fused.forward_blocks([x[:3, :5], x[:3, 5:]]), want[:3], **TOL)
+    ops = torch.ops.comera_rec
+    after = list(fused.next_layers)
+    mlp = [[m.left for m in after], [m.right for m in after], [after[0].right.new_empty(0)] * 3, [True, False, False]]
     meta = [x[:2, :5].to("meta"), x[:2, 5:].to("meta")]
-    after = fused.next_layer
-    shape = torch.ops.comera_rec.tt_cross_linear(meta, [], [], [], 4, after.left, after.right, None, relu).shape
-    assert shape == (2, 20)
+    assert ops.tt_cross_mlp(meta, [], [], [], 4, *mlp).shape == (2, 6)
+    layers = [list(fused.lefts), list(fused.rights), list(fused.biases)]
     with pytest.raises(RuntimeError, match="left has 23 rows for 24 input features"):
-        layers = [list(fused.lefts), list(fused.rights), list(fused.biases)]
-        torch.ops.comera_rec.tt_cross_linear([x], *layers, 4, after.left[:23], after.right, None, relu)
+        ops.tt_cross_mlp([x], *layers, 4, [after[0].left[:23]], [after[0].right], [after[0].bias], [True])
+    with pytest.raises(RuntimeError, match="no MLP layers"):
+        ops.tt_cross_mlp([x], *layers, 4, [], [], [], [])
 
 
 def test_meta_kernels_give_the_shapes_of_any_batch() -> None:
@@ -235,8 +240,8 @@ def test_program_with_the_operators_equals_eager(changes: dict) -> None:
     ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert "comera_rec.ttm_halves_bags.default" in ops and "comera_rec.tt_linear.default" in ops
     assert ("comera_rec.pairwise_dots.default" in ops) == (not changes)  # the fused interaction's kernel
-    # a DCN's cross net and its top MLP's first layer: one call
-    assert ("comera_rec.tt_cross_linear.default" in ops) == (changes.get("interaction") == "dcn")
+    # a DCN's cross net and its top MLP's TT layers: one call
+    assert ("comera_rec.tt_cross_mlp.default" in ops) == (changes.get("interaction") == "dcn")
     assert "comera_rec.tt_cross.default" not in ops
     assert "aten._unique2.default" not in ops  # the ids are de-duplicated inside the operator
 

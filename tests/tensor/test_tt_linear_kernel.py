@@ -324,46 +324,65 @@ def test_cross_reads_column_blocks_as_their_concatenation(widths, block_rows) ->
     assert torch.equal(got, kernels.tt_cross_cpu(x0, layers, block_rows))
 
 
-def make_next_layer(n, rank, n_out, bias=True, dtype=DT, seed=1):
+def make_next_layers(n, shapes, bias=True, dtype=DT, seed=1):
+    """TT linears ``(left, right, bias, relu)`` from ``n`` inputs through ``(rank, outputs,
+    relu)`` in ``shapes``."""
     g = torch.Generator().manual_seed(seed)
-    left = torch.randn(n, rank, generator=g, dtype=dtype) / n**0.5
-    right = torch.randn(rank, n_out, generator=g, dtype=dtype) / rank**0.5
-    return left, right, torch.randn(n_out, generator=g, dtype=dtype) if bias else None
+    layers = []
+    for rank, n_out, relu in shapes:
+        left = torch.randn(n, rank, generator=g, dtype=dtype) / n**0.5
+        right = torch.randn(rank, n_out, generator=g, dtype=dtype) / rank**0.5
+        layers.append((left, right, torch.randn(n_out, generator=g, dtype=dtype) if bias else None, relu))
+        n = n_out
+    return layers
 
 
-# (batch, N, cross ranks, next rank, next outputs): outputs below, at and past a vector's
-# width, next ranks not whole vectors, and MLPerf-like N with a rank-16 next layer
-NEXT_CASES = [(1, 5, [1], 1, 1), (13, 84, [5, 7], 3, 20), (37, 96, [17, 3, 32], 17, 8), (50, 200, [8, 8], 16, 33)]
+def mlp_reference(x, next_layers):
+    for left, right, bias, relu in next_layers:
+        x = reference(x, left, right, bias, relu)
+    return x
 
 
-@pytest.mark.parametrize("batch,n,ranks,next_rank,n_out", NEXT_CASES)
-@pytest.mark.parametrize("relu,bias", [(True, True), (False, True), (True, False)])
+# (batch, N, cross ranks, next layers (rank, outputs, relu)): outputs below, at and past a
+# vector's width, ranks not whole vectors, a layer narrower then wider than the one before,
+# and an MLPerf-like top MLP at rank 16
+NEXT_CASES = [
+    (1, 5, [1], [(1, 1, True)]),
+    (13, 84, [5, 7], [(3, 20, True), (5, 9, False)]),
+    (37, 96, [17, 3, 32], [(17, 8, True), (4, 40, True), (2, 3, False)]),
+    (50, 200, [8, 8], [(16, 64, True), (16, 64, True), (16, 32, True), (16, 16, True)]),
+]
+
+
+@pytest.mark.parametrize("batch,n,ranks,shapes", NEXT_CASES)
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("block_rows", [1, 7, 24])
-def test_cross_then_a_tt_linear_equals_the_float64_reference(batch, n, ranks, next_rank, n_out, relu, bias, block_rows):
+def test_cross_then_tt_linears_equal_the_float64_reference(batch, n, ranks, shapes, bias, block_rows) -> None:
     x0, layers = make_cross(batch, n, ranks)
-    left, right, b = make_next_layer(n, next_rank, n_out, bias)
-    got = kernels.tt_cross_cpu(x0, layers, block_rows, next_layer=(left, right, b), next_relu=relu)
-    want = reference(cross_reference(x0, layers), left, right, b, relu=relu)
-    assert got.shape == (batch, n_out)
-    torch.testing.assert_close(got, want)
-    # the same arithmetic as the net's output handed to the fused TT linear
-    net = kernels.tt_cross_cpu(x0, layers, block_rows)
-    assert torch.equal(got, kernels.tt_linear_cpu(net, left, right, b, relu))
+    next_layers = make_next_layers(n, shapes, bias)
+    got = kernels.tt_cross_cpu(x0, layers, block_rows, next_layers=next_layers)
+    assert got.shape == (batch, shapes[-1][1])
+    torch.testing.assert_close(got, mlp_reference(cross_reference(x0, layers), next_layers))
+    # the same arithmetic as the net's output handed to the fused TT linears one by one
+    want = kernels.tt_cross_cpu(x0, layers, block_rows)
+    for left, right, b, relu in next_layers:
+        want = kernels.tt_linear_cpu(want, left, right, b, relu)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("widths", [[13], [5, 8], [1, 9, 3]])
-def test_cross_then_a_tt_linear_reads_column_blocks(widths) -> None:
+def test_cross_then_tt_linears_read_column_blocks(widths) -> None:
     x0, layers = make_cross(29, sum(widths), [5, 12])
-    next_layer = make_next_layer(sum(widths), 6, 10)
-    got = kernels.tt_cross_cpu(list(x0.split(widths, dim=1)), layers, 7, next_layer=next_layer, next_relu=True)
-    assert torch.equal(got, kernels.tt_cross_cpu(x0, layers, 7, next_layer=next_layer, next_relu=True))
+    next_layers = make_next_layers(sum(widths), [(6, 10, True), (3, 4, False)])
+    got = kernels.tt_cross_cpu(list(x0.split(widths, dim=1)), layers, 7, next_layers=next_layers)
+    assert torch.equal(got, kernels.tt_cross_cpu(x0, layers, 7, next_layers=next_layers))
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_cross_then_a_tt_linear_is_identical_at_any_thread_count(threads: int) -> None:
+def test_cross_then_tt_linears_are_identical_at_any_thread_count(threads: int) -> None:
     x0, layers = make_cross(1000, 40, [9, 4], dtype=torch.float32)
-    next_layer = make_next_layer(40, 12, 30, dtype=torch.float32)
-    run = lambda: [kernels.tt_cross_cpu(x0, layers, 48, next_layer=next_layer, next_relu=True)]  # noqa: E731
+    next_layers = make_next_layers(40, [(12, 30, True), (5, 7, True)], dtype=torch.float32)
+    run = lambda: [kernels.tt_cross_cpu(x0, layers, 48, next_layers=next_layers)]  # noqa: E731
     assert_bit_identical(at_thread_counts(run, (1, threads)))
 
 
@@ -371,31 +390,35 @@ def test_cross_then_a_tt_linear_is_identical_at_any_thread_count(threads: int) -
     batch=st.integers(1, 30),
     n=st.integers(1, 40),
     ranks=st.lists(st.integers(1, 32), min_size=1, max_size=3),
-    next_rank=st.integers(1, 32),
-    n_out=st.integers(1, 40),
+    shapes=st.lists(st.tuples(st.integers(1, 32), st.integers(1, 40), st.booleans()), min_size=1, max_size=3),
     block_rows=st.integers(1, 40),
     seed=st.integers(0, 10_000),
 )
-def test_cross_then_a_tt_linear_property_shapes_and_ranks(batch, n, ranks, next_rank, n_out, block_rows, seed) -> None:
+def test_cross_then_tt_linears_property_shapes_and_ranks(batch, n, ranks, shapes, block_rows, seed) -> None:
     x0, layers = make_cross(batch, n, ranks, seed=seed)
-    left, right, b = make_next_layer(n, next_rank, n_out, seed=seed + 1)
-    got = kernels.tt_cross_cpu(x0, layers, block_rows, next_layer=(left, right, b), next_relu=True)
-    torch.testing.assert_close(got, reference(cross_reference(x0, layers), left, right, b, relu=True))
+    next_layers = make_next_layers(n, shapes, seed=seed + 1)
+    got = kernels.tt_cross_cpu(x0, layers, block_rows, next_layers=next_layers)
+    torch.testing.assert_close(got, mlp_reference(cross_reference(x0, layers), next_layers))
 
 
-def test_cross_then_a_tt_linear_bad_inputs_name_what_was_wrong() -> None:
+def test_cross_then_tt_linears_bad_inputs_name_what_was_wrong() -> None:
     x0, layers = make_cross(4, 6, [3])
-    left, right, b = make_next_layer(6, 2, 5)
+    (left, right, b, _), (left2, right2, b2, _) = make_next_layers(6, [(2, 5, True), (3, 4, True)])
     with pytest.raises(RuntimeError, match="left has 7 rows for 6 input features"):
-        kernels.tt_cross_cpu(x0, layers, next_layer=(torch.randn(7, 2, dtype=DT), right, b))
+        kernels.tt_cross_cpu(x0, layers, next_layers=[(torch.randn(7, 2, dtype=DT), right, b, True)])
     with pytest.raises(RuntimeError, match="left has rank 2, right 3"):
-        kernels.tt_cross_cpu(x0, layers, next_layer=(left, torch.randn(3, 5, dtype=DT), b))
+        kernels.tt_cross_cpu(x0, layers, next_layers=[(left, torch.randn(3, 5, dtype=DT), b, True)])
     with pytest.raises(RuntimeError, match="bias of 4 values for 5 outputs"):
-        kernels.tt_cross_cpu(x0, layers, next_layer=(left, right, b[:4]))
-    with pytest.raises(RuntimeError, match="next_layer's left is empty"):
-        kernels.tt_cross_cpu(x0, layers, next_layer=(left[:, :0], right[:0], b))
+        kernels.tt_cross_cpu(x0, layers, next_layers=[(left, right, b[:4], True)])
+    # the second layer takes the first's 5 outputs
+    with pytest.raises(RuntimeError, match="left has 6 rows for 5 input features"):
+        kernels.tt_cross_cpu(
+            x0, layers, next_layers=[(left, right, b, True), (torch.randn(6, 3, dtype=DT), right2, b2, True)]
+        )
+    with pytest.raises(RuntimeError, match="next layer 0's left is empty"):
+        kernels.tt_cross_cpu(x0, layers, next_layers=[(left[:, :0], right[:0], b, True)])
     with pytest.raises(RuntimeError, match="scoring only"):
-        kernels.tt_cross_cpu(x0, layers, next_layer=(left, right.requires_grad_(), b))
+        kernels.tt_cross_cpu(x0, layers, next_layers=[(left, right.requires_grad_(), b, True)])
 
 
 def test_cross_bad_inputs_name_what_was_wrong() -> None:

@@ -608,18 +608,24 @@ torch::Tensor tt_linear_forward_packed(torch::Tensor x, std::vector<torch::Tenso
 // block's rows of them into one (block_rows, N) buffer, which then serves as x_0, so the
 // (B, N) concatenation is never made.
 //
-// With a next layer (next_left not empty) the net's output goes on through one TT linear,
-// relu?((x_L @ next_left) @ next_right + next_bias), block by block while the block's x_L
-// is in cache, and that layer's (B, n_next) output is returned: the net's (B, N) output is
-// never written to memory nor read back (MLPerf at 4096 rows: 56 MB each way; not writing
-// it made the net 1.15x faster on a 2-core AVX2 EPYC).
+// With next layers (an MLP's TT layers, as a DCN's top MLP begins), the net's output goes on
+// through them, relu_j?((x @ next_lefts[j]) @ next_rights[j] + next_biases[j]), block by block
+// while the block's rows are in cache, and the last one's (B, n_last) output is returned:
+// neither the net's (B, N) output nor the layers' own (B, n_j) outputs are written to memory
+// and read back (MLPerf at 4096 rows: 56 MB each way for the net's; not writing it made the
+// net 1.15x faster on a 2-core AVX2 EPYC), and the threads meet once for all of it.
 torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
                                std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
-                               int64_t block_rows, torch::Tensor next_left, torch::Tensor next_right,
-                               torch::Tensor next_bias, bool next_relu) {
+                               int64_t block_rows, std::vector<torch::Tensor> next_lefts,
+                               std::vector<torch::Tensor> next_rights, std::vector<torch::Tensor> next_biases,
+                               std::vector<bool> next_relus) {
   const auto layers = lefts.size();
   TORCH_CHECK(layers >= 1 && rights.size() == layers && biases.size() == layers, "tt_cross: ", lefts.size(),
               " lefts, ", rights.size(), " rights and ", biases.size(), " biases; one each per layer, at least one");
+  const auto nexts = next_lefts.size();
+  TORCH_CHECK(next_rights.size() == nexts && next_biases.size() == nexts && next_relus.size() == nexts,
+              "tt_cross: ", nexts, " next lefts, ", next_rights.size(), " next rights, ", next_biases.size(),
+              " next biases and ", next_relus.size(), " ReLU flags; one each per next layer");
   TORCH_CHECK(block_rows >= 1, "tt_cross: block_rows must be positive, got ", block_rows);
   TORCH_CHECK(!x0_parts.empty(), "tt_cross: x0 needs at least one column block");
   const int64_t B = x0_parts[0].dim() == 2 ? x0_parts[0].size(0) : -1;
@@ -639,9 +645,17 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
     TORCH_CHECK(rights[k].size(1) == n, "tt_cross: layer ", k, " has ", rights[k].size(1), " outputs for ", n,
                 " input features; a cross layer keeps its width");
   }
-  const bool then = next_left.numel() > 0;  // a next layer takes the net's output
-  if (then) check_inputs(like, next_left, next_right, next_bias);
-  const int64_t n_out = then ? next_right.size(1) : n;
+  // each next layer's input: the one before's output (its stand-in)
+  std::vector<torch::Tensor> next_inputs;
+  int64_t widest = 0;  // the widest next output, for the blocks' buffers
+  for (size_t j = 0; j < nexts; ++j) {
+    const auto& input = j == 0 ? like : torch::empty({B, next_rights[j - 1].size(1)}, like.options().device(at::kMeta));
+    TORCH_CHECK(next_lefts[j].numel() > 0, "tt_cross: next layer ", j, "'s left is empty");
+    check_inputs(input, next_lefts[j], next_rights[j], next_biases[j]);
+    next_inputs.push_back(input);
+    widest = std::max(widest, next_rights[j].size(1));
+  }
+  const int64_t n_out = nexts ? next_rights.back().size(1) : n;
   auto out = torch::empty({B, n_out}, x0_parts[0].options());
   AT_DISPATCH_FLOATING_TYPES(x0_parts[0].scalar_type(), "tt_cross_forward", [&] {
     using T = scalar_t;
@@ -653,10 +667,10 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
       L[k] = forward_layer<T>(like, operands, lefts[k].size(1), n);
       kept.insert(kept.end(), operands.begin(), operands.end());
     }
-    Layer<T> next;
-    if (then) {
-      const auto operands = forward_operands<T>(next_left, next_right, next_bias);
-      next = forward_layer<T>(like, operands, next_left.size(1), n_out);
+    std::vector<Layer<T>> next(nexts);
+    for (size_t j = 0; j < nexts; ++j) {
+      const auto operands = forward_operands<T>(next_lefts[j], next_rights[j], next_biases[j]);
+      next[j] = forward_layer<T>(next_inputs[j], operands, next_lefts[j].size(1), next_rights[j].size(1));
       kept.insert(kept.end(), operands.begin(), operands.end());
     }
     std::vector<const T*> part_ptr;
@@ -670,7 +684,9 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
     const int64_t blocks = (B + block_rows - 1) / block_rows;
     at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
       std::vector<T> gathered(whole ? 0 : std::min(block_rows, B) * n);  // this thread's block of x0
-      std::vector<T> net_out(then ? std::min(block_rows, B) * n : 0);     // its block of x_k, not returned
+      // its block of x_k and of the next layers' outputs but the last: none returned
+      const int64_t block = std::min(block_rows, B);
+      std::vector<T> net_out(nexts ? block * n : 0), hidden(nexts > 1 ? 2 * block * widest : 0);
       for (int64_t blk = lo; blk < hi; ++blk) {
         const int64_t b0 = blk * block_rows, rows = std::min(block_rows, B - b0);
         const T* x0_block = whole ? part_ptr[0] + b0 * n : gathered.data();
@@ -684,7 +700,7 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
             }
           }
         }
-        T* x_block = then ? net_out.data() : out_ptr + b0 * n;
+        T* x_block = nexts ? net_out.data() : out_ptr + b0 * n;
         for (size_t k = 0; k < layers; ++k) {
           Layer<T> block = L[k];
           block.B = rows;
@@ -692,11 +708,14 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
           block.x0 = x0_block;
           with_vectors<T, CrossTiles>(block.R / W, block, x_block);
         }
-        if (then) {
-          Layer<T> head = next;
+        const T* input = x_block;
+        for (size_t j = 0; j < nexts; ++j) {
+          Layer<T> head = next[j];
           head.B = rows;
-          head.x = x_block;
-          with_vectors<T, LinearTiles>(head.R / W, head, next_relu, out_ptr + b0 * n_out);
+          head.x = input;
+          T* y = j + 1 == nexts ? out_ptr + b0 * n_out : hidden.data() + (j % 2) * block * widest;
+          with_vectors<T, LinearTiles>(head.R / W, head, static_cast<bool>(next_relus[j]), y);
+          input = y;
         }
       }
     });

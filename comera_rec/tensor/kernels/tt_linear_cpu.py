@@ -138,8 +138,7 @@ def tt_cross_cpu(
     x0: torch.Tensor | Sequence[torch.Tensor],
     layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     block_rows: int | None = None,
-    next_layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
-    next_relu: bool = False,
+    next_layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = (),
 ) -> torch.Tensor:
     """A DCN cross net for scoring: ``x_{k+1} = x_k + x0 * ((x_k @ left_k) @ right_k +
     bias_k)`` from ``x_0 = x0``, each layer's two projections merged into one TT weight, in
@@ -158,14 +157,14 @@ def tt_cross_cpu(
         layers: ``(left (N, r_k), right (r_k, N), bias (N,) or None)`` per layer.
         block_rows: rows a thread takes through every layer at a time
             (:data:`CROSS_BLOCK_ROWS` by default).
-        next_layer: ``(left (N, r), right (r, N_out), bias (N_out,) or None)``, a TT linear
-            that takes the net's output block by block while it is in cache (a DCN's top
-            MLP's first layer): its output is returned, and the net's ``(B, N)`` output is
-            never written to memory.
-        next_relu: apply the ReLU to ``next_layer``'s output.
+        next_layers: TT linears ``(left (N_in, r), right (r, N_out), bias (N_out,) or None,
+            relu)`` that take the net's output one after the other, block by block while it
+            is in cache (a DCN's top MLP's TT layers): the last one's output is returned,
+            and neither the net's ``(B, N)`` output nor the layers' own are written to
+            memory.
 
     Returns:
-        ``(B, N)``, or ``(B, N_out)`` with ``next_layer``; a new tensor.
+        ``(B, N)``, or the last next layer's ``(B, N_out)``; a new tensor.
 
     Raises:
         RuntimeError: gradients would be needed, no layers, or shapes that do not fit
@@ -181,33 +180,27 @@ def tt_cross_cpu(
         >>> torch.allclose(tt_cross_cpu([x0[:, :6], x0[:, 6:]], [(left, right, None)]), want, atol=1e-5)
         True
         >>> top_left, top_right = torch.randn(16, 3), torch.randn(3, 5)
-        >>> y = tt_cross_cpu(x0, [(left, right, None)], next_layer=(top_left, top_right, None), next_relu=True)
+        >>> y = tt_cross_cpu(x0, [(left, right, None)], next_layers=[(top_left, top_right, None, True)])
         >>> torch.allclose(y, torch.relu(want @ top_left @ top_right), atol=1e-4)
         True
     """
     parts = [x0] if isinstance(x0, torch.Tensor) else list(x0)
-    after = list(next_layer) if next_layer is not None else []
-    if records_grad(*parts, *(t for layer in [*layers, after] for t in layer)):
+    weights = [t for layer in layers for t in layer] + [t for *layer, _ in next_layers for t in layer]
+    if records_grad(*parts, *weights):
         raise RuntimeError("tt_cross_cpu: scoring only; with gradients call the layers one by one")
     if block_rows is None:
         block_rows = CROSS_BLOCK_ROWS
     empty = _EMPTY.to(parts[0].dtype) if parts else _EMPTY
-    if next_layer is None:
-        next_left, next_right, next_bias = empty, empty, empty
-    else:
-        next_left, next_right, next_bias = next_layer
-        if next_left.numel() == 0:
-            raise RuntimeError("tt_cross_cpu: next_layer's left is empty")
     return extension().tt_cross_forward(
         parts,
         [left for left, _, _ in layers],
         [right for _, right, _ in layers],
         [bias if bias is not None else empty for _, _, bias in layers],
         int(block_rows),
-        next_left,
-        next_right,
-        next_bias if next_bias is not None else empty,
-        bool(next_relu),
+        [left for left, *_ in next_layers],
+        [right for _, right, *_ in next_layers],
+        [bias if bias is not None else empty for _, _, bias, _ in next_layers],
+        [bool(relu) for *_, relu in next_layers],
     )
 
 

@@ -1158,8 +1158,9 @@ torch::Tensor tt_linear_forward_packed(torch::Tensor x, std::vector<torch::Tenso
                                        bool relu);
 torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
                                std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
-                               int64_t block_rows, torch::Tensor next_left, torch::Tensor next_right,
-                               torch::Tensor next_bias, bool next_relu);
+                               int64_t block_rows, std::vector<torch::Tensor> next_lefts,
+                               std::vector<torch::Tensor> next_rights, std::vector<torch::Tensor> next_biases,
+                               std::vector<bool> next_relus);
 std::vector<torch::Tensor> tt_chains_forward(std::vector<torch::Tensor> cores, std::vector<torch::Tensor> controllers,
                                              int64_t d, int64_t in_features, int64_t out_features);
 std::vector<torch::Tensor> tt_chains_backward(torch::Tensor grad_left, torch::Tensor grad_right,
@@ -1187,7 +1188,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tt_linear_backward", &tt_linear_backward, "fused TT linear (+ ReLU): backward");
   m.def("tt_linear_pack", &tt_linear_pack, "a TT linear's weights packed once for repeated scoring calls");
   m.def("tt_linear_forward_packed", &tt_linear_forward_packed, "fused TT linear (+ ReLU) on packed weights, scoring");
-  m.def("tt_cross_forward", &tt_cross_forward, "a DCN cross net, each layer's projections one TT weight, then optionally a TT linear (scoring)");
+  m.def("tt_cross_forward", &tt_cross_forward, "a DCN cross net, each layer's projections one TT weight, then optionally TT linears (scoring)");
   m.def("tt_chains_forward", &tt_chains_forward, "a TT weight's cores and controllers merged into its two chains");
   m.def("tt_chains_backward", &tt_chains_backward, "the gradient of tt_chains_forward");
   m.def("check_jagged", &check_jagged, "input checks of a jagged batch in one pass");
