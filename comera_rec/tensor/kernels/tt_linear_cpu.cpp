@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "simd.h"
@@ -683,16 +684,17 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
     T* out_ptr = out.data_ptr<T>();
     const int64_t blocks = (B + block_rows - 1) / block_rows;
     at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<T> gathered(whole ? 0 : std::min(block_rows, B) * n);  // this thread's block of x0
-      // its block of x_k and of the next layers' outputs but the last: none returned
+      // this thread's block of x0, and of x_k and the next layers' outputs but the last (none
+      // returned); not zeroed: every element is written before it is read
       const int64_t block = std::min(block_rows, B);
-      std::vector<T> net_out(nexts ? block * n : 0), hidden(nexts > 1 ? 2 * block * widest : 0);
+      std::unique_ptr<T[]> gathered(new T[whole ? 0 : block * n]);
+      std::unique_ptr<T[]> net_out(new T[nexts ? block * n : 0]), hidden(new T[nexts > 1 ? 2 * block * widest : 0]);
       for (int64_t blk = lo; blk < hi; ++blk) {
         const int64_t b0 = blk * block_rows, rows = std::min(block_rows, B - b0);
-        const T* x0_block = whole ? part_ptr[0] + b0 * n : gathered.data();
+        const T* x0_block = whole ? part_ptr[0] + b0 * n : gathered.get();
         if (!whole) {
           for (int64_t i = 0; i < rows; ++i) {
-            T* dst = gathered.data() + i * n;
+            T* dst = gathered.get() + i * n;
             for (size_t p = 0; p < part_ptr.size(); ++p) {
               const T* src = part_ptr[p] + (b0 + i) * part_cols[p];
               std::copy(src, src + part_cols[p], dst);
@@ -700,7 +702,7 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
             }
           }
         }
-        T* x_block = nexts ? net_out.data() : out_ptr + b0 * n;
+        T* x_block = nexts ? net_out.get() : out_ptr + b0 * n;
         for (size_t k = 0; k < layers; ++k) {
           Layer<T> block = L[k];
           block.B = rows;
@@ -713,7 +715,7 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
           Layer<T> head = next[j];
           head.B = rows;
           head.x = input;
-          T* y = j + 1 == nexts ? out_ptr + b0 * n_out : hidden.data() + (j % 2) * block * widest;
+          T* y = j + 1 == nexts ? out_ptr + b0 * n_out : hidden.get() + (j % 2) * block * widest;
           with_vectors<T, LinearTiles>(head.R / W, head, static_cast<bool>(next_relus[j]), y);
           input = y;
         }
