@@ -1,8 +1,8 @@
 // The fused CPU scoring kernels as PyTorch operators, torch.ops.comera_rec.*, for exported
 // DLRM programs (TTM lookups, TT layers, the pairwise-dot interaction, the DCN cross net alone
 // or with the top MLP's TT layers) (comera_rec/dlrm/export.py, kernels=True). A library of its
-// own, built from the kernels' sources without their Python bindings (COMERA_OPERATOR_LIBRARY), so that a
-// server loads it with torch.ops.load_library alone: no comera-rec, no TorchRec. Each
+// own, built from the kernels' sources without their Python bindings (COMERA_OPERATOR_LIBRARY),
+// so that a server loads it with torch.ops.load_library alone: no comera-rec, no TorchRec. Each
 // operator has a Meta kernel (the output's shape) for torch.export to trace it.
 //
 // The operands are as the exported program stores them, independent of the host's vector

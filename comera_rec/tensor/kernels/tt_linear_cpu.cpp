@@ -614,7 +614,7 @@ torch::Tensor tt_linear_forward_packed(torch::Tensor x, std::vector<torch::Tenso
 // while the block's rows are in cache, and the last one's (B, n_last) output is returned:
 // neither the net's (B, N) output nor the layers' own (B, n_j) outputs are written to memory
 // and read back (MLPerf at 4096 rows: 56 MB each way for the net's; not writing it made the
-// net 1.15x faster on a 2-core AVX2 EPYC), and the threads meet once for all of it.
+// net 1.16-1.18x faster on a 2-core AVX2 EPYC), and the threads meet once for all of it.
 torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
                                std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
                                int64_t block_rows, std::vector<torch::Tensor> next_lefts,
