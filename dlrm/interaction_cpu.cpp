@@ -12,7 +12,10 @@
 // sum_{j != i} g_ij e_j in tiles of rows x vectors over D (6 x 2 with 16 registers). Samples
 // are independent: the result does not depend on the number of threads.
 
-#include <torch/extension.h>
+#include "aten_ops.h"
+#ifndef COMERA_OPERATOR_LIBRARY  // the operator library binds no Python module
+#include "python_module.h"
+#endif
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -197,7 +200,7 @@ void backward_rows(const T* grad, const T* dense, const T* sparse, T* grad_dense
 }  // namespace
 
 // dense (B, D), sparse (B, F, D) -> (B, D + (F + 1) F / 2)
-torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse) {
+at::Tensor pairwise_dots_forward(at::Tensor dense, at::Tensor sparse) {
   TORCH_CHECK(dense.dim() == 2 && sparse.dim() == 3 && sparse.size(0) == dense.size(0) &&
                   sparse.size(2) == dense.size(1),
               "pairwise_dots: expected dense (B, D) and sparse (B, F, D), got ", dense.sizes(), " and ",
@@ -206,7 +209,7 @@ torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse) {
   dense = dense.contiguous();
   sparse = sparse.contiguous();
   const int64_t B = dense.size(0), D = dense.size(1), F = sparse.size(1), n = F + 1;
-  auto out = torch::empty({B, D + n * (n - 1) / 2}, dense.options());
+  auto out = at::empty({B, D + n * (n - 1) / 2}, dense.options());
   AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "pairwise_dots_forward", [&] {
     forward_rows<scalar_t>(dense.data_ptr<scalar_t>(), sparse.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), B,
                            F, D);
@@ -215,13 +218,13 @@ torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse) {
 }
 
 // (grad_dense (B, D), grad_sparse (B, F, D))
-std::vector<torch::Tensor> pairwise_dots_backward(torch::Tensor grad, torch::Tensor dense, torch::Tensor sparse) {
+std::vector<at::Tensor> pairwise_dots_backward(at::Tensor grad, at::Tensor dense, at::Tensor sparse) {
   grad = grad.contiguous();
   dense = dense.contiguous();
   sparse = sparse.contiguous();
   const int64_t B = dense.size(0), D = dense.size(1), F = sparse.size(1);
-  auto grad_dense = torch::empty_like(dense);
-  auto grad_sparse = torch::empty_like(sparse);
+  auto grad_dense = at::empty_like(dense);
+  auto grad_sparse = at::empty_like(sparse);
   AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "pairwise_dots_backward", [&] {
     backward_rows<scalar_t>(grad.data_ptr<scalar_t>(), dense.data_ptr<scalar_t>(), sparse.data_ptr<scalar_t>(),
                             grad_dense.data_ptr<scalar_t>(), grad_sparse.data_ptr<scalar_t>(), B, F, D);

@@ -10,7 +10,7 @@
 // unpacked (packed per call, a few microseconds), TTM halves with the rank padded to a
 // multiple of 64 bytes (whole vectors at every width).
 
-#include <torch/extension.h>
+#include "aten_ops.h"
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 
@@ -23,17 +23,17 @@
 #include "simd.h"
 
 // ttm_cpu.cpp, tt_linear_cpu.cpp, interaction_cpu.cpp
-void ttm_bag_forward_halves_into(torch::Tensor ptab, torch::Tensor stab, torch::Tensor ids, torch::Tensor trains,
-                                 torch::Tensor offsets, torch::Tensor weights, int64_t dim, int64_t batch, int64_t T,
-                                 int64_t Nr, torch::Tensor out, int64_t row_stride,
+void ttm_bag_forward_halves_into(at::Tensor ptab, at::Tensor stab, at::Tensor ids, at::Tensor trains,
+                                 at::Tensor offsets, at::Tensor weights, int64_t dim, int64_t batch, int64_t T,
+                                 int64_t Nr, at::Tensor out, int64_t row_stride,
                                  const std::vector<int64_t>& stream_cols);
-std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left, torch::Tensor right,
-                                             torch::Tensor bias, bool relu);
-torch::Tensor pairwise_dots_forward(torch::Tensor dense, torch::Tensor sparse);
-torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
-                               std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
-                               int64_t block_rows, std::vector<torch::Tensor> next_lefts,
-                               std::vector<torch::Tensor> next_rights, std::vector<torch::Tensor> next_biases,
+std::vector<at::Tensor> tt_linear_forward(at::Tensor x, at::Tensor left, at::Tensor right,
+                                             at::Tensor bias, bool relu);
+at::Tensor pairwise_dots_forward(at::Tensor dense, at::Tensor sparse);
+at::Tensor tt_cross_forward(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
+                               std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
+                               int64_t block_rows, std::vector<at::Tensor> next_lefts,
+                               std::vector<at::Tensor> next_rights, std::vector<at::Tensor> next_biases,
                                std::vector<bool> next_relus);
 
 namespace {
@@ -54,10 +54,10 @@ constexpr int64_t kPackedRows = 8;
 //   the output's rows (a stack's own result copied in after was ~3% of an MLPerf batch);
 // then one pass over the samples adds up the uncompressed tables' bags. No (F B, D)
 // intermediate, no transposition.
-torch::Tensor ttm_halves_bags(const torch::Tensor& values, const torch::Tensor& offsets,
-                              const torch::Tensor& dense_weight, const torch::Tensor& dense_base,
-                              const torch::Tensor& dense_rows, std::vector<torch::Tensor> lefts,
-                              std::vector<torch::Tensor> rights, const torch::Tensor& tables,
+at::Tensor ttm_halves_bags(const at::Tensor& values, const at::Tensor& offsets,
+                              const at::Tensor& dense_weight, const at::Tensor& dense_base,
+                              const at::Tensor& dense_rows, std::vector<at::Tensor> lefts,
+                              std::vector<at::Tensor> rights, const at::Tensor& tables,
                               std::vector<int64_t> prefix_rows, std::vector<int64_t> suffix_rows) {
   const int64_t S = static_cast<int64_t>(lefts.size());
   TORCH_CHECK(rights.size() == lefts.size() && prefix_rows.size() == lefts.size() &&
@@ -76,24 +76,24 @@ torch::Tensor ttm_halves_bags(const torch::Tensor& values, const torch::Tensor& 
               F, " values (one per feature), got ", dense_base.numel(), " and ", dense_rows.numel());
   const int64_t B = bags / F;
   const auto dense = dense_weight.contiguous();
-  const auto dbase = dense_base.to(torch::kLong).contiguous();
-  const auto drows = dense_rows.to(torch::kLong).contiguous();
+  const auto dbase = dense_base.to(at::kLong).contiguous();
+  const auto drows = dense_rows.to(at::kLong).contiguous();
   const int64_t* first_row = dbase.data_ptr<int64_t>();
   const int64_t* num_rows = drows.data_ptr<int64_t>();
   for (int64_t f = 0; f < F; ++f)
     TORCH_CHECK(first_row[f] < 0 || (num_rows[f] >= 0 && first_row[f] + num_rows[f] <= dense.size(0)),
                 "ttm_halves_bags: feature ", f, "'s rows [", first_row[f], ", ", first_row[f] + num_rows[f],
                 ") outside the ", dense.size(0), " rows of dense_weight");
-  const auto off = offsets.to(torch::kLong).contiguous();
-  const auto ids = values.to(torch::kLong).contiguous();
-  const auto tab = tables.to(torch::kLong).contiguous();
+  const auto off = offsets.to(at::kLong).contiguous();
+  const auto ids = values.to(at::kLong).contiguous();
+  const auto tab = tables.to(at::kLong).contiguous();
   const int64_t* o = off.data_ptr<int64_t>();
   const int64_t* t_of = tab.data_ptr<int64_t>();
-  const auto none = torch::empty({0}, ids.options());
+  const auto none = at::empty({0}, ids.options());
   // per feature: the stack that pools its bags (-1: an uncompressed table)
   std::vector<int64_t> stack_of(F, -1);
   // every bag written once: a stack's straight into its features' columns, the rest below
-  auto out = torch::empty({B, F, dim}, dense.options());
+  auto out = at::empty({B, F, dim}, dense.options());
   for (int64_t s = 0; s < S; ++s) {
     const auto& left = lefts[s];
     const auto& right = rights[s];
@@ -128,9 +128,9 @@ torch::Tensor ttm_halves_bags(const torch::Tensor& values, const torch::Tensor& 
     }
     if (features.empty() || B == 0) continue;
     const int64_t Fs = static_cast<int64_t>(features.size());
-    auto stack_ids = torch::empty({n_ids}, ids.options());
-    auto stack_tables = torch::empty({n_ids}, ids.options());
-    auto stack_offsets = torch::empty({Fs * B + 1}, off.options());
+    auto stack_ids = at::empty({n_ids}, ids.options());
+    auto stack_tables = at::empty({n_ids}, ids.options());
+    auto stack_offsets = at::empty({Fs * B + 1}, off.options());
     int64_t* si = stack_ids.data_ptr<int64_t>();
     int64_t* st = stack_tables.data_ptr<int64_t>();
     int64_t* so = stack_offsets.data_ptr<int64_t>();
@@ -187,10 +187,10 @@ torch::Tensor ttm_halves_bags(const torch::Tensor& values, const torch::Tensor& 
   return out;
 }
 
-torch::Tensor ttm_halves_bags_meta(const torch::Tensor& values, const torch::Tensor& offsets,
-                                   const torch::Tensor& dense_weight, const torch::Tensor& dense_base,
-                                   const torch::Tensor& dense_rows, std::vector<torch::Tensor> lefts,
-                                   std::vector<torch::Tensor> rights, const torch::Tensor& tables,
+at::Tensor ttm_halves_bags_meta(const at::Tensor& values, const at::Tensor& offsets,
+                                   const at::Tensor& dense_weight, const at::Tensor& dense_base,
+                                   const at::Tensor& dense_rows, std::vector<at::Tensor> lefts,
+                                   std::vector<at::Tensor> rights, const at::Tensor& tables,
                                    std::vector<int64_t> prefix_rows, std::vector<int64_t> suffix_rows) {
   const int64_t F = tables.size(1);
   return at::empty_symint({(offsets.sym_size(0) - 1) / F, c10::SymInt(F), dense_weight.sym_size(1)},
@@ -198,28 +198,28 @@ torch::Tensor ttm_halves_bags_meta(const torch::Tensor& values, const torch::Ten
 }
 
 // relu?(x @ left @ right + bias): x (B, in), left (in, r), right (r, out).
-torch::Tensor tt_linear(const torch::Tensor& x, const torch::Tensor& left, const torch::Tensor& right,
-                        const std::optional<torch::Tensor>& bias, bool relu) {
+at::Tensor tt_linear(const at::Tensor& x, const at::Tensor& left, const at::Tensor& right,
+                        const std::optional<at::Tensor>& bias, bool relu) {
   if (x.dim() == 2 && x.size(0) < kPackedRows) {
     const auto t = at::mm(x, left);
     auto y = bias.has_value() ? at::addmm(*bias, t, right) : at::mm(t, right);
     return relu ? y.clamp_min_(0) : y;
   }
-  const auto b = bias.has_value() ? *bias : torch::empty({0}, x.options());
+  const auto b = bias.has_value() ? *bias : at::empty({0}, x.options());
   return tt_linear_forward(x, left, right, b, relu)[0];
 }
 
-torch::Tensor tt_linear_meta(const torch::Tensor& x, const torch::Tensor& left, const torch::Tensor& right,
-                             const std::optional<torch::Tensor>& bias, bool relu) {
+at::Tensor tt_linear_meta(const at::Tensor& x, const at::Tensor& left, const at::Tensor& right,
+                             const std::optional<at::Tensor>& bias, bool relu) {
   TORCH_CHECK(x.dim() == 2 && right.dim() == 2, "tt_linear: x and right must be matrices");
   return at::empty_symint({x.sym_size(0), right.sym_size(1)}, x.options());
 }
 
-torch::Tensor pairwise_dots(const torch::Tensor& dense, const torch::Tensor& sparse) {
+at::Tensor pairwise_dots(const at::Tensor& dense, const at::Tensor& sparse) {
   return pairwise_dots_forward(dense, sparse);
 }
 
-torch::Tensor pairwise_dots_meta(const torch::Tensor& dense, const torch::Tensor& sparse) {
+at::Tensor pairwise_dots_meta(const at::Tensor& dense, const at::Tensor& sparse) {
   TORCH_CHECK(dense.dim() == 2 && sparse.dim() == 3, "pairwise_dots: expected dense (B, D) and sparse (B, F, D)");
   // sizes as SymInts throughout: size(i) of a traced tensor would fix every dim (the batch too)
   const c10::SymInt n = sparse.sym_size(1) + 1;
@@ -227,15 +227,15 @@ torch::Tensor pairwise_dots_meta(const torch::Tensor& dense, const torch::Tensor
 }
 
 // Whether a cross net of these inputs is two plain products per layer (kPackedRows).
-bool few_cross_rows(const std::vector<torch::Tensor>& x0_parts, const std::vector<torch::Tensor>& lefts,
-                    const std::vector<torch::Tensor>& rights, const std::vector<torch::Tensor>& biases) {
+bool few_cross_rows(const std::vector<at::Tensor>& x0_parts, const std::vector<at::Tensor>& lefts,
+                    const std::vector<at::Tensor>& rights, const std::vector<at::Tensor>& biases) {
   return !x0_parts.empty() && x0_parts[0].dim() == 2 && x0_parts[0].size(0) < kPackedRows &&
          rights.size() == lefts.size() && biases.size() == lefts.size();
 }
 
 // few_cross_rows' cross net: x0_parts joined, then each layer's products.
-torch::Tensor cross_by_products(const std::vector<torch::Tensor>& x0_parts, const std::vector<torch::Tensor>& lefts,
-                                const std::vector<torch::Tensor>& rights, const std::vector<torch::Tensor>& biases) {
+at::Tensor cross_by_products(const std::vector<at::Tensor>& x0_parts, const std::vector<at::Tensor>& lefts,
+                                const std::vector<at::Tensor>& rights, const std::vector<at::Tensor>& biases) {
   const auto x0 = x0_parts.size() == 1 ? x0_parts[0] : at::cat(x0_parts, 1);
   auto x = x0;
   for (size_t k = 0; k < lefts.size(); ++k) {
@@ -247,15 +247,15 @@ torch::Tensor cross_by_products(const std::vector<torch::Tensor>& x0_parts, cons
 
 // A DCN cross net, x_{k+1} = x_k + x0 * ((x_k @ left_k) @ right_k + bias_k), x0 the column
 // blocks x0_parts side by side (never joined into one tensor); empty biases: none.
-torch::Tensor tt_cross(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
-                       std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases, int64_t block_rows) {
+at::Tensor tt_cross(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
+                       std::vector<at::Tensor> rights, std::vector<at::Tensor> biases, int64_t block_rows) {
   if (few_cross_rows(x0_parts, lefts, rights, biases)) return cross_by_products(x0_parts, lefts, rights, biases);
   return tt_cross_forward(std::move(x0_parts), std::move(lefts), std::move(rights), std::move(biases), block_rows, {},
                           {}, {}, {});
 }
 
-torch::Tensor tt_cross_meta(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
-                            std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases, int64_t block_rows) {
+at::Tensor tt_cross_meta(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
+                            std::vector<at::Tensor> rights, std::vector<at::Tensor> biases, int64_t block_rows) {
   TORCH_CHECK(!x0_parts.empty() && x0_parts[0].dim() == 2, "tt_cross: x0 needs at least one (B, N_p) column block");
   c10::SymInt width = 0;
   for (const auto& part : x0_parts) width = width + part.sym_size(1);
@@ -265,17 +265,17 @@ torch::Tensor tt_cross_meta(std::vector<torch::Tensor> x0_parts, std::vector<tor
 // The cross net, then the TT layers of an MLP, relu_j?((x @ mlp_lefts[j]) @ mlp_rights[j] +
 // mlp_biases[j]) (empty bias: none), in one pass: the net's (B, N) output and the layers' own
 // outputs but the last are never written (a DCN's cross net, then its top MLP's TT layers).
-torch::Tensor tt_cross_mlp(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
-                           std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases, int64_t block_rows,
-                           std::vector<torch::Tensor> mlp_lefts, std::vector<torch::Tensor> mlp_rights,
-                           std::vector<torch::Tensor> mlp_biases, const c10::List<bool>& relu_list) {
+at::Tensor tt_cross_mlp(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
+                           std::vector<at::Tensor> rights, std::vector<at::Tensor> biases, int64_t block_rows,
+                           std::vector<at::Tensor> mlp_lefts, std::vector<at::Tensor> mlp_rights,
+                           std::vector<at::Tensor> mlp_biases, const c10::List<bool>& relu_list) {
   TORCH_CHECK(!mlp_lefts.empty(), "tt_cross_mlp: no MLP layers (tt_cross is the net alone)");
   std::vector<bool> relus(relu_list.begin(), relu_list.end());
   if (few_cross_rows(x0_parts, lefts, rights, biases) && mlp_rights.size() == mlp_lefts.size() &&
       mlp_biases.size() == mlp_lefts.size() && relus.size() == mlp_lefts.size()) {
     auto x = cross_by_products(x0_parts, lefts, rights, biases);
     for (size_t j = 0; j < mlp_lefts.size(); ++j) {
-      const auto bias = mlp_biases[j].numel() ? std::optional<torch::Tensor>(mlp_biases[j]) : std::nullopt;
+      const auto bias = mlp_biases[j].numel() ? std::optional<at::Tensor>(mlp_biases[j]) : std::nullopt;
       x = tt_linear(x, mlp_lefts[j], mlp_rights[j], bias, relus[j]);
     }
     return x;
@@ -284,10 +284,10 @@ torch::Tensor tt_cross_mlp(std::vector<torch::Tensor> x0_parts, std::vector<torc
                           std::move(mlp_lefts), std::move(mlp_rights), std::move(mlp_biases), std::move(relus));
 }
 
-torch::Tensor tt_cross_mlp_meta(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
-                                std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
-                                int64_t block_rows, std::vector<torch::Tensor> mlp_lefts,
-                                std::vector<torch::Tensor> mlp_rights, std::vector<torch::Tensor> mlp_biases,
+at::Tensor tt_cross_mlp_meta(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
+                                std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
+                                int64_t block_rows, std::vector<at::Tensor> mlp_lefts,
+                                std::vector<at::Tensor> mlp_rights, std::vector<at::Tensor> mlp_biases,
                                 const c10::List<bool>& relus) {
   TORCH_CHECK(!x0_parts.empty() && x0_parts[0].dim() == 2 && !mlp_rights.empty() && mlp_rights.back().dim() == 2,
               "tt_cross_mlp: x0 needs at least one (B, N_p) column block, and the MLP at least one layer");

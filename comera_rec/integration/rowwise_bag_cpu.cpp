@@ -15,7 +15,8 @@
 // of a table is touched), their gradients summed in the order the ids come, and each row
 // updated once. The result does not depend on the number of threads.
 
-#include <torch/extension.h>
+#include "aten_ops.h"
+#include "python_module.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -49,8 +50,8 @@ struct Layout {
   const float* w = nullptr;               // per-id weights or null
 };
 
-Layout layout_of(const torch::Tensor& table_offset, const torch::Tensor& dim_offset, const torch::Tensor& rows,
-                 const torch::Tensor& offsets, const torch::Tensor& weights, int64_t batch) {
+Layout layout_of(const at::Tensor& table_offset, const at::Tensor& dim_offset, const at::Tensor& rows,
+                 const at::Tensor& offsets, const at::Tensor& weights, int64_t batch) {
   Layout L;
   L.F = table_offset.numel();
   L.batch = batch;
@@ -63,10 +64,10 @@ Layout layout_of(const torch::Tensor& table_offset, const torch::Tensor& dim_off
   return L;
 }
 
-void check_args(const torch::Tensor& buffer, const torch::Tensor& table_offset, const torch::Tensor& dim_offset,
-                const torch::Tensor& rows, const torch::Tensor& ids, const torch::Tensor& offsets,
-                const torch::Tensor& weights, int64_t batch, const char* who) {
-  TORCH_CHECK(buffer.scalar_type() == torch::kFloat && buffer.is_contiguous(), who, ": the table buffer must be contiguous float32");
+void check_args(const at::Tensor& buffer, const at::Tensor& table_offset, const at::Tensor& dim_offset,
+                const at::Tensor& rows, const at::Tensor& ids, const at::Tensor& offsets,
+                const at::Tensor& weights, int64_t batch, const char* who) {
+  TORCH_CHECK(buffer.scalar_type() == at::kFloat && buffer.is_contiguous(), who, ": the table buffer must be contiguous float32");
   const int64_t F = table_offset.numel();
   TORCH_CHECK(dim_offset.numel() == F + 1 && rows.numel() == F, who, ": per-feature layout of ", F, " features is inconsistent");
   TORCH_CHECK(batch >= 0 && offsets.numel() == F * batch + 1, who, ": ", offsets.numel(), " offsets for ", F,
@@ -113,15 +114,15 @@ struct RowSlots {
 }  // namespace
 
 // (batch, total_dim) pooled bags.
-torch::Tensor rowwise_bag_forward(torch::Tensor buffer, torch::Tensor table_offset, torch::Tensor dim_offset,
-                                  torch::Tensor rows, torch::Tensor ids, torch::Tensor offsets, torch::Tensor weights,
+at::Tensor rowwise_bag_forward(at::Tensor buffer, at::Tensor table_offset, at::Tensor dim_offset,
+                                  at::Tensor rows, at::Tensor ids, at::Tensor offsets, at::Tensor weights,
                                   int64_t batch) {
   check_args(buffer, table_offset, dim_offset, rows, ids, offsets, weights, batch, "rowwise_bag_forward");
-  offsets = offsets.to(torch::kLong).contiguous();
+  offsets = offsets.to(at::kLong).contiguous();
   ids = ids.contiguous();
-  if (weights.numel()) weights = weights.to(torch::kFloat).contiguous();
+  if (weights.numel()) weights = weights.to(at::kFloat).contiguous();
   const Layout L = layout_of(table_offset, dim_offset, rows, offsets, weights, batch);
-  auto out = torch::empty({batch, L.total_dim}, buffer.options());  // each bag zeroed by the thread that pools it
+  auto out = at::empty({batch, L.total_dim}, buffer.options());  // each bag zeroed by the thread that pools it
   const float* table = buffer.data_ptr<float>();
   float* o = out.data_ptr<float>();
   AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "rowwise_bag_forward", [&] {
@@ -155,17 +156,17 @@ torch::Tensor rowwise_bag_forward(torch::Tensor buffer, torch::Tensor table_offs
 // Row-wise Adagrad on the rows the bags read, in place on buffer and momentum.
 // feature_table: (F,) the table each feature reads (features of one table are summed
 // together); momentum_offset: (F,) the first momentum entry of feature f's table.
-void rowwise_bag_backward_adagrad(torch::Tensor grad, torch::Tensor buffer, torch::Tensor momentum,
-                                  torch::Tensor table_offset, torch::Tensor momentum_offset, torch::Tensor dim_offset,
-                                  torch::Tensor rows, torch::Tensor feature_table, torch::Tensor ids,
-                                  torch::Tensor offsets, torch::Tensor weights, int64_t batch, double lr, double eps) {
+void rowwise_bag_backward_adagrad(at::Tensor grad, at::Tensor buffer, at::Tensor momentum,
+                                  at::Tensor table_offset, at::Tensor momentum_offset, at::Tensor dim_offset,
+                                  at::Tensor rows, at::Tensor feature_table, at::Tensor ids,
+                                  at::Tensor offsets, at::Tensor weights, int64_t batch, double lr, double eps) {
   check_args(buffer, table_offset, dim_offset, rows, ids, offsets, weights, batch, "rowwise_bag_backward_adagrad");
-  TORCH_CHECK(momentum.scalar_type() == torch::kFloat && momentum.is_contiguous(),
+  TORCH_CHECK(momentum.scalar_type() == at::kFloat && momentum.is_contiguous(),
               "rowwise_bag_backward_adagrad: momentum must be contiguous float32");
-  grad = grad.to(torch::kFloat).contiguous();
-  offsets = offsets.to(torch::kLong).contiguous();
+  grad = grad.to(at::kFloat).contiguous();
+  offsets = offsets.to(at::kLong).contiguous();
   ids = ids.contiguous();
-  if (weights.numel()) weights = weights.to(torch::kFloat).contiguous();
+  if (weights.numel()) weights = weights.to(at::kFloat).contiguous();
   const Layout L = layout_of(table_offset, dim_offset, rows, offsets, weights, batch);
   TORCH_CHECK(grad.size(0) == batch && grad.size(1) == L.total_dim, "rowwise_bag_backward_adagrad: gradient of shape ",
               grad.sizes(), " for (", batch, ", ", L.total_dim, ")");

@@ -267,3 +267,47 @@ def test_host_description_names_the_isa_the_kernels_target(monkeypatch) -> None:
     assert cpu_extension.host_description().startswith("AVX-512 (64-byte vectors); ")
     monkeypatch.setenv(cpu_extension.VECTOR_BYTES_ENV, "32")
     assert cpu_extension.host_description().startswith("32-byte vectors (COMERA_CPU_VECTOR_BYTES=32); ")
+
+
+def kernel_sources() -> list[Path]:
+    """Every C++ source of the CPU kernels' libraries (the tensor core's and the layers' above)."""
+    return sorted(
+        {*cpu_extension._SOURCES, *(p for ext in cpu_extension.registered_cpu_extensions() for p in ext.sources)}
+    )
+
+
+def test_kernel_sources_include_the_aten_headers_not_the_whole_frontend():
+    # <torch/extension.h> (the C++ frontend, pybind11, Python) took 44 s to parse per source
+    # on the 2-core host, aten_ops.h 8-10 s: a source that brought it back would double the build
+    import comera_rec.dlrm.interaction_kernel  # noqa: F401  (each registers its library)
+    import comera_rec.dlrm.serving_ops  # noqa: F401
+    import comera_rec.integration.rowwise_bag_kernel  # noqa: F401
+
+    sources = kernel_sources()
+    names = {p.name for p in sources}
+    assert {"ttm_cpu.cpp", "interaction_cpu.cpp", "rowwise_bag_cpu.cpp", "serving_ops_cpu.cpp"} <= names, names
+    for path in [*sources, *cpu_extension._HEADERS]:
+        text = path.read_text()
+        includes = set(re.findall(r"#include [<\"]([^>\"]+)[>\"]", text))
+        assert "torch/extension.h" not in includes, f"{path.name} includes <torch/extension.h>"
+        if path.suffix == ".cpp":
+            assert "aten_ops.h" in includes or "simd.h" in includes, f"{path.name} lacks aten_ops.h"
+            # pybind11 only where a Python module is bound
+            assert ("python_module.h" in includes) == ("PYBIND11_MODULE" in text), path.name
+
+
+def test_a_changed_header_names_a_new_build(tmp_path, monkeypatch):
+    # cpp_extension rebuilds on a changed source only: each header the sources include is hashed
+    assert {p.name for p in cpu_extension._HEADERS} == {"simd.h", "aten_ops.h", "python_module.h"}
+    copies = []
+    for header in cpu_extension._HEADERS:
+        copies.append(tmp_path / header.name)
+        shutil.copy(header, copies[-1])
+    monkeypatch.setattr(cpu_extension, "_HEADERS", copies)
+    before = cpu_extension._source_tag()
+    for copy in copies:
+        text = copy.read_text()
+        copy.write_text(text + "\n// changed\n")
+        assert cpu_extension._source_tag() != before, copy.name
+        copy.write_text(text)
+    assert cpu_extension._source_tag() == before

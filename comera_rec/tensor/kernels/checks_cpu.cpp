@@ -2,7 +2,7 @@
 // form (comparisons, a repeat_interleave of the bounds, any / nonzero) makes a handful of
 // passes and temporaries over every id.
 
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -12,13 +12,13 @@
 // 2 offsets[p + 1] - offsets[p] != lengths[p] at bag p (offsets given: numel B + 1);
 // 3 an id at position out of [0, bounds[key]) (bounds[key] < 0: key unchecked). The
 // lengths are key-major, `batch` bags per key.
-std::vector<int64_t> check_jagged(torch::Tensor values, torch::Tensor lengths, torch::Tensor offsets, int64_t batch,
+std::vector<int64_t> check_jagged(at::Tensor values, at::Tensor lengths, at::Tensor offsets, int64_t batch,
                                   std::vector<int64_t> bounds) {
   const int64_t keys = static_cast<int64_t>(bounds.size());
   TORCH_CHECK(lengths.numel() == keys * batch, "check_jagged: ", lengths.numel(), " lengths for ", keys,
               " keys x batch ", batch);
   values = values.contiguous();
-  lengths = lengths.to(torch::kLong).contiguous();
+  lengths = lengths.to(at::kLong).contiguous();
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t n_len = lengths.numel();
   int64_t total = 0;
@@ -27,7 +27,7 @@ std::vector<int64_t> check_jagged(torch::Tensor values, torch::Tensor lengths, t
     total += len[p];
   }
   if (offsets.numel() > 0) {
-    offsets = offsets.to(torch::kLong).contiguous();
+    offsets = offsets.to(at::kLong).contiguous();
     TORCH_CHECK(offsets.numel() == n_len + 1, "check_jagged: ", offsets.numel(), " offsets for ", n_len, " lengths");
     const int64_t* off = offsets.data_ptr<int64_t>();
     for (int64_t p = 0; p < n_len; ++p)

@@ -1,7 +1,7 @@
 // Vector helpers shared by the fused CPU kernels (ttm_cpu.cpp, tt_linear_cpu.cpp, ...).
 #pragma once
 
-#include <torch/extension.h>
+#include "aten_ops.h"
 
 #include <cstdint>
 #include <type_traits>
@@ -155,7 +155,7 @@ inline void hold_in_register(V& v) {
 inline int64_t padded(int64_t n, int64_t lanes) { return (n + lanes - 1) / lanes * lanes; }
 
 // The last dimension zero-padded to a multiple of `lanes`, contiguous.
-inline torch::Tensor pad_last(const torch::Tensor& t, int64_t lanes) {
+inline at::Tensor pad_last(const at::Tensor& t, int64_t lanes) {
   const int64_t n = t.size(-1), p = padded(n, lanes);
   return p == n ? t.contiguous() : at::constant_pad_nd(t, {0, p - n}).contiguous();
 }

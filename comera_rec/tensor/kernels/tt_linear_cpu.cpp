@@ -16,7 +16,7 @@
 // gradients in a partial of its own and the partials are added in chunk order, so the
 // result is the same for any number of threads.
 
-#include <torch/extension.h>
+#include "aten_ops.h"
 #include <ATen/Parallel.h>
 #include <c10/util/ParallelGuard.h>
 
@@ -98,10 +98,10 @@ constexpr int kOutVectors = kVectorRegisters >= 32 ? 1 : 2;
 // a page with a wide layer, which the prefetcher did not follow (the loads from L2 bound the
 // product).
 template <typename T>
-torch::Tensor pack_panels(const torch::Tensor& m) {
+at::Tensor pack_panels(const at::Tensor& m) {
   constexpr int64_t W = kLanes<T>;
   const int64_t r = m.size(0), cols = m.size(1);
-  auto out = torch::empty({r * cols}, m.options());
+  auto out = at::empty({r * cols}, m.options());
   const T* src = m.data_ptr<T>();
   T* dst = out.data_ptr<T>();
   for (int64_t c = 0; c < cols;) {
@@ -408,8 +408,8 @@ void backward_block(const Layer<T>& L, const Grads<T>& d, int64_t b0, int64_t en
 }
 
 template <typename T>
-Layer<T> layer_of(const torch::Tensor& x, const torch::Tensor& left_p, const torch::Tensor& right_p,
-                  const torch::Tensor& bias_p, int64_t r, int64_t n_out, const torch::Tensor& zeros) {
+Layer<T> layer_of(const at::Tensor& x, const at::Tensor& left_p, const at::Tensor& right_p,
+                  const at::Tensor& bias_p, int64_t r, int64_t n_out, const at::Tensor& zeros) {
   Layer<T> L;
   L.B = x.size(0);
   L.n_in = x.size(1);
@@ -426,8 +426,8 @@ Layer<T> layer_of(const torch::Tensor& x, const torch::Tensor& left_p, const tor
   return L;
 }
 
-void check_inputs(const torch::Tensor& x, const torch::Tensor& left, const torch::Tensor& right,
-                  const torch::Tensor& bias) {
+void check_inputs(const at::Tensor& x, const at::Tensor& left, const at::Tensor& right,
+                  const at::Tensor& bias) {
   TORCH_CHECK(x.dim() == 2 && left.dim() == 2 && right.dim() == 2, "tt_linear: x, left and right must be matrices");
   TORCH_CHECK(left.size(0) == x.size(1), "tt_linear: left has ", left.size(0), " rows for ", x.size(1), " input features");
   TORCH_CHECK(right.size(0) == left.size(1), "tt_linear: left has rank ", left.size(1), ", right ", right.size(0));
@@ -511,12 +511,12 @@ void sum_chunks(const T* parts, int64_t chunks, int64_t size, T* out) {
 // registers), right in panels, the padded bias (empty without one), zeros for the rows of a
 // tile past B}.
 template <typename T>
-std::vector<torch::Tensor> forward_operands(const torch::Tensor& left, const torch::Tensor& right,
-                                            const torch::Tensor& bias) {
+std::vector<at::Tensor> forward_operands(const at::Tensor& left, const at::Tensor& right,
+                                            const at::Tensor& bias) {
   constexpr int64_t W = kLanes<T>;
   const auto left_p = pad_last(left, W), right_p = pad_last(right, W);  // (n_in, R), (r, Np)
   const auto bias_p = bias.numel() ? pad_last(bias.to(left.scalar_type()), W) : bias.to(left.scalar_type());
-  const auto zeros = torch::zeros({std::max({left.size(0), right_p.size(1), left_p.size(1)})}, left.options());
+  const auto zeros = at::zeros({std::max({left.size(0), right_p.size(1), left_p.size(1)})}, left.options());
   // with 16 registers t = x @ left reads left in panels too (panel_product)
   return {kVectorRegisters < 32 ? pack_panels<T>(left_p) : left_p, pack_panels<T>(right_p), bias_p, zeros};
 }
@@ -524,7 +524,7 @@ std::vector<torch::Tensor> forward_operands(const torch::Tensor& left, const tor
 // A forward layer over x's rows from forward_operands (r: the rank, n_out: the outputs); x
 // may be a meta stand-in whose rows the caller sets.
 template <typename T>
-Layer<T> forward_layer(const torch::Tensor& x, const std::vector<torch::Tensor>& operands, int64_t r,
+Layer<T> forward_layer(const at::Tensor& x, const std::vector<at::Tensor>& operands, int64_t r,
                        int64_t n_out) {
   constexpr int64_t W = kLanes<T>;
   TORCH_CHECK(operands.size() == 4, "tt_linear: ", operands.size(), " packed operands; tt_linear_pack makes 4");
@@ -549,17 +549,17 @@ Layer<T> forward_layer(const torch::Tensor& x, const std::vector<torch::Tensor>&
 }
 
 // (y (B, n_out), t (B, R)): t is the padded x @ left, kept for the backward.
-std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left, torch::Tensor right,
-                                             torch::Tensor bias, bool relu) {
+std::vector<at::Tensor> tt_linear_forward(at::Tensor x, at::Tensor left, at::Tensor right,
+                                             at::Tensor bias, bool relu) {
   check_inputs(x, left, right, bias);
   x = x.contiguous();
   const int64_t B = x.size(0), r = left.size(1), n_out = right.size(1);
-  auto y = torch::empty({B, n_out}, x.options());
-  torch::Tensor t;
+  auto y = at::empty({B, n_out}, x.options());
+  at::Tensor t;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tt_linear_forward", [&] {
     const auto operands = forward_operands<scalar_t>(left, right, bias);
     const auto L = forward_layer<scalar_t>(x, operands, r, n_out);
-    t = torch::empty({B, L.R}, x.options());
+    t = at::empty({B, L.R}, x.options());
     with_vectors<scalar_t, ForwardRows>(L.R / kLanes<scalar_t>, L, relu, t.data_ptr<scalar_t>(),
                                         y.data_ptr<scalar_t>());
   });
@@ -569,10 +569,10 @@ std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left
 // tt_linear_forward's weight operands prepared once (forward_operands), for a caller that
 // scores many batches with the same weights and keeps them: at a few rows the padding and
 // the packing were most of a forward call's time.
-std::vector<torch::Tensor> tt_linear_pack(torch::Tensor left, torch::Tensor right, torch::Tensor bias) {
-  const auto like = torch::empty({0, left.dim() == 2 ? left.size(0) : 0}, left.options().device(at::kMeta));
+std::vector<at::Tensor> tt_linear_pack(at::Tensor left, at::Tensor right, at::Tensor bias) {
+  const auto like = at::empty({0, left.dim() == 2 ? left.size(0) : 0}, left.options().device(at::kMeta));
   check_inputs(like, left, right, bias);
-  std::vector<torch::Tensor> out;
+  std::vector<at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES(left.scalar_type(), "tt_linear_pack",
                              [&] { out = forward_operands<scalar_t>(left, right, bias); });
   return out;
@@ -580,13 +580,13 @@ std::vector<torch::Tensor> tt_linear_pack(torch::Tensor left, torch::Tensor righ
 
 // y = act((x @ left) @ right + bias) from tt_linear_pack's operands (r: the rank, n_out: the
 // outputs), without t: nothing is kept for a backward.
-torch::Tensor tt_linear_forward_packed(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t r, int64_t n_out,
+at::Tensor tt_linear_forward_packed(at::Tensor x, std::vector<at::Tensor> packed, int64_t r, int64_t n_out,
                                        bool relu) {
   TORCH_CHECK(!packed.empty() && x.dim() == 2 && x.scalar_type() == packed[0].scalar_type(),
               "tt_linear: x must be a matrix of the ", packed.empty() ? x.scalar_type() : packed[0].scalar_type(),
               " the operands were packed in, got ", x.scalar_type(), " of shape ", x.sizes());
   x = x.contiguous();
-  auto y = torch::empty({x.size(0), n_out}, x.options());
+  auto y = at::empty({x.size(0), n_out}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tt_linear_forward_packed", [&] {
     const auto L = forward_layer<scalar_t>(x, packed, r, n_out);
     with_vectors<scalar_t, ForwardRows>(L.R / kLanes<scalar_t>, L, relu, static_cast<scalar_t*>(nullptr),
@@ -615,10 +615,10 @@ torch::Tensor tt_linear_forward_packed(torch::Tensor x, std::vector<torch::Tenso
 // neither the net's (B, N) output nor the layers' own (B, n_j) outputs are written to memory
 // and read back (MLPerf at 4096 rows: 56 MB each way for the net's; not writing it made the
 // net 1.16-1.18x faster on a 2-core AVX2 EPYC), and the threads meet once for all of it.
-torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
-                               std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
-                               int64_t block_rows, std::vector<torch::Tensor> next_lefts,
-                               std::vector<torch::Tensor> next_rights, std::vector<torch::Tensor> next_biases,
+at::Tensor tt_cross_forward(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
+                               std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
+                               int64_t block_rows, std::vector<at::Tensor> next_lefts,
+                               std::vector<at::Tensor> next_rights, std::vector<at::Tensor> next_biases,
                                std::vector<bool> next_relus) {
   const auto layers = lefts.size();
   TORCH_CHECK(layers >= 1 && rights.size() == layers && biases.size() == layers, "tt_cross: ", lefts.size(),
@@ -640,28 +640,28 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
     n += part.size(1);
   }
   // a (B, n) stand-in for the shape checks (no data read)
-  const auto like = x0_parts.size() == 1 ? x0_parts[0] : torch::empty({B, n}, x0_parts[0].options().device(at::kMeta));
+  const auto like = x0_parts.size() == 1 ? x0_parts[0] : at::empty({B, n}, x0_parts[0].options().device(at::kMeta));
   for (size_t k = 0; k < layers; ++k) {
     check_inputs(like, lefts[k], rights[k], biases[k]);
     TORCH_CHECK(rights[k].size(1) == n, "tt_cross: layer ", k, " has ", rights[k].size(1), " outputs for ", n,
                 " input features; a cross layer keeps its width");
   }
   // each next layer's input: the one before's output (its stand-in)
-  std::vector<torch::Tensor> next_inputs;
+  std::vector<at::Tensor> next_inputs;
   int64_t widest = 0;  // the widest next output, for the blocks' buffers
   for (size_t j = 0; j < nexts; ++j) {
-    const auto& input = j == 0 ? like : torch::empty({B, next_rights[j - 1].size(1)}, like.options().device(at::kMeta));
+    const auto& input = j == 0 ? like : at::empty({B, next_rights[j - 1].size(1)}, like.options().device(at::kMeta));
     TORCH_CHECK(next_lefts[j].numel() > 0, "tt_cross: next layer ", j, "'s left is empty");
     check_inputs(input, next_lefts[j], next_rights[j], next_biases[j]);
     next_inputs.push_back(input);
     widest = std::max(widest, next_rights[j].size(1));
   }
   const int64_t n_out = nexts ? next_rights.back().size(1) : n;
-  auto out = torch::empty({B, n_out}, x0_parts[0].options());
+  auto out = at::empty({B, n_out}, x0_parts[0].options());
   AT_DISPATCH_FLOATING_TYPES(x0_parts[0].scalar_type(), "tt_cross_forward", [&] {
     using T = scalar_t;
     constexpr int64_t W = kLanes<T>;
-    std::vector<torch::Tensor> kept;  // the padded and packed operands, alive for the call
+    std::vector<at::Tensor> kept;  // the padded and packed operands, alive for the call
     std::vector<Layer<T>> L(layers);
     for (size_t k = 0; k < layers; ++k) {
       const auto operands = forward_operands<T>(lefts[k], rights[k], biases[k]);
@@ -727,8 +727,8 @@ torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<
 
 // (grad_x or empty, grad_left (n_in, r) or empty, grad_right (r, n_out), grad_bias or empty).
 // y: the forward's output when it applied the ReLU, else empty.
-std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tensor x, torch::Tensor left,
-                                              torch::Tensor right, torch::Tensor t, torch::Tensor y,
+std::vector<at::Tensor> tt_linear_backward(at::Tensor grad_y, at::Tensor x, at::Tensor left,
+                                              at::Tensor right, at::Tensor t, at::Tensor y,
                                               bool need_grad_x, bool need_grad_bias, bool need_grad_left) {
   x = x.contiguous();
   grad_y = grad_y.contiguous();
@@ -736,8 +736,8 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
   const int64_t B = x.size(0), n_in = x.size(1), r = left.size(1), n_out = right.size(1);
   TORCH_CHECK(grad_y.size(0) == B && grad_y.size(1) == n_out, "tt_linear: grad of shape ", grad_y.sizes(),
               " for an output of (", B, ", ", n_out, ")");
-  torch::Tensor grad_x = need_grad_x ? torch::empty({B, n_in}, x.options()) : torch::Tensor();
-  torch::Tensor grad_left, grad_right, grad_bias;
+  at::Tensor grad_x = need_grad_x ? at::empty({B, n_in}, x.options()) : at::Tensor();
+  at::Tensor grad_left, grad_right, grad_bias;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tt_linear_backward", [&] {
     using T = scalar_t;
     constexpr int64_t W = kLanes<T>;
@@ -746,8 +746,8 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
     const int64_t R = left_p.size(1), Np = right_p.size(1);
     const auto right_t = pad_last(right.t(), W);  // (n_out, R)
     const auto left_t = pad_last(left.t(), W);    // (r, Nip)
-    const auto zeros = torch::zeros({std::max({n_in, Np, R})}, x.options());
-    const auto none = torch::empty({0}, x.options());
+    const auto zeros = at::zeros({std::max({n_in, Np, R})}, x.options());
+    const auto none = at::empty({0}, x.options());
     const auto L = layer_of<T>(x, left_p, right_p, none, r, n_out, zeros);
     Grads<T> d;
     d.gy = grad_y.data_ptr<T>();
@@ -765,28 +765,28 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
     const int64_t chunk_rows = padded((B + chunks - 1) / chunks, kTile);  // whole tiles
     const int64_t used = (B + chunk_rows - 1) / chunk_rows;
     const int64_t sL = need_grad_left ? n_in * R : 0, sR = r * Np, sB = Np;  // as BackwardRows lays them out
-    auto parts = torch::empty({used * (sL + sR + (need_grad_bias ? sB : 0))}, x.options());  // zeroed per chunk
+    auto parts = at::empty({used * (sL + sR + (need_grad_bias ? sB : 0))}, x.options());  // zeroed per chunk
     T* gL = parts.data_ptr<T>();
     T* gR = gL + used * sL;
     T* gB = need_grad_bias ? gR + used * sR : nullptr;
     with_vectors<T, BackwardRows>(R / W, L, d, used, chunk_rows, gL, gR, gB);
 
     if (need_grad_left) {
-      auto gl = torch::empty({n_in, R}, x.options());
+      auto gl = at::empty({n_in, R}, x.options());
       sum_chunks(gL, used, sL, gl.data_ptr<T>());
       grad_left = gl.narrow(1, 0, r);
     }
-    auto gr = torch::empty({r, Np}, x.options());
+    auto gr = at::empty({r, Np}, x.options());
     sum_chunks(gR, used, sR, gr.data_ptr<T>());
     grad_right = gr.narrow(1, 0, n_out);
     if (need_grad_bias) {
-      auto gb = torch::empty({Np}, x.options());
+      auto gb = at::empty({Np}, x.options());
       sum_chunks(gB, used, sB, gb.data_ptr<T>());
       grad_bias = gb.narrow(0, 0, n_out);
     }
   });
-  return {grad_x.defined() ? grad_x : torch::Tensor(), grad_left.defined() ? grad_left : torch::Tensor(), grad_right,
-          grad_bias.defined() ? grad_bias : torch::Tensor()};
+  return {grad_x.defined() ? grad_x : at::Tensor(), grad_left.defined() ? grad_left : at::Tensor(), grad_right,
+          grad_bias.defined() ? grad_bias : at::Tensor()};
 }
 
 // ---------------------------------------------------------------- the chains of a TT weight
@@ -804,7 +804,7 @@ std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tenso
 
 namespace {
 
-void check_chains(const std::vector<torch::Tensor>& cores, const std::vector<torch::Tensor>& controllers, int64_t d) {
+void check_chains(const std::vector<at::Tensor>& cores, const std::vector<at::Tensor>& controllers, int64_t d) {
   TORCH_CHECK(d >= 1 && static_cast<int64_t>(cores.size()) == 2 * d, "tt_chains: ", cores.size(),
               " cores for ", d, " input cores (need 2d)");
   TORCH_CHECK(static_cast<int64_t>(controllers.size()) == 2 * d - 1, "tt_chains: ", controllers.size(),
@@ -839,16 +839,16 @@ class SerialSection {
 
 }  // namespace
 
-std::vector<torch::Tensor> tt_chains_forward(std::vector<torch::Tensor> cores, std::vector<torch::Tensor> controllers,
+std::vector<at::Tensor> tt_chains_forward(std::vector<at::Tensor> cores, std::vector<at::Tensor> controllers,
                                              int64_t d, int64_t in_features, int64_t out_features) {
   check_chains(cores, controllers, d);
   const SerialSection serial;
-  std::vector<torch::Tensor> saved;
+  std::vector<at::Tensor> saved;
   // left: P_0 = G_1 as (n_1, r_1); Q_k = P_k D_k; P_{k+1} = (Q_k @ G_{k+2}) as (N, r)
-  torch::Tensor P = cores[0].reshape({cores[0].size(1), cores[0].size(2)});
-  torch::Tensor Q;
+  at::Tensor P = cores[0].reshape({cores[0].size(1), cores[0].size(2)});
+  at::Tensor Q;
   for (int64_t k = 0; k < d; ++k) {
-    Q = P * controllers[k];
+    Q = P.mul(controllers[k]);
     saved.push_back(P);
     saved.push_back(Q);
     if (k + 1 < d) {
@@ -859,9 +859,9 @@ std::vector<torch::Tensor> tt_chains_forward(std::vector<torch::Tensor> cores, s
   // right: from the last core, R_k = the product of cores k + 1 .. 2d - 1 as (r_k, M);
   // S_k = D_k R_k; R_{k-1} = (G_k as (r_{k-1} n_k, r_k) @ S_k) as (r_{k-1}, n_k M)
   const auto& last = cores[2 * d - 1];
-  torch::Tensor R = last.reshape({last.size(0), last.size(1)});
+  at::Tensor R = last.reshape({last.size(0), last.size(1)});
   for (int64_t k = 2 * d - 2; k >= d; --k) {
-    const auto S = R * controllers[k].unsqueeze(1);
+    const auto S = R.mul(controllers[k].unsqueeze(1));
     saved.push_back(R);
     saved.push_back(S);
     const auto& g = cores[k];
@@ -870,29 +870,29 @@ std::vector<torch::Tensor> tt_chains_forward(std::vector<torch::Tensor> cores, s
   TORCH_CHECK(in_features >= 1 && in_features <= Q.size(0) && out_features >= 1 && out_features <= R.size(1),
               "tt_chains: ", in_features, " x ", out_features, " features from a ", Q.size(0), " x ", R.size(1),
               " train");
-  std::vector<torch::Tensor> out = {Q.narrow(0, 0, in_features), R.narrow(1, 0, out_features)};
+  std::vector<at::Tensor> out = {Q.narrow(0, 0, in_features), R.narrow(1, 0, out_features)};
   out.insert(out.end(), saved.begin(), saved.end());
   return out;
 }
 
 // The gradients of the 2d cores, then of the 2d - 1 controllers.
-std::vector<torch::Tensor> tt_chains_backward(torch::Tensor grad_left, torch::Tensor grad_right,
-                                              std::vector<torch::Tensor> cores,
-                                              std::vector<torch::Tensor> controllers, std::vector<torch::Tensor> saved,
+std::vector<at::Tensor> tt_chains_backward(at::Tensor grad_left, at::Tensor grad_right,
+                                              std::vector<at::Tensor> cores,
+                                              std::vector<at::Tensor> controllers, std::vector<at::Tensor> saved,
                                               int64_t d) {
   check_chains(cores, controllers, d);
   const SerialSection serial;
   TORCH_CHECK(static_cast<int64_t>(saved.size()) == 2 * (2 * d - 1), "tt_chains: ", saved.size(),
               " saved products for ", 2 * d - 1, " bonds");
-  std::vector<torch::Tensor> grad_cores(2 * d), grad_controllers(2 * d - 1);
+  std::vector<at::Tensor> grad_cores(2 * d), grad_controllers(2 * d - 1);
   // left, from its last bond back; grad_left covers in_features of the N_in rows
   const auto& Q_last = saved[2 * (d - 1) + 1];
-  torch::Tensor gQ = at::zeros_like(Q_last);
+  at::Tensor gQ = at::zeros_like(Q_last);
   gQ.narrow(0, 0, grad_left.size(0)).copy_(grad_left);
   for (int64_t k = d - 1; k >= 0; --k) {
     const auto& P = saved[2 * k];
-    grad_controllers[k] = (gQ * P).sum(0);
-    const auto gP = gQ * controllers[k];
+    grad_controllers[k] = gQ.mul(P).sum(0);
+    const auto gP = gQ.mul(controllers[k]);
     if (k == 0) {
       grad_cores[0] = gP.reshape(cores[0].sizes());
     } else {
@@ -905,7 +905,7 @@ std::vector<torch::Tensor> tt_chains_backward(torch::Tensor grad_left, torch::Te
   }
   // right, from its first bond (d) on; grad_right covers out_features of the N_out columns
   const int64_t base = 2 * d;  // saved[base + 2 j], saved[base + 2 j + 1]: R_k, S_k for k = 2d - 2 - j
-  torch::Tensor gR;
+  at::Tensor gR;
   {
     int64_t n_out = 1;  // N_out: the output modes' product
     for (int64_t k = d; k < 2 * d; ++k) n_out *= cores[k].size(1);
@@ -920,11 +920,11 @@ std::vector<torch::Tensor> tt_chains_backward(torch::Tensor grad_left, torch::Te
     const auto G = gR.reshape({g.size(0) * g.size(1), -1});  // (r_{k-1} n_k, M)
     grad_cores[k] = at::mm(G, S.t()).reshape(g.sizes());
     const auto gS = at::mm(g.reshape({-1, g.size(2)}).t(), G);  // (r_k, M)
-    grad_controllers[k] = (gS * R).sum(1);
-    gR = gS * controllers[k].unsqueeze(1);
+    grad_controllers[k] = gS.mul(R).sum(1);
+    gR = gS.mul(controllers[k].unsqueeze(1));
   }
   grad_cores[2 * d - 1] = gR.reshape(cores[2 * d - 1].sizes());
-  std::vector<torch::Tensor> out = grad_cores;
+  std::vector<at::Tensor> out = grad_cores;
   out.insert(out.end(), grad_controllers.begin(), grad_controllers.end());
   return out;
 }

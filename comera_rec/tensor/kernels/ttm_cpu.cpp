@@ -21,7 +21,10 @@
 // atomics and the result does not depend on the number of threads except for the order
 // of additions. Nothing of the size of a table or a half table is formed.
 
-#include <torch/extension.h>
+#include "aten_ops.h"
+#ifndef COMERA_OPERATOR_LIBRARY  // the operator library binds no Python module
+#include "python_module.h"
+#endif
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -248,7 +251,7 @@ struct Half {
   int64_t cols() const { return m0 * m1; }
 };
 
-Half half_of(const std::vector<torch::Tensor>& cores, int64_t begin, int64_t end) {
+Half half_of(const std::vector<at::Tensor>& cores, int64_t begin, int64_t end) {
   Half h;
   h.cores = end - begin;
   const auto& a = cores[begin];
@@ -393,8 +396,8 @@ inline int64_t bag_offset(int64_t bag, int64_t dim, int64_t batch, int64_t strea
 struct Train {
   Half L, R;
   int64_t d = 0, split = 0, T = 0, r = 0, rp = 0, Ml = 0, Mr = 0, Nl = 0, Nr = 0;
-  torch::Tensor left1;   // left 2-core halves: core 1 as (T, r_mid, n1, m1, rp)
-  torch::Tensor right0;  // right 2-core halves: core 0 as (T, n0, m0, r_mid, rp)
+  at::Tensor left1;   // left 2-core halves: core 1 as (T, r_mid, n1, m1, rp)
+  at::Tensor right0;  // right 2-core halves: core 0 as (T, n0, m0, r_mid, rp)
 };
 
 // A core (T, r, ...) with its first rank moved last and zero-padded to whole vectors:
@@ -444,10 +447,10 @@ inline void transpose_8x8<float>(const float* in, int64_t in_stride, float* out,
 }
 #undef COMERA_SHUFFLE8
 
-torch::Tensor rank_last(const torch::Tensor& core, int64_t lanes) {
+at::Tensor rank_last(const at::Tensor& core, int64_t lanes) {
   const auto c = core.contiguous();
   const int64_t T = c.size(0), r = c.size(1), X = c.numel() / std::max<int64_t>(1, T * r), rp = padded(r, lanes);
-  auto out = rp == r ? torch::empty({T, X, rp}, c.options()) : torch::zeros({T, X, rp}, c.options());
+  auto out = rp == r ? at::empty({T, X, rp}, c.options()) : at::zeros({T, X, rp}, c.options());
   constexpr int64_t kCols = 16;
   const int64_t blocks = (X + kCols - 1) / kCols;
   AT_DISPATCH_FLOATING_TYPES(c.scalar_type(), "rank_last", [&] {
@@ -475,8 +478,8 @@ torch::Tensor rank_last(const torch::Tensor& core, int64_t lanes) {
 // `layouts`: also make the forward's permuted, padded copies (left1, right0), or take them
 // from `given` ({left1, right0} made earlier by ttm_forward_layouts from the same cores,
 // kept by the caller while the cores do not change); the backward needs only the shapes.
-Train describe(std::vector<torch::Tensor>& cores, const char* who, bool layouts,
-               const std::vector<torch::Tensor>& given = {}) {
+Train describe(std::vector<at::Tensor>& cores, const char* who, bool layouts,
+               const std::vector<at::Tensor>& given = {}) {
   Train tr;
   tr.d = static_cast<int64_t>(cores.size());
   TORCH_CHECK(tr.d >= 2 && tr.d <= 4, who, ": need 2 to 4 cores, got ", tr.d);
@@ -489,7 +492,7 @@ Train describe(std::vector<torch::Tensor>& cores, const char* who, bool layouts,
   tr.R = half_of(cores, tr.split, tr.d);
   tr.T = cores[0].size(0);
   tr.r = tr.L.r_out;
-  const int64_t lanes = cores[0].scalar_type() == torch::kDouble ? kLanes<double> : kLanes<float>;
+  const int64_t lanes = cores[0].scalar_type() == at::kDouble ? kLanes<double> : kLanes<float>;
   tr.rp = padded(tr.r, lanes);
   tr.Ml = tr.L.cols();
   tr.Mr = tr.R.cols();
@@ -516,9 +519,9 @@ Train describe(std::vector<torch::Tensor>& cores, const char* who, bool layouts,
 
 // The forward's derived layouts of these cores, {left1, right0} (an empty tensor where a
 // half has one core), for a caller that keeps them between lookups with unchanged cores.
-std::vector<torch::Tensor> ttm_forward_layouts(std::vector<torch::Tensor> cores) {
+std::vector<at::Tensor> ttm_forward_layouts(std::vector<at::Tensor> cores) {
   const Train tr = describe(cores, "ttm_forward_layouts", true);
-  const auto empty = torch::empty({0}, cores[0].options());
+  const auto empty = at::empty({0}, cores[0].options());
   return {tr.left1.defined() ? tr.left1 : empty, tr.right0.defined() ? tr.right0 : empty};
 }
 
@@ -554,7 +557,7 @@ void keys_of_ids(const int64_t* id, const int64_t* trp, int64_t N, int64_t T, in
 
 // P (M_l, rp) of each prefix key keys[0 .. U): row s of P for keys[s].
 template <typename T_>
-void contract_prefixes(const Train& tr, const std::vector<torch::Tensor>& cores, const int64_t* keys, int64_t U, T_* P) {
+void contract_prefixes(const Train& tr, const std::vector<at::Tensor>& cores, const int64_t* keys, int64_t U, T_* P) {
   const Half& L = tr.L;
   const int64_t Nl = tr.Nl, Ml = tr.Ml, r = tr.r, rp = tr.rp;
   const T_* g0 = cores[0].data_ptr<T_>();
@@ -581,7 +584,7 @@ void contract_prefixes(const Train& tr, const std::vector<torch::Tensor>& cores,
 
 // S (M_r, rp) of each suffix key keys[0 .. U), row (x0, x1) of the right half's columns.
 template <typename T_>
-void contract_suffixes(const Train& tr, const std::vector<torch::Tensor>& cores, const int64_t* keys, int64_t U,
+void contract_suffixes(const Train& tr, const std::vector<at::Tensor>& cores, const int64_t* keys, int64_t U,
                        T_* S) {
   const Half& R = tr.R;
   const int64_t Nr = tr.Nr, Mr = tr.Mr, r = tr.r, rp = tr.rp;
@@ -653,19 +656,19 @@ void pool_bags(const PoolShape& sh, const T_* P, const T_* S, const int32_t* ps,
 
 // The checks and conversions both forwards share. Returns the bags' count.
 struct BagInputs {
-  torch::Tensor ids, offsets, trains, weights;
+  at::Tensor ids, offsets, trains, weights;
   bool has_trains = false, weighted = false;
   int64_t N = 0, B = 0, streams = 1;
 };
 
-BagInputs bag_inputs(const char* who, torch::Tensor ids, torch::Tensor trains, torch::Tensor offsets,
-                     torch::Tensor weights, at::ScalarType dtype, int64_t batch) {
+BagInputs bag_inputs(const char* who, at::Tensor ids, at::Tensor trains, at::Tensor offsets,
+                     at::Tensor weights, at::ScalarType dtype, int64_t batch) {
   BagInputs in;
-  in.ids = ids.to(torch::kLong).contiguous();
-  in.offsets = offsets.to(torch::kLong).contiguous();
+  in.ids = ids.to(at::kLong).contiguous();
+  in.offsets = offsets.to(at::kLong).contiguous();
   in.has_trains = trains.numel() > 0;
   in.weighted = weights.numel() > 0;
-  if (in.has_trains) in.trains = trains.to(torch::kLong).contiguous();
+  if (in.has_trains) in.trains = trains.to(at::kLong).contiguous();
   if (in.weighted) in.weights = weights.to(dtype).contiguous();
   in.N = in.ids.numel();
   in.B = in.offsets.numel() - 1;
@@ -679,18 +682,18 @@ BagInputs bag_inputs(const char* who, torch::Tensor ids, torch::Tensor trains, t
   return in;
 }
 
-torch::Tensor bag_output(const BagInputs& in, int64_t dim, int64_t batch, const torch::TensorOptions& fopt) {
+at::Tensor bag_output(const BagInputs& in, int64_t dim, int64_t batch, const at::TensorOptions& fopt) {
   // each bag's dim values are zeroed by the thread that pools it (the bags tile the output)
-  return batch > 0 ? torch::empty({batch, in.streams * dim}, fopt) : torch::empty({in.B, dim}, fopt);
+  return batch > 0 ? at::empty({batch, in.streams * dim}, fopt) : at::empty({in.B, dim}, fopt);
 }
 
 }  // namespace
 
 // Forward. Returns {out (B, D), prefix slot (N,), suffix slot (N,), distinct prefix keys,
 // distinct suffix keys, P table (U_l, M_l, rp), S table (U_r, M_r, rp)}.
-std::vector<torch::Tensor> ttm_bag_forward(
-    std::vector<torch::Tensor> cores, torch::Tensor ids, torch::Tensor trains, torch::Tensor offsets,
-    torch::Tensor weights, int64_t dim, int64_t batch, std::vector<torch::Tensor> layouts) {
+std::vector<at::Tensor> ttm_bag_forward(
+    std::vector<at::Tensor> cores, at::Tensor ids, at::Tensor trains, at::Tensor offsets,
+    at::Tensor weights, int64_t dim, int64_t batch, std::vector<at::Tensor> layouts) {
   const Train tr = describe(cores, "ttm_bag_forward", true, layouts);
   const int64_t T = tr.T, r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
   TORCH_CHECK(dim >= 1 && dim <= Ml * Mr, "ttm_bag_forward: embedding_dim ", dim, " outside [1, ", Ml * Mr, "]");
@@ -701,8 +704,8 @@ std::vector<torch::Tensor> ttm_bag_forward(
   std::vector<int64_t> pkeys(N), skeys(N);
   keys_of_ids(in.ids.data_ptr<int64_t>(), in.has_trains ? in.trains.data_ptr<int64_t>() : nullptr, N, T, Nl, Nr,
               pkeys.data(), skeys.data());
-  auto iopt = torch::TensorOptions().dtype(torch::kInt);
-  auto pslot = torch::empty({N}, iopt), sslot = torch::empty({N}, iopt);
+  auto iopt = at::TensorOptions().dtype(at::kInt);
+  auto pslot = at::empty({N}, iopt), sslot = at::empty({N}, iopt);
   std::vector<int64_t> pdistinct, sdistinct;
   at::parallel_for(0, 2, 1, [&](int64_t b, int64_t e) {  // prefixes and suffixes side by side
     for (int64_t half = b; half < e; ++half) {
@@ -711,13 +714,13 @@ std::vector<torch::Tensor> ttm_bag_forward(
     }
   });
   const int64_t Ul = static_cast<int64_t>(pdistinct.size()), Ur = static_cast<int64_t>(sdistinct.size());
-  auto lopt = torch::TensorOptions().dtype(torch::kLong);
-  auto pkey_t = torch::from_blob(pdistinct.data(), {Ul}, lopt).clone();
-  auto skey_t = torch::from_blob(sdistinct.data(), {Ur}, lopt).clone();
+  auto lopt = at::TensorOptions().dtype(at::kLong);
+  auto pkey_t = at::from_blob(pdistinct.data(), {Ul}, lopt).clone();
+  auto skey_t = at::from_blob(sdistinct.data(), {Ur}, lopt).clone();
 
   auto fopt = cores[0].options();
   // every value of P and S is written below; only rank padding (rp > r) needs zeros
-  auto table = [&](int64_t U, int64_t M) { return rp == r ? torch::empty({U, M, rp}, fopt) : torch::zeros({U, M, rp}, fopt); };
+  auto table = [&](int64_t U, int64_t M) { return rp == r ? at::empty({U, M, rp}, fopt) : at::zeros({U, M, rp}, fopt); };
   auto ptab = table(Ul, Ml), stab = table(Ur, Mr);
   auto out = bag_output(in, dim, batch, fopt);
   const PoolShape sh{Ml, Mr, rp, dim, batch, in.streams};
@@ -737,13 +740,13 @@ std::vector<torch::Tensor> ttm_bag_forward(
 // Both halves contracted over all their row indices: {P (T * N_l, M_l, rp), S (T * N_r,
 // M_r, rp)}, row t * N + i for index i of table t. For scoring: a lookup over these
 // (ttm_bag_forward_halves) reads two rows per id and contracts nothing else.
-std::vector<torch::Tensor> ttm_halves(std::vector<torch::Tensor> cores) {
+std::vector<at::Tensor> ttm_halves(std::vector<at::Tensor> cores) {
   const Train tr = describe(cores, "ttm_halves", true);  // its own core layouts, dropped after
   const int64_t Ul = tr.T * tr.Nl, Ur = tr.T * tr.Nr;
   TORCH_CHECK(std::max(Ul, Ur) < (int64_t(1) << 31), "ttm_halves: ", std::max(Ul, Ur), " rows of a half exceed int32");
   auto fopt = cores[0].options();
   auto table = [&](int64_t U, int64_t M) {
-    return tr.rp == tr.r ? torch::empty({U, M, tr.rp}, fopt) : torch::zeros({U, M, tr.rp}, fopt);
+    return tr.rp == tr.r ? at::empty({U, M, tr.rp}, fopt) : at::zeros({U, M, tr.rp}, fopt);
   };
   auto ptab = table(Ul, tr.Ml), stab = table(Ur, tr.Mr);
   std::vector<int64_t> pkeys(Ul), skeys(Ur);
@@ -761,9 +764,9 @@ namespace {
 // The forward over whole halves (ttm_halves of T tables whose suffix index has N_r values)
 // of the bags in, into out: row_stride / stream_cols as PoolShape takes them (null:
 // bag_offset's layout); nothing kept for a backward.
-void pool_over_halves(const torch::Tensor& ptab, const torch::Tensor& stab, const BagInputs& in, int64_t dim,
+void pool_over_halves(const at::Tensor& ptab, const at::Tensor& stab, const BagInputs& in, int64_t dim,
                       int64_t batch, int64_t T, int64_t Nr, int64_t row_stride, const int64_t* stream_cols,
-                      torch::Tensor& out) {
+                      at::Tensor& out) {
   TORCH_CHECK(ptab.dim() == 3 && stab.dim() == 3 && ptab.size(2) == stab.size(2) && ptab.is_contiguous() &&
                   stab.is_contiguous() && ptab.scalar_type() == stab.scalar_type(),
               "ttm_bag_forward_halves: halves must be contiguous (U, M, rp) of one rank and dtype, got ", ptab.sizes(),
@@ -772,8 +775,8 @@ void pool_over_halves(const torch::Tensor& ptab, const torch::Tensor& stab, cons
               ptab.size(0), " and ", stab.size(0), " rows are not ", T, " tables with ", Nr, " suffixes");
   const int64_t Nl = ptab.size(0) / T, Ml = ptab.size(1), Mr = stab.size(1), rp = ptab.size(2);
   TORCH_CHECK(dim >= 1 && dim <= Ml * Mr, "ttm_bag_forward_halves: embedding_dim ", dim, " outside [1, ", Ml * Mr, "]");
-  auto iopt = torch::TensorOptions().dtype(torch::kInt);
-  auto pkeys = torch::empty({in.N}, iopt), skeys = torch::empty({in.N}, iopt);
+  auto iopt = at::TensorOptions().dtype(at::kInt);
+  auto pkeys = at::empty({in.N}, iopt), skeys = at::empty({in.N}, iopt);
   keys_of_ids(in.ids.data_ptr<int64_t>(), in.has_trains ? in.trains.data_ptr<int64_t>() : nullptr, in.N, T, Nl, Nr,
               pkeys.data_ptr<int32_t>(), skeys.data_ptr<int32_t>());
   PoolShape sh{Ml, Mr, rp, dim, batch, in.streams};
@@ -790,8 +793,8 @@ void pool_over_halves(const torch::Tensor& ptab, const torch::Tensor& stab, cons
 }  // namespace
 
 // The forward over whole halves, out (B, D) as ttm_bag_forward gives it.
-torch::Tensor ttm_bag_forward_halves(torch::Tensor ptab, torch::Tensor stab, torch::Tensor ids, torch::Tensor trains,
-                                     torch::Tensor offsets, torch::Tensor weights, int64_t dim, int64_t batch,
+at::Tensor ttm_bag_forward_halves(at::Tensor ptab, at::Tensor stab, at::Tensor ids, at::Tensor trains,
+                                     at::Tensor offsets, at::Tensor weights, int64_t dim, int64_t batch,
                                      int64_t T, int64_t Nr) {
   const BagInputs in = bag_inputs("ttm_bag_forward_halves", ids, trains, offsets, weights, ptab.scalar_type(), batch);
   auto out = bag_output(in, dim, batch, ptab.options());
@@ -803,9 +806,9 @@ torch::Tensor ttm_bag_forward_halves(torch::Tensor ptab, torch::Tensor stab, tor
 // stream_cols[f] (batch > 0, a column offset per stream), every bag written. A caller that
 // lays several lookups' bags side by side (the scoring operator's (B, F, D)) has them
 // written there, with no copy after.
-void ttm_bag_forward_halves_into(torch::Tensor ptab, torch::Tensor stab, torch::Tensor ids, torch::Tensor trains,
-                                 torch::Tensor offsets, torch::Tensor weights, int64_t dim, int64_t batch, int64_t T,
-                                 int64_t Nr, torch::Tensor out, int64_t row_stride,
+void ttm_bag_forward_halves_into(at::Tensor ptab, at::Tensor stab, at::Tensor ids, at::Tensor trains,
+                                 at::Tensor offsets, at::Tensor weights, int64_t dim, int64_t batch, int64_t T,
+                                 int64_t Nr, at::Tensor out, int64_t row_stride,
                                  const std::vector<int64_t>& stream_cols) {
   const BagInputs in = bag_inputs("ttm_bag_forward_halves", ids, trains, offsets, weights, ptab.scalar_type(), batch);
   TORCH_CHECK(batch > 0 && static_cast<int64_t>(stream_cols.size()) == in.streams && out.is_contiguous() &&
@@ -821,30 +824,30 @@ void ttm_bag_forward_halves_into(torch::Tensor ptab, torch::Tensor stab, torch::
 
 // Backward. Returns the gradients of the d cores, then of the weights (undefined unless
 // weights_need_grad).
-std::vector<torch::Tensor> ttm_bag_backward(
-    torch::Tensor grad_out, std::vector<torch::Tensor> cores, torch::Tensor offsets, torch::Tensor weights,
-    torch::Tensor pslot, torch::Tensor sslot, torch::Tensor pkeys, torch::Tensor skeys, torch::Tensor ptab,
-    torch::Tensor stab, bool weights_need_grad, int64_t dim, int64_t batch) {
+std::vector<at::Tensor> ttm_bag_backward(
+    at::Tensor grad_out, std::vector<at::Tensor> cores, at::Tensor offsets, at::Tensor weights,
+    at::Tensor pslot, at::Tensor sslot, at::Tensor pkeys, at::Tensor skeys, at::Tensor ptab,
+    at::Tensor stab, bool weights_need_grad, int64_t dim, int64_t batch) {
   const Train tr = describe(cores, "ttm_bag_backward", false);
   const Half &L = tr.L, &R = tr.R;
   const int64_t r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
   grad_out = grad_out.to(cores[0].scalar_type()).contiguous();
-  offsets = offsets.to(torch::kLong).contiguous();
+  offsets = offsets.to(at::kLong).contiguous();
   const bool weighted = weights.numel() > 0;
   if (weighted) weights = weights.to(cores[0].scalar_type()).contiguous();
   const int64_t B = offsets.numel() - 1, N = pslot.numel(), streams = batch > 0 ? B / batch : 1;
   const int64_t Ul = pkeys.numel(), Ur = skeys.numel();
 
-  auto dptab = torch::empty_like(ptab), dstab = torch::empty_like(stab);  // every row written once
+  auto dptab = at::empty_like(ptab), dstab = at::empty_like(stab);  // every row written once
   // Core gradients: a 1-core half's slices are summed into (zeroed); a 2-core half's are
   // each written once, every slice (slices no slot uses get zeros), in the cores' own
   // layouts or (rank padding) padded ones.
-  std::vector<torch::Tensor> dcores(cores.size());
-  if (L.cores == 1) dcores[0] = torch::zeros_like(cores[0]);
-  if (R.cores == 1) dcores[tr.split] = torch::zeros_like(cores[tr.split]);
+  std::vector<at::Tensor> dcores(cores.size());
+  if (L.cores == 1) dcores[0] = at::zeros_like(cores[0]);
+  if (R.cores == 1) dcores[tr.split] = at::zeros_like(cores[tr.split]);
   const auto fopt = cores[0].options();
-  torch::Tensor dleft1 = L.cores == 2 ? torch::empty({tr.T, L.r_mid, L.n1, L.m1, rp}, fopt) : torch::Tensor();
-  torch::Tensor dweights = weights_need_grad ? torch::empty({N}, grad_out.options()) : torch::Tensor();
+  at::Tensor dleft1 = L.cores == 2 ? at::empty({tr.T, L.r_mid, L.n1, L.m1, rp}, fopt) : at::Tensor();
+  at::Tensor dweights = weights_need_grad ? at::empty({N}, grad_out.options()) : at::Tensor();
 
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int32_t* ps = pslot.data_ptr<int32_t>();
@@ -966,7 +969,7 @@ std::vector<torch::Tensor> ttm_bag_backward(
       // dG0 is summed as vectors over its rank j: G1 read as (T, n1, m1, r, rm_p), dG0 as (T, n0, m0, rm_p)
       const int64_t rm = L.r_mid, blk = L.m1 * rp, rmp = padded(rm, W);
       const auto g1t_t = rank_last(cores[1], W);
-      auto dg0t_t = torch::empty({tr.T, L.n0, L.m0, rmp}, cores[0].options());  // every slice written
+      auto dg0t_t = at::empty({tr.T, L.n0, L.m0, rmp}, cores[0].options());  // every slice written
       const T_* g1t = g1t_t.data_ptr<T_>();
       T_* d0 = dg0t_t.data_ptr<T_>();
       T_* d1 = dleft1.data_ptr<T_>();
@@ -1017,14 +1020,14 @@ std::vector<torch::Tensor> ttm_bag_backward(
       const bool own_layout = rm == rmp;
       const auto g0_src = own_layout ? cores[tr.split] : pad_last(cores[tr.split].permute({0, 2, 3, 1, 4}), W);
       const T_* g0r = g0_src.data_ptr<T_>();
-      auto dc1t_t = torch::empty({tr.T, R.n1, R.m1, rmp}, fopt);  // every slice written
+      auto dc1t_t = at::empty({tr.T, R.n1, R.m1, rmp}, fopt);  // every slice written
       const T_* c1 = cores[tr.split + 1].data_ptr<T_>();
       T_* dC = dc1t_t.data_ptr<T_>();
       const Groups &by0 = right_groups.by0, &by1 = right_groups.by1;
       const std::vector<int64_t>&key0 = right_groups.key0, &key1 = right_groups.key1;
       if (own_layout) {
         // dG0[t, :, i0, x0, :] (r rows of rm) = sum over its slots of sum_x1 dS[(x0, x1), :]^T G1[t, :, i1, x1]
-        dcores[tr.split] = torch::empty_like(cores[tr.split]);  // every slice written
+        dcores[tr.split] = at::empty_like(cores[tr.split]);  // every slice written
         T_* dA = dcores[tr.split].data_ptr<T_>();
         const auto c1t_t = cores[tr.split + 1].permute({0, 2, 3, 4, 1}).contiguous();  // (T, n1, m1, 1, rm): small
         const T_* c1t = c1t_t.data_ptr<T_>();
@@ -1042,7 +1045,7 @@ std::vector<torch::Tensor> ttm_bag_backward(
           }
         });
       } else {
-        auto dright0 = torch::empty({tr.T, R.n0, R.m0, rm, rp}, fopt);  // every slice written
+        auto dright0 = at::empty({tr.T, R.n0, R.m0, rm, rp}, fopt);  // every slice written
         T_* dA = dright0.data_ptr<T_>();
         // each slot's G1[t, 0, i1, :, 0] (rank j at + j * n1 * m1), worked out once
         std::vector<const T_*> c1_of(Ur);
@@ -1090,7 +1093,7 @@ std::vector<torch::Tensor> ttm_bag_backward(
 // Column blocks of several (B, C_s) matrices gathered into one (B, K * width) matrix:
 // block k of every row is columns [col[k], col[k] + width) of source src[k]. One pass
 // over the rows; the backward is the same map read the other way (scatter_blocks).
-torch::Tensor gather_blocks(std::vector<torch::Tensor> sources, std::vector<int64_t> src, std::vector<int64_t> col,
+at::Tensor gather_blocks(std::vector<at::Tensor> sources, std::vector<int64_t> src, std::vector<int64_t> col,
                             int64_t width) {
   TORCH_CHECK(!sources.empty() && src.size() == col.size(), "gather_blocks: bad block map");
   const int64_t B = sources[0].size(0), K = static_cast<int64_t>(src.size());
@@ -1098,7 +1101,7 @@ torch::Tensor gather_blocks(std::vector<torch::Tensor> sources, std::vector<int6
     TORCH_CHECK(s.dim() == 2 && s.size(0) == B, "gather_blocks: sources must be (B, C) with one B");
     s = s.contiguous();
   }
-  auto out = torch::empty({B, K * width}, sources[0].options());
+  auto out = at::empty({B, K * width}, sources[0].options());
   AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "gather_blocks", [&] {
     std::vector<const scalar_t*> base(K);
     std::vector<int64_t> stride(K);
@@ -1117,12 +1120,12 @@ torch::Tensor gather_blocks(std::vector<torch::Tensor> sources, std::vector<int6
 }
 
 // The gradient of gather_blocks: each source's (B, C_s) gradient, zero where no block reads.
-std::vector<torch::Tensor> scatter_blocks(torch::Tensor grad, std::vector<int64_t> widths_of_sources,
+std::vector<at::Tensor> scatter_blocks(at::Tensor grad, std::vector<int64_t> widths_of_sources,
                                           std::vector<int64_t> src, std::vector<int64_t> col, int64_t width) {
   grad = grad.contiguous();
   const int64_t B = grad.size(0), K = static_cast<int64_t>(src.size());
-  std::vector<torch::Tensor> out;
-  for (size_t s = 0; s < widths_of_sources.size(); ++s) out.push_back(torch::empty({B, widths_of_sources[s]}, grad.options()));
+  std::vector<at::Tensor> out;
+  for (size_t s = 0; s < widths_of_sources.size(); ++s) out.push_back(at::empty({B, widths_of_sources[s]}, grad.options()));
   {  // sources whose columns are not all read get zeros first
     std::vector<int64_t> read(widths_of_sources.size(), 0);
     for (int64_t k = 0; k < K; ++k) read[src[k]] += width;
@@ -1148,28 +1151,28 @@ std::vector<torch::Tensor> scatter_blocks(torch::Tensor grad, std::vector<int64_
 
 // The other sources' functions, bound in this (the extension's one) module.
 // tt_linear_cpu.cpp: the fused TT linear
-std::vector<torch::Tensor> tt_linear_forward(torch::Tensor x, torch::Tensor left, torch::Tensor right,
-                                             torch::Tensor bias, bool relu);
-std::vector<torch::Tensor> tt_linear_backward(torch::Tensor grad_y, torch::Tensor x, torch::Tensor left,
-                                              torch::Tensor right, torch::Tensor t, torch::Tensor y,
+std::vector<at::Tensor> tt_linear_forward(at::Tensor x, at::Tensor left, at::Tensor right,
+                                             at::Tensor bias, bool relu);
+std::vector<at::Tensor> tt_linear_backward(at::Tensor grad_y, at::Tensor x, at::Tensor left,
+                                              at::Tensor right, at::Tensor t, at::Tensor y,
                                               bool need_grad_x, bool need_grad_bias, bool need_grad_left);
-std::vector<torch::Tensor> tt_linear_pack(torch::Tensor left, torch::Tensor right, torch::Tensor bias);
-torch::Tensor tt_linear_forward_packed(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t r, int64_t n_out,
+std::vector<at::Tensor> tt_linear_pack(at::Tensor left, at::Tensor right, at::Tensor bias);
+at::Tensor tt_linear_forward_packed(at::Tensor x, std::vector<at::Tensor> packed, int64_t r, int64_t n_out,
                                        bool relu);
-torch::Tensor tt_cross_forward(std::vector<torch::Tensor> x0_parts, std::vector<torch::Tensor> lefts,
-                               std::vector<torch::Tensor> rights, std::vector<torch::Tensor> biases,
-                               int64_t block_rows, std::vector<torch::Tensor> next_lefts,
-                               std::vector<torch::Tensor> next_rights, std::vector<torch::Tensor> next_biases,
+at::Tensor tt_cross_forward(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
+                               std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
+                               int64_t block_rows, std::vector<at::Tensor> next_lefts,
+                               std::vector<at::Tensor> next_rights, std::vector<at::Tensor> next_biases,
                                std::vector<bool> next_relus);
-std::vector<torch::Tensor> tt_chains_forward(std::vector<torch::Tensor> cores, std::vector<torch::Tensor> controllers,
+std::vector<at::Tensor> tt_chains_forward(std::vector<at::Tensor> cores, std::vector<at::Tensor> controllers,
                                              int64_t d, int64_t in_features, int64_t out_features);
-std::vector<torch::Tensor> tt_chains_backward(torch::Tensor grad_left, torch::Tensor grad_right,
-                                              std::vector<torch::Tensor> cores,
-                                              std::vector<torch::Tensor> controllers, std::vector<torch::Tensor> saved,
+std::vector<at::Tensor> tt_chains_backward(at::Tensor grad_left, at::Tensor grad_right,
+                                              std::vector<at::Tensor> cores,
+                                              std::vector<at::Tensor> controllers, std::vector<at::Tensor> saved,
                                               int64_t d);
 
 // checks_cpu.cpp: input checks of a jagged batch
-std::vector<int64_t> check_jagged(torch::Tensor values, torch::Tensor lengths, torch::Tensor offsets, int64_t batch,
+std::vector<int64_t> check_jagged(at::Tensor values, at::Tensor lengths, at::Tensor offsets, int64_t batch,
                                   std::vector<int64_t> bounds);
 
 // The Python module's bindings; the operator library (comera_rec/dlrm/serving_ops_cpu.cpp)
