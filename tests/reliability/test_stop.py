@@ -123,8 +123,10 @@ def test_signal_stops_with_a_checkpoint_and_resume_matches(
 @pytest.mark.slow
 def test_second_signal_aborts_at_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    # 3 s per step: the first signal's graceful stop would wait for the step to end
-    proc, err = start(tmp_path, run_dir, ["--steps", str(STEPS), "--slow", "3"])
+    # 8 s per step: the first signal's graceful stop would wait for the step to end. With 3 s a
+    # loaded host saw the first step's log late, signalled near the second step's end, and
+    # the graceful checkpoint landed before the second signal did
+    proc, err = start(tmp_path, run_dir, ["--steps", str(STEPS), "--slow", "8"])
     wait_for(lambda: steps_logged(run_dir) >= 1, "a step", proc)
     proc.send_signal(signal.SIGTERM)
     wait_for(lambda: "SIGTERM received" in err.read_text(), "notice of the first signal", proc)
