@@ -28,13 +28,13 @@ void ttm_bag_forward_halves_into(at::Tensor ptab, at::Tensor stab, at::Tensor id
                                  int64_t Nr, at::Tensor out, int64_t row_stride,
                                  const std::vector<int64_t>& stream_cols);
 std::vector<at::Tensor> tt_linear_forward(at::Tensor x, at::Tensor left, at::Tensor right,
-                                             at::Tensor bias, bool relu);
+                                          at::Tensor bias, bool relu);
 at::Tensor pairwise_dots_forward(at::Tensor dense, at::Tensor sparse);
 at::Tensor tt_cross_forward(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
-                               std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
-                               int64_t block_rows, std::vector<at::Tensor> next_lefts,
-                               std::vector<at::Tensor> next_rights, std::vector<at::Tensor> next_biases,
-                               std::vector<bool> next_relus);
+                            std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
+                            int64_t block_rows, std::vector<at::Tensor> next_lefts,
+                            std::vector<at::Tensor> next_rights, std::vector<at::Tensor> next_biases,
+                            std::vector<bool> next_relus);
 
 namespace {
 
@@ -55,10 +55,10 @@ constexpr int64_t kPackedRows = 8;
 // then one pass over the samples adds up the uncompressed tables' bags. No (F B, D)
 // intermediate, no transposition.
 at::Tensor ttm_halves_bags(const at::Tensor& values, const at::Tensor& offsets,
-                              const at::Tensor& dense_weight, const at::Tensor& dense_base,
-                              const at::Tensor& dense_rows, std::vector<at::Tensor> lefts,
-                              std::vector<at::Tensor> rights, const at::Tensor& tables,
-                              std::vector<int64_t> prefix_rows, std::vector<int64_t> suffix_rows) {
+                           const at::Tensor& dense_weight, const at::Tensor& dense_base,
+                           const at::Tensor& dense_rows, std::vector<at::Tensor> lefts,
+                           std::vector<at::Tensor> rights, const at::Tensor& tables,
+                           std::vector<int64_t> prefix_rows, std::vector<int64_t> suffix_rows) {
   const int64_t S = static_cast<int64_t>(lefts.size());
   TORCH_CHECK(rights.size() == lefts.size() && prefix_rows.size() == lefts.size() &&
                   suffix_rows.size() == lefts.size(),
@@ -188,10 +188,10 @@ at::Tensor ttm_halves_bags(const at::Tensor& values, const at::Tensor& offsets,
 }
 
 at::Tensor ttm_halves_bags_meta(const at::Tensor& values, const at::Tensor& offsets,
-                                   const at::Tensor& dense_weight, const at::Tensor& dense_base,
-                                   const at::Tensor& dense_rows, std::vector<at::Tensor> lefts,
-                                   std::vector<at::Tensor> rights, const at::Tensor& tables,
-                                   std::vector<int64_t> prefix_rows, std::vector<int64_t> suffix_rows) {
+                                const at::Tensor& dense_weight, const at::Tensor& dense_base,
+                                const at::Tensor& dense_rows, std::vector<at::Tensor> lefts,
+                                std::vector<at::Tensor> rights, const at::Tensor& tables,
+                                std::vector<int64_t> prefix_rows, std::vector<int64_t> suffix_rows) {
   const int64_t F = tables.size(1);
   return at::empty_symint({(offsets.sym_size(0) - 1) / F, c10::SymInt(F), dense_weight.sym_size(1)},
                           dense_weight.options());
@@ -199,7 +199,7 @@ at::Tensor ttm_halves_bags_meta(const at::Tensor& values, const at::Tensor& offs
 
 // relu?(x @ left @ right + bias): x (B, in), left (in, r), right (r, out).
 at::Tensor tt_linear(const at::Tensor& x, const at::Tensor& left, const at::Tensor& right,
-                        const std::optional<at::Tensor>& bias, bool relu) {
+                     const std::optional<at::Tensor>& bias, bool relu) {
   if (x.dim() == 2 && x.size(0) < kPackedRows) {
     const auto t = at::mm(x, left);
     auto y = bias.has_value() ? at::addmm(*bias, t, right) : at::mm(t, right);
@@ -210,7 +210,7 @@ at::Tensor tt_linear(const at::Tensor& x, const at::Tensor& left, const at::Tens
 }
 
 at::Tensor tt_linear_meta(const at::Tensor& x, const at::Tensor& left, const at::Tensor& right,
-                             const std::optional<at::Tensor>& bias, bool relu) {
+                          const std::optional<at::Tensor>& bias, bool relu) {
   TORCH_CHECK(x.dim() == 2 && right.dim() == 2, "tt_linear: x and right must be matrices");
   return at::empty_symint({x.sym_size(0), right.sym_size(1)}, x.options());
 }
@@ -235,7 +235,7 @@ bool few_cross_rows(const std::vector<at::Tensor>& x0_parts, const std::vector<a
 
 // few_cross_rows' cross net: x0_parts joined, then each layer's products.
 at::Tensor cross_by_products(const std::vector<at::Tensor>& x0_parts, const std::vector<at::Tensor>& lefts,
-                                const std::vector<at::Tensor>& rights, const std::vector<at::Tensor>& biases) {
+                             const std::vector<at::Tensor>& rights, const std::vector<at::Tensor>& biases) {
   const auto x0 = x0_parts.size() == 1 ? x0_parts[0] : at::cat(x0_parts, 1);
   auto x = x0;
   for (size_t k = 0; k < lefts.size(); ++k) {
@@ -248,14 +248,14 @@ at::Tensor cross_by_products(const std::vector<at::Tensor>& x0_parts, const std:
 // A DCN cross net, x_{k+1} = x_k + x0 * ((x_k @ left_k) @ right_k + bias_k), x0 the column
 // blocks x0_parts side by side (never joined into one tensor); empty biases: none.
 at::Tensor tt_cross(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
-                       std::vector<at::Tensor> rights, std::vector<at::Tensor> biases, int64_t block_rows) {
+                    std::vector<at::Tensor> rights, std::vector<at::Tensor> biases, int64_t block_rows) {
   if (few_cross_rows(x0_parts, lefts, rights, biases)) return cross_by_products(x0_parts, lefts, rights, biases);
   return tt_cross_forward(std::move(x0_parts), std::move(lefts), std::move(rights), std::move(biases), block_rows, {},
                           {}, {}, {});
 }
 
 at::Tensor tt_cross_meta(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
-                            std::vector<at::Tensor> rights, std::vector<at::Tensor> biases, int64_t block_rows) {
+                         std::vector<at::Tensor> rights, std::vector<at::Tensor> biases, int64_t block_rows) {
   TORCH_CHECK(!x0_parts.empty() && x0_parts[0].dim() == 2, "tt_cross: x0 needs at least one (B, N_p) column block");
   c10::SymInt width = 0;
   for (const auto& part : x0_parts) width = width + part.sym_size(1);
@@ -266,9 +266,9 @@ at::Tensor tt_cross_meta(std::vector<at::Tensor> x0_parts, std::vector<at::Tenso
 // mlp_biases[j]) (empty bias: none), in one pass: the net's (B, N) output and the layers' own
 // outputs but the last are never written (a DCN's cross net, then its top MLP's TT layers).
 at::Tensor tt_cross_mlp(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
-                           std::vector<at::Tensor> rights, std::vector<at::Tensor> biases, int64_t block_rows,
-                           std::vector<at::Tensor> mlp_lefts, std::vector<at::Tensor> mlp_rights,
-                           std::vector<at::Tensor> mlp_biases, const c10::List<bool>& relu_list) {
+                        std::vector<at::Tensor> rights, std::vector<at::Tensor> biases, int64_t block_rows,
+                        std::vector<at::Tensor> mlp_lefts, std::vector<at::Tensor> mlp_rights,
+                        std::vector<at::Tensor> mlp_biases, const c10::List<bool>& relu_list) {
   TORCH_CHECK(!mlp_lefts.empty(), "tt_cross_mlp: no MLP layers (tt_cross is the net alone)");
   std::vector<bool> relus(relu_list.begin(), relu_list.end());
   if (few_cross_rows(x0_parts, lefts, rights, biases) && mlp_rights.size() == mlp_lefts.size() &&
@@ -285,10 +285,10 @@ at::Tensor tt_cross_mlp(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor
 }
 
 at::Tensor tt_cross_mlp_meta(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
-                                std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
-                                int64_t block_rows, std::vector<at::Tensor> mlp_lefts,
-                                std::vector<at::Tensor> mlp_rights, std::vector<at::Tensor> mlp_biases,
-                                const c10::List<bool>& relus) {
+                             std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
+                             int64_t block_rows, std::vector<at::Tensor> mlp_lefts,
+                             std::vector<at::Tensor> mlp_rights, std::vector<at::Tensor> mlp_biases,
+                             const c10::List<bool>& relus) {
   TORCH_CHECK(!x0_parts.empty() && x0_parts[0].dim() == 2 && !mlp_rights.empty() && mlp_rights.back().dim() == 2,
               "tt_cross_mlp: x0 needs at least one (B, N_p) column block, and the MLP at least one layer");
   return at::empty_symint({x0_parts[0].sym_size(0), mlp_rights.back().sym_size(1)}, x0_parts[0].options());

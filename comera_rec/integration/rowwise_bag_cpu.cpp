@@ -115,8 +115,8 @@ struct RowSlots {
 
 // (batch, total_dim) pooled bags.
 at::Tensor rowwise_bag_forward(at::Tensor buffer, at::Tensor table_offset, at::Tensor dim_offset,
-                                  at::Tensor rows, at::Tensor ids, at::Tensor offsets, at::Tensor weights,
-                                  int64_t batch) {
+                               at::Tensor rows, at::Tensor ids, at::Tensor offsets, at::Tensor weights,
+                               int64_t batch) {
   check_args(buffer, table_offset, dim_offset, rows, ids, offsets, weights, batch, "rowwise_bag_forward");
   offsets = offsets.to(at::kLong).contiguous();
   ids = ids.contiguous();

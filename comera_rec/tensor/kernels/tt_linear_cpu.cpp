@@ -512,7 +512,7 @@ void sum_chunks(const T* parts, int64_t chunks, int64_t size, T* out) {
 // tile past B}.
 template <typename T>
 std::vector<at::Tensor> forward_operands(const at::Tensor& left, const at::Tensor& right,
-                                            const at::Tensor& bias) {
+                                         const at::Tensor& bias) {
   constexpr int64_t W = kLanes<T>;
   const auto left_p = pad_last(left, W), right_p = pad_last(right, W);  // (n_in, R), (r, Np)
   const auto bias_p = bias.numel() ? pad_last(bias.to(left.scalar_type()), W) : bias.to(left.scalar_type());
@@ -550,7 +550,7 @@ Layer<T> forward_layer(const at::Tensor& x, const std::vector<at::Tensor>& opera
 
 // (y (B, n_out), t (B, R)): t is the padded x @ left, kept for the backward.
 std::vector<at::Tensor> tt_linear_forward(at::Tensor x, at::Tensor left, at::Tensor right,
-                                             at::Tensor bias, bool relu) {
+                                          at::Tensor bias, bool relu) {
   check_inputs(x, left, right, bias);
   x = x.contiguous();
   const int64_t B = x.size(0), r = left.size(1), n_out = right.size(1);
@@ -581,7 +581,7 @@ std::vector<at::Tensor> tt_linear_pack(at::Tensor left, at::Tensor right, at::Te
 // y = act((x @ left) @ right + bias) from tt_linear_pack's operands (r: the rank, n_out: the
 // outputs), without t: nothing is kept for a backward.
 at::Tensor tt_linear_forward_packed(at::Tensor x, std::vector<at::Tensor> packed, int64_t r, int64_t n_out,
-                                       bool relu) {
+                                    bool relu) {
   TORCH_CHECK(!packed.empty() && x.dim() == 2 && x.scalar_type() == packed[0].scalar_type(),
               "tt_linear: x must be a matrix of the ", packed.empty() ? x.scalar_type() : packed[0].scalar_type(),
               " the operands were packed in, got ", x.scalar_type(), " of shape ", x.sizes());
@@ -616,10 +616,10 @@ at::Tensor tt_linear_forward_packed(at::Tensor x, std::vector<at::Tensor> packed
 // and read back (MLPerf at 4096 rows: 56 MB each way for the net's; not writing it made the
 // net 1.16-1.18x faster on a 2-core AVX2 EPYC), and the threads meet once for all of it.
 at::Tensor tt_cross_forward(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
-                               std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
-                               int64_t block_rows, std::vector<at::Tensor> next_lefts,
-                               std::vector<at::Tensor> next_rights, std::vector<at::Tensor> next_biases,
-                               std::vector<bool> next_relus) {
+                            std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
+                            int64_t block_rows, std::vector<at::Tensor> next_lefts,
+                            std::vector<at::Tensor> next_rights, std::vector<at::Tensor> next_biases,
+                            std::vector<bool> next_relus) {
   const auto layers = lefts.size();
   TORCH_CHECK(layers >= 1 && rights.size() == layers && biases.size() == layers, "tt_cross: ", lefts.size(),
               " lefts, ", rights.size(), " rights and ", biases.size(), " biases; one each per layer, at least one");
@@ -728,8 +728,8 @@ at::Tensor tt_cross_forward(std::vector<at::Tensor> x0_parts, std::vector<at::Te
 // (grad_x or empty, grad_left (n_in, r) or empty, grad_right (r, n_out), grad_bias or empty).
 // y: the forward's output when it applied the ReLU, else empty.
 std::vector<at::Tensor> tt_linear_backward(at::Tensor grad_y, at::Tensor x, at::Tensor left,
-                                              at::Tensor right, at::Tensor t, at::Tensor y,
-                                              bool need_grad_x, bool need_grad_bias, bool need_grad_left) {
+                                           at::Tensor right, at::Tensor t, at::Tensor y,
+                                           bool need_grad_x, bool need_grad_bias, bool need_grad_left) {
   x = x.contiguous();
   grad_y = grad_y.contiguous();
   y = y.contiguous();
@@ -840,7 +840,7 @@ class SerialSection {
 }  // namespace
 
 std::vector<at::Tensor> tt_chains_forward(std::vector<at::Tensor> cores, std::vector<at::Tensor> controllers,
-                                             int64_t d, int64_t in_features, int64_t out_features) {
+                                          int64_t d, int64_t in_features, int64_t out_features) {
   check_chains(cores, controllers, d);
   const SerialSection serial;
   std::vector<at::Tensor> saved;
@@ -877,9 +877,9 @@ std::vector<at::Tensor> tt_chains_forward(std::vector<at::Tensor> cores, std::ve
 
 // The gradients of the 2d cores, then of the 2d - 1 controllers.
 std::vector<at::Tensor> tt_chains_backward(at::Tensor grad_left, at::Tensor grad_right,
-                                              std::vector<at::Tensor> cores,
-                                              std::vector<at::Tensor> controllers, std::vector<at::Tensor> saved,
-                                              int64_t d) {
+                                           std::vector<at::Tensor> cores,
+                                           std::vector<at::Tensor> controllers, std::vector<at::Tensor> saved,
+                                           int64_t d) {
   check_chains(cores, controllers, d);
   const SerialSection serial;
   TORCH_CHECK(static_cast<int64_t>(saved.size()) == 2 * (2 * d - 1), "tt_chains: ", saved.size(),

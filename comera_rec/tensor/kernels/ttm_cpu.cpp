@@ -794,8 +794,8 @@ void pool_over_halves(const at::Tensor& ptab, const at::Tensor& stab, const BagI
 
 // The forward over whole halves, out (B, D) as ttm_bag_forward gives it.
 at::Tensor ttm_bag_forward_halves(at::Tensor ptab, at::Tensor stab, at::Tensor ids, at::Tensor trains,
-                                     at::Tensor offsets, at::Tensor weights, int64_t dim, int64_t batch,
-                                     int64_t T, int64_t Nr) {
+                                  at::Tensor offsets, at::Tensor weights, int64_t dim, int64_t batch,
+                                  int64_t T, int64_t Nr) {
   const BagInputs in = bag_inputs("ttm_bag_forward_halves", ids, trains, offsets, weights, ptab.scalar_type(), batch);
   auto out = bag_output(in, dim, batch, ptab.options());
   pool_over_halves(ptab, stab, in, dim, batch, T, Nr, 0, nullptr, out);
@@ -1094,7 +1094,7 @@ std::vector<at::Tensor> ttm_bag_backward(
 // block k of every row is columns [col[k], col[k] + width) of source src[k]. One pass
 // over the rows; the backward is the same map read the other way (scatter_blocks).
 at::Tensor gather_blocks(std::vector<at::Tensor> sources, std::vector<int64_t> src, std::vector<int64_t> col,
-                            int64_t width) {
+                         int64_t width) {
   TORCH_CHECK(!sources.empty() && src.size() == col.size(), "gather_blocks: bad block map");
   const int64_t B = sources[0].size(0), K = static_cast<int64_t>(src.size());
   for (auto& s : sources) {
@@ -1121,7 +1121,7 @@ at::Tensor gather_blocks(std::vector<at::Tensor> sources, std::vector<int64_t> s
 
 // The gradient of gather_blocks: each source's (B, C_s) gradient, zero where no block reads.
 std::vector<at::Tensor> scatter_blocks(at::Tensor grad, std::vector<int64_t> widths_of_sources,
-                                          std::vector<int64_t> src, std::vector<int64_t> col, int64_t width) {
+                                       std::vector<int64_t> src, std::vector<int64_t> col, int64_t width) {
   grad = grad.contiguous();
   const int64_t B = grad.size(0), K = static_cast<int64_t>(src.size());
   std::vector<at::Tensor> out;
@@ -1152,24 +1152,24 @@ std::vector<at::Tensor> scatter_blocks(at::Tensor grad, std::vector<int64_t> wid
 // The other sources' functions, bound in this (the extension's one) module.
 // tt_linear_cpu.cpp: the fused TT linear
 std::vector<at::Tensor> tt_linear_forward(at::Tensor x, at::Tensor left, at::Tensor right,
-                                             at::Tensor bias, bool relu);
+                                          at::Tensor bias, bool relu);
 std::vector<at::Tensor> tt_linear_backward(at::Tensor grad_y, at::Tensor x, at::Tensor left,
-                                              at::Tensor right, at::Tensor t, at::Tensor y,
-                                              bool need_grad_x, bool need_grad_bias, bool need_grad_left);
+                                           at::Tensor right, at::Tensor t, at::Tensor y,
+                                           bool need_grad_x, bool need_grad_bias, bool need_grad_left);
 std::vector<at::Tensor> tt_linear_pack(at::Tensor left, at::Tensor right, at::Tensor bias);
 at::Tensor tt_linear_forward_packed(at::Tensor x, std::vector<at::Tensor> packed, int64_t r, int64_t n_out,
-                                       bool relu);
+                                    bool relu);
 at::Tensor tt_cross_forward(std::vector<at::Tensor> x0_parts, std::vector<at::Tensor> lefts,
-                               std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
-                               int64_t block_rows, std::vector<at::Tensor> next_lefts,
-                               std::vector<at::Tensor> next_rights, std::vector<at::Tensor> next_biases,
-                               std::vector<bool> next_relus);
+                            std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
+                            int64_t block_rows, std::vector<at::Tensor> next_lefts,
+                            std::vector<at::Tensor> next_rights, std::vector<at::Tensor> next_biases,
+                            std::vector<bool> next_relus);
 std::vector<at::Tensor> tt_chains_forward(std::vector<at::Tensor> cores, std::vector<at::Tensor> controllers,
-                                             int64_t d, int64_t in_features, int64_t out_features);
+                                          int64_t d, int64_t in_features, int64_t out_features);
 std::vector<at::Tensor> tt_chains_backward(at::Tensor grad_left, at::Tensor grad_right,
-                                              std::vector<at::Tensor> cores,
-                                              std::vector<at::Tensor> controllers, std::vector<at::Tensor> saved,
-                                              int64_t d);
+                                           std::vector<at::Tensor> cores,
+                                           std::vector<at::Tensor> controllers, std::vector<at::Tensor> saved,
+                                           int64_t d);
 
 // checks_cpu.cpp: input checks of a jagged batch
 std::vector<int64_t> check_jagged(at::Tensor values, at::Tensor lengths, at::Tensor offsets, int64_t batch,
