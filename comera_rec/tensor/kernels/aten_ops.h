@@ -1,7 +1,7 @@
 // The ATen headers the CPU kernel sources use: tensors, dtype dispatch, parallel loops and
 // the few operators the kernels call. Not <torch/extension.h>, which brings the whole C++
 // frontend, pybind11 and Python along: parsing it took 44 s per source file on a 2-core
-// host, these headers 8 s. A source that binds a Python module adds python_module.h.
+// host, these headers 8-10 s. A source that binds a Python module adds python_module.h.
 #pragma once
 
 #include <ATen/Dispatch.h>
