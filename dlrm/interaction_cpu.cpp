@@ -16,7 +16,6 @@
 #ifndef COMERA_OPERATOR_LIBRARY  // the operator library binds no Python module
 #include "python_module.h"
 #endif
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>

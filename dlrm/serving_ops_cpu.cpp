@@ -12,7 +12,6 @@
 
 #include "aten_ops.h"
 #include <torch/library.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>

@@ -17,7 +17,6 @@
 
 #include "aten_ops.h"
 #include "python_module.h"
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>

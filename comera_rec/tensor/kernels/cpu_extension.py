@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "COMERA_DISABLE_CPU_KERNEL"
 VECTOR_BYTES_ENV = "COMERA_CPU_VECTOR_BYTES"
 _VECTOR_BYTES_CHOICES = ("16", "32", "64")
-KERNELS_DIR = Path(__file__).parent  # simd.h: on the include path of every build (CpuExtension's too)
+# simd.h, aten_ops.h, python_module.h: on the include path of every build (CpuExtension's too)
+KERNELS_DIR = Path(__file__).parent
 _SOURCES = [KERNELS_DIR / name for name in ("ttm_cpu.cpp", "tt_linear_cpu.cpp", "checks_cpu.cpp")]
 _HEADERS = [KERNELS_DIR / name for name in ("simd.h", "aten_ops.h", "python_module.h")]
 _PREFIX = "comera_cpu"  # the tensor core's extension: comera_cpu_<host>_<sources>[_v<width>]

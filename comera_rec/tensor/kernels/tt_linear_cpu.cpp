@@ -17,7 +17,6 @@
 // result is the same for any number of threads.
 
 #include "aten_ops.h"
-#include <ATen/Parallel.h>
 #include <c10/util/ParallelGuard.h>
 
 #include <algorithm>
