@@ -26,6 +26,8 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
     comera-bench --rounds 5       # more fresh processes per variant for the step time
     comera-bench --lookup-paths   # adds tt_torch / tt_half_torch: the same models with the
                                   # fused CPU kernels off (TTM lookup, TT linear, interaction)
+    comera-bench --isa avx2       # every library's CPU code limited to AVX2 (an AVX2 host's
+                                  # code on an AVX-512 host; not its caches or clocks)
 """
 
 # The docstring above is the command's --help, so the layout is said here: the variants,
@@ -35,9 +37,12 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from dataclasses import replace
+from typing import NoReturn
 
 import torch
 
@@ -71,6 +76,7 @@ from comera_rec.rank import model_num_parameters
 from comera_rec.tensor import kernels
 from comera_rec.utils.benchmark import fmt_bytes
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
+from comera_rec.utils.isa import ISA_CHOICES, environment_applies, isa_environment, libraries_isa
 from comera_rec.utils.logs import quiet_foreign_notices
 
 # ------------------------------------------------------------------------------ main
@@ -159,6 +165,16 @@ def mlperf(setup: Setup) -> None:
     print(f"  dense tables alone would need {fmt_bytes(dense_bytes)}")
 
 
+def run_under(environment: dict[str, str], argv: list[str]) -> NoReturn:
+    """This command again with ``argv``, in this process replaced by a fresh interpreter
+    whose environment adds ``environment`` (the libraries' instruction-set switches, read
+    once per process)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    code = "from comera_rec.dlrm.bench import main; main()"
+    os.execve(sys.executable, [sys.executable, "-c", code, *argv], {**os.environ, **environment})
+
+
 def main(argv: list[str] | None = None) -> None:
     """The benchmark's command line (``argv``, ``None``: ``sys.argv[1:]``); leaves the process at the end."""
     quiet_foreign_notices()
@@ -185,6 +201,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per variant for the step time")
     parser.add_argument(
+        "--isa",
+        choices=ISA_CHOICES,
+        default="native",
+        help="the instruction set of every library's CPU code: native (the host's widest) or avx2 (ATen, MKL, "
+        "FBGEMM and the fused kernels limited to AVX2: an AVX2 host's code on this machine; the fused kernels "
+        "are built for it the first time, 1-3 min)",
+    )
+    parser.add_argument(
         "--lookup-paths",
         action="store_true",
         help="also time the compressed models with the fused CPU kernels off (tt_torch, tt_half_torch)",
@@ -192,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    wanted = isa_environment(args.isa)
+    if not environment_applies(wanted):  # the libraries read their switches once: a fresh process
+        run_under(wanted, sys.argv[1:] if argv is None else argv)
     setup = Setup(
         batch_size=args.batch_size,
         rank=args.rank,
@@ -200,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
         rounds=args.rounds,
         lookup_paths=args.lookup_paths,
     )
-    print(f"host: {kernels.host_description()}; torch {torch.__version__}", flush=True)  # where figures come from
+    # where the figures come from
+    print(f"host: {kernels.host_description()}; torch {torch.__version__}; {libraries_isa()}", flush=True)
     if args.quick:
         setup = replace(setup, train_steps=10, val_rows=8192, warmup_steps=1, timed_steps=3, rounds=1)
     if args.steps:

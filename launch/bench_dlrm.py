@@ -6,6 +6,7 @@
     python launch/bench_dlrm.py --parts         # where the step goes, per part
     python launch/bench_dlrm.py --rounds 5      # more fresh processes per variant for the step time
     python launch/bench_dlrm.py --lookup-paths  # also the compressed models with the fused CPU kernels off
+    python launch/bench_dlrm.py --isa avx2      # every library limited to AVX2 code (on an AVX-512 host)
 
 The same as the installed console script ``comera-bench``: both run :func:`comera_rec.dlrm.bench.main`,
 whose help (``--help``) and module text say what is measured and how.

@@ -8,6 +8,8 @@ AVX-512 code (and an AVX-512 machine the AVX2 code) for correctness.
 
 import os
 import platform
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,6 +85,39 @@ def test_emulated_widths_build_at_o1_native_ones_at_o3(monkeypatch) -> None:
     assert "-O3" in cpu_extension._build_spec()[2]
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 widths")
+def test_narrower_widths_build_the_narrower_instruction_set(monkeypatch) -> None:
+    # on an AVX-512 host a 32-byte build is an AVX2 machine's code: no AVX-512 instruction
+    # (its 32 registers, masks), in a build folder of its own; a 16-byte build has no AVX
+    monkeypatch.setattr(cpu_extension, "_cpu_flags_line", lambda: "flags\t\t: sse2 avx avx2 fma avx512f avx512vl")
+    expected = {"": ("", None), "64": ("_v64", None), "32": ("_v32avx2", "-mno-avx512f"), "16": ("_v16sse", "-mno-avx")}
+    for width, (suffix, flag) in expected.items():
+        monkeypatch.setenv(cpu_extension.VECTOR_BYTES_ENV, width)
+        name, _, flags = cpu_extension._build_spec()
+        assert name.endswith("_" + cpu_extension._source_tag() + suffix), (width, name)
+        assert [f for f in flags if f.startswith("-mno-")] == ([flag] if flag else []), (width, flags)
+    monkeypatch.setenv(cpu_extension.VECTOR_BYTES_ENV, "32")
+    assert cpu_extension._target_description("32").startswith("AVX2 code on an AVX-512 host (32-byte vectors")
+    # an AVX2 host's own width is its own instruction set: nothing to take away
+    monkeypatch.setattr(cpu_extension, "_cpu_flags_line", lambda: "flags\t\t: sse2 avx avx2 fma")
+    name, _, flags = cpu_extension._build_spec()
+    assert name.endswith("_v32") and not any(f.startswith("-mno-") for f in flags)
+    assert cpu_extension._target_description("32") == "32-byte vectors (COMERA_CPU_VECTOR_BYTES=32)"
+    monkeypatch.setenv(cpu_extension.VECTOR_BYTES_ENV, "16")
+    assert cpu_extension._build_spec()[2][-1] == "-mno-avx"
+
+
+# AVX-512's own registers and masks in AT&T syntax: zmm, ymm16-31 / xmm16-31, and a {%k} mask
+_AVX512_OPERANDS = re.compile(r"%zmm|%[xy]mm(?:1[6-9]|2\d|3[01])\b|\{%k[1-7]\}")
+
+
+def avx512_instructions(library: Path) -> list[str]:
+    """The lines of ``objdump -d library`` that use an AVX-512 register or mask."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [line for line in out.stdout.splitlines() if _AVX512_OPERANDS.search(line)]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(bool(os.environ.get(cpu_extension.VECTOR_BYTES_ENV)), reason="already a forced-width run")
 def test_kernel_tests_pass_at_another_width(tmp_path) -> None:
@@ -111,6 +146,15 @@ def test_kernel_tests_pass_at_another_width(tmp_path) -> None:
             if build.poll() is None:
                 os.killpg(build.pid, signal.SIGKILL)
                 build.wait()
+    if other == "32" and shutil.which("objdump"):  # AVX-512 host: the AVX2 build has no AVX-512 instruction
+        monkey = pytest.MonkeyPatch()
+        try:
+            monkey.setenv(cpu_extension.VECTOR_BYTES_ENV, other)
+            name, build_dir, _ = cpu_extension._build_spec()
+        finally:
+            monkey.undo()
+        found = avx512_instructions(build_dir / f"{name}.so")
+        assert not found, f"{len(found)} AVX-512 instructions in the AVX2 build, e.g. {found[:3]}"
     run = subprocess.run(
         [
             sys.executable,

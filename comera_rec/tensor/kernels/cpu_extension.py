@@ -15,9 +15,11 @@ compiler the build fails once, with a warning, and lookups take the PyTorch path
 The kernels' vectors are as wide as the build machine's: 64 bytes with AVX-512, 32 with
 AVX2, 16 elsewhere (:func:`cpu_vector_bytes`), their register tiles sized for 32 vector
 registers with AVX-512 and 16 otherwise. ``COMERA_CPU_VECTOR_BYTES=16|32|64`` builds, in a
-build of its own, the code of a machine with that widest vector (its width and its tiles):
-the tests check the other machine's code this way; a width wider than the hardware's is
-correct but slow.
+build of its own, the code of a machine with that widest vector (its width and its tiles;
+narrower than the host's, its instruction set too: 32 bytes on an AVX-512 host is AVX2 code,
+without AVX-512's registers and masks): the tests check the other machine's code this way,
+and ``comera_rec.utils.isa`` runs an AVX2 host's code on an AVX-512 one; a width wider than
+the hardware's is correct but slow.
 
 The layers above the tensor core keep their own CPU kernels (DLRM's pairwise-dot
 interaction in ``dlrm/``, the row-wise Adagrad tables in ``comera_rec/integration/``), each
@@ -93,8 +95,13 @@ def _x86_vectors() -> tuple[str, int] | None:
 
 
 def _target_description(width: str) -> str:
-    """What the build targets, for the log: ``"AVX2 (32-byte vectors)"``, or the forced width."""
+    """What the build targets, for the log: ``"AVX2 (32-byte vectors)"``, or the forced width
+    (``"AVX2 code on an AVX-512 host (32-byte vectors, COMERA_CPU_VECTOR_BYTES=32)"``)."""
     if width:
+        isa = _narrower_isa(width)[0]
+        if isa:
+            host = _x86_vectors()
+            return f"{isa.upper()} code on an {host[0] if host else '?'} host ({width}-byte vectors, {VECTOR_BYTES_ENV}={width})"
         return f"{width}-byte vectors ({VECTOR_BYTES_ENV}={width})"
     machine = platform.machine()
     x86 = _x86_vectors()
@@ -134,6 +141,26 @@ def _forced_vector_bytes() -> str:
     return value
 
 
+# A forced width narrower than the host's builds the narrower machine's instruction set, not
+# only its vector width: -march=native alone would leave AVX-512's 32 registers and masked
+# forms to the compiler in a 32-byte build, which an AVX2 machine does not have.
+_NARROWER_ISA = {"32": ("avx2", ["-mno-avx512f"]), "16": ("sse", ["-mno-avx"])}
+
+
+def _narrower_isa(width: str) -> tuple[str, list[str]]:
+    """``(name suffix, compiler flags)`` that limit a build at the forced ``width`` to the
+    instruction set of a machine whose widest vectors those are, where this x86 host has
+    wider ones (``("avx2", ["-mno-avx512f"])`` for 32 bytes on an AVX-512 host); ``("", [])``
+    otherwise."""
+    if not width or platform.machine() not in ("x86_64", "AMD64"):
+        return "", []
+    x86 = _x86_vectors()
+    if x86 is None or int(width) >= x86[1]:
+        return "", []
+    suffix, flags = _NARROWER_ISA[width]
+    return suffix, list(flags)
+
+
 def _build_spec(prefix: str = _PREFIX, sources: Sequence[Path] | None = None) -> tuple[str, Path, list[str]]:
     """``(name, build folder, compiler flags)`` of this machine's build (and of
     ``COMERA_CPU_VECTOR_BYTES``, which makes a build of its own): of the tensor core's
@@ -143,9 +170,11 @@ def _build_spec(prefix: str = _PREFIX, sources: Sequence[Path] | None = None) ->
     # other width's code, it is not for speed, and -O1 halves its build (158 -> 79 s)
     level = "-O1" if _emulated(width) else "-O3"
     flags = [level, "-fopenmp"] + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+    isa, isa_flags = _narrower_isa(width)
     if width:  # the vectors and register tiles of a machine whose widest vectors are these
         flags += [f"-DCOMERA_VECTOR_BYTES={width}", f"-DCOMERA_VECTOR_REGISTERS={32 if width == '64' else 16}"]
-    name = f"{prefix}_{_host_tag()}_{_source_tag(sources)}" + (f"_v{width}" if width else "")
+    flags += isa_flags
+    name = f"{prefix}_{_host_tag()}_{_source_tag(sources)}" + (f"_v{width}{isa}" if width else "")
     return name, build_root() / name, flags
 
 

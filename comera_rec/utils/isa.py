@@ -1,0 +1,73 @@
+"""The instruction set a process's CPU code runs: the host's widest, or a narrower one on purpose.
+
+An AVX-512 host can run the code an AVX2 host runs: ATen's kernels, MKL's BLAS, FBGEMM's
+lookups and comera-rec's fused kernels each take an environment variable that limits them
+to AVX2 (the fused kernels are then built for AVX2: 32-byte vectors, 16 registers, no
+AVX-512 instruction). :func:`isa_environment` gives those variables; the DLRM benchmark's
+``--isa avx2`` runs itself under them, so that a figure of the AVX2 code can be measured
+beside the native one on one machine. What it cannot show is another machine's caches,
+clocks and memory: a figure measured so names both (:func:`libraries_isa`).
+
+Example::
+
+    >>> isa_environment("avx2")["MKL_ENABLE_INSTRUCTIONS"]
+    'AVX2'
+"""
+
+from __future__ import annotations
+
+import os
+
+ISA_CHOICES = ("native", "avx2")
+"""``native``: each library's own choice (the host's widest vectors); ``avx2``: AVX2 code."""
+
+# each library's switch and its value for AVX2 code
+_AVX2 = {
+    "ATEN_CPU_CAPABILITY": "avx2",  # ATen's vectorised CPU kernels
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # MKL's BLAS (the dense layers' GEMMs)
+    "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",  # FBGEMM's generated lookup and GEMM code
+    "COMERA_CPU_VECTOR_BYTES": "32",  # the fused kernels (comera_rec.tensor.kernels.cpu_extension)
+}
+_SWITCHES = {"ATEN_CPU_CAPABILITY": "ATen", "MKL_ENABLE_INSTRUCTIONS": "MKL", "FBGEMM_ENABLE_INSTRUCTIONS": "FBGEMM"}
+
+
+def isa_environment(isa: str) -> dict[str, str]:
+    """The environment variables that make a fresh process's CPU code ``isa``'s.
+
+    Args:
+        isa: one of :data:`ISA_CHOICES`; ``"native"`` needs none (``{}``).
+
+    Returns:
+        Variable -> value, to be set before the process imports torch.
+
+    Raises:
+        ValueError: an ``isa`` not in :data:`ISA_CHOICES`.
+    """
+    if isa not in ISA_CHOICES:
+        raise ValueError(f"instruction set {isa!r}: expected one of {', '.join(ISA_CHOICES)}")
+    return dict(_AVX2) if isa == "avx2" else {}
+
+
+def environment_applies(wanted: dict[str, str], environ: dict[str, str] | None = None) -> bool:
+    """Whether ``environ`` (default ``os.environ``) already holds every variable of ``wanted``."""
+    environ = os.environ if environ is None else environ
+    return all(environ.get(name) == value for name, value in wanted.items())
+
+
+def libraries_isa(environ: dict[str, str] | None = None) -> str:
+    """What the libraries' CPU code runs, for a figure's first line: ATen's capability as
+    torch reports it, and MKL's and FBGEMM's where a switch limits them.
+
+    Example::
+
+        >>> libraries_isa()  # doctest: +SKIP
+        'ATen AVX2, MKL AVX2 (forced), FBGEMM AVX2 (forced)'
+    """
+    import torch
+
+    environ = os.environ if environ is None else environ
+    parts = [f"ATen {torch.backends.cpu.get_cpu_capability()}"]
+    for name, library in _SWITCHES.items():
+        if name != "ATEN_CPU_CAPABILITY" and environ.get(name):
+            parts.append(f"{library} {environ[name]} (forced)")
+    return ", ".join(parts)

@@ -1,0 +1,60 @@
+"""isa_environment: the switches that limit each library's CPU code to AVX2, as the
+libraries read them in a fresh process; libraries_isa names what runs."""
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comera_rec.utils.isa import ISA_CHOICES, environment_applies, isa_environment, libraries_isa
+
+
+def test_native_needs_no_switch_and_avx2_sets_every_library() -> None:
+    assert isa_environment("native") == {}
+    avx2 = isa_environment("avx2")
+    assert avx2 == {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+        "COMERA_CPU_VECTOR_BYTES": "32",
+    }
+    avx2["MKL_ENABLE_INSTRUCTIONS"] = "changed"  # a copy: the table itself stays
+    assert isa_environment("avx2")["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    assert set(ISA_CHOICES) == {"native", "avx2"}
+
+
+def test_unknown_isa_is_named() -> None:
+    with pytest.raises(ValueError, match=r"instruction set 'avx10'.*native, avx2"):
+        isa_environment("avx10")
+
+
+def test_environment_applies_only_when_every_variable_matches() -> None:
+    wanted = isa_environment("avx2")
+    assert environment_applies(wanted, dict(wanted, OTHER="1"))
+    assert not environment_applies(wanted, {k: v for k, v in wanted.items() if k != "FBGEMM_ENABLE_INSTRUCTIONS"})
+    assert not environment_applies(wanted, dict(wanted, ATEN_CPU_CAPABILITY="avx512"))
+    assert environment_applies({}, {})
+
+
+def test_libraries_isa_names_the_forced_switches_only() -> None:
+    assert "MKL" not in libraries_isa({}) and libraries_isa({}).startswith("ATen ")
+    line = libraries_isa(isa_environment("avx2"))
+    assert "MKL AVX2 (forced)" in line and "FBGEMM AVX2 (forced)" in line
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64")
+    or not Path("/proc/cpuinfo").exists()
+    or " avx2" not in Path("/proc/cpuinfo").read_text(),
+    reason="needs an x86 host with AVX2",
+)
+def test_torch_runs_avx2_code_under_the_switch() -> None:
+    # torch reads ATEN_CPU_CAPABILITY once, at its first dispatch: a fresh interpreter
+    code = "from comera_rec.utils.isa import libraries_isa; print(libraries_isa())"
+    env = {**os.environ, **isa_environment("avx2")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "ATen AVX2, MKL AVX2 (forced), FBGEMM AVX2 (forced)"
