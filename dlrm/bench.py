@@ -16,6 +16,8 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
     comera-bench --mlperf         # MLPerf DLRM-DCNv2 shapes, compressed only
     comera-bench --quick          # a smoke run
     comera-bench --parts          # where the step goes, per part
+    comera-bench --ops tt         # each operator's own time on one thread and on all (what gains
+                                  # from the second thread)
     comera-bench --no-fused-interaction  # TorchRec's InteractionArch and SparseArch in the
                                          # compressed models, and no dense_fi (by default the
                                          # compressed models have PairwiseDotInteraction and
@@ -46,7 +48,7 @@ from typing import NoReturn
 
 import torch
 
-from comera_rec.dlrm.bench_parts import part_times, parts, sgemm_flops_per_second  # noqa: F401  (re-exported)
+from comera_rec.dlrm.bench_parts import ops, part_times, parts, sgemm_flops_per_second  # noqa: F401  (re-exported)
 from comera_rec.dlrm.bench_process import (  # noqa: F401  (re-exported: importable from here as before the split)
     exit_now,
     own_process_rounds,
@@ -181,6 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mlperf", action="store_true", help="MLPerf DLRM-DCNv2 shapes, compressed only")
     parser.add_argument("--parts", action="store_true", help="time each part of the step (lookups, MLPs, interaction)")
+    parser.add_argument(
+        "--ops",
+        metavar="VARIANT",
+        choices=("dense", "dense_fi", "tt", "tt_half"),
+        help="each operator's own time in VARIANT's step on one thread and on all (torch.profiler): what gains "
+        "from the second thread",
+    )
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
     parser.add_argument("--steps", type=int, default=None, help="training steps per variant")
     parser.add_argument("--batch-size", type=int, default=2048)
@@ -233,7 +242,9 @@ def main(argv: list[str] | None = None) -> None:
         setup = replace(setup, train_steps=10, val_rows=8192, warmup_steps=1, timed_steps=3, rounds=1)
     if args.steps:
         setup = replace(setup, train_steps=args.steps)
-    if args.parts:
+    if args.ops:
+        ops(setup, args.ops, steps=3 if args.quick else 15)
+    elif args.parts:
         parts(setup)
     else:
         mlperf(setup) if args.mlperf else kaggle(setup)

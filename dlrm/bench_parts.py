@@ -115,3 +115,61 @@ def parts(setup: Setup, repeats: int = 20) -> None:
             over = f"{median[v][n] / ideal:6.1f}x" if ideal > 0 else "      -"
             cells.append(f"{flops[v][n] / 1e9:7.3f} / {ideal * 1e3:5.2f} / {over}")
         print(f"{v:14s}" + "".join(f"{c:>22s}" for c in cells))
+
+
+def op_self_times(step, threads: int, steps: int) -> dict[str, float]:
+    """Seconds per step spent in each operator itself (its own time, not its callees'), over
+    ``steps`` calls of ``step`` with ``threads`` intra-op threads, by torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(threads)
+    for _ in range(3):  # the thread pool at its new size
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return {e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()}
+
+
+def thread_scaling(one: dict[str, float], more: dict[str, float], top: int) -> list[tuple[str, float, float, float]]:
+    """The ``top`` operators by time on more threads: ``(name, seconds on one, seconds on
+    more, one / more)``; an operator seen on one side only counts 0 on the other."""
+    rows = []
+    for name in sorted(more, key=lambda n: -more[n])[:top]:
+        a, b = one.get(name, 0.0), more[name]
+        rows.append((name, a, b, a / b if b > 0 else 0.0))
+    return rows
+
+
+def ops(setup: Setup, variant: str = "tt", steps: int = 15, top: int = 25) -> None:
+    """Which operators of a variant's step gain from the second thread: each operator's own
+    time per step on one thread and on all of them, the thread counts alternating twice in
+    one process (the second round is printed)."""
+    if setup.keep_freed_memory:
+        keep_freed_memory()
+    use_lookup_path(variant)
+    wrapped, optimizer = build(variant, setup, mlperf=False)
+    data = train_batches(setup, False, 8)
+    freeze_live_objects()
+    counter = iter(range(1 << 30))
+
+    def step() -> None:
+        train_step(wrapped, optimizer, data[next(counter) % len(data)])
+
+    threads = torch.get_num_threads()
+    for _ in range(10):  # warm-up
+        step()
+    times: dict[int, dict[str, float]] = {}
+    for _ in range(2):
+        for n in sorted({1, threads}):
+            times[n] = op_self_times(step, n, steps)
+    torch.set_num_threads(threads)
+    total = {n: sum(t.values()) for n, t in times.items()}
+    print(
+        f"{variant}: each operator's own time per step (ms; torch.profiler, {steps} steps, batch {setup.batch_size}), "
+        f"1 thread and {threads}; all operators: {total[1] * 1e3:.1f} / {total[threads] * 1e3:.1f} ms "
+        f"({total[1] / total[threads]:.2f}x)"
+    )
+    print(f"{'operator':60s} {'1 thread':>9s} {f'{threads} threads':>10s} {'gain':>6s}")
+    for name, a, b, gain in thread_scaling(times[1], times[threads], top):
+        print(f"{name[:60]:60s} {a * 1e3:9.3f} {b * 1e3:10.3f} {gain:5.2f}x")

@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 
 from comera_rec.dlrm import bench as bench_dlrm
+from comera_rec.dlrm import bench_parts
 
 
 def test_every_timed_step_gets_its_own_batch() -> None:
@@ -48,3 +49,30 @@ def test_isa_is_checked_before_anything_runs(capsys) -> None:
     with pytest.raises(SystemExit):
         bench_dlrm.main(["--isa", "avx10"])
     assert "invalid choice: 'avx10'" in capsys.readouterr().err
+
+
+def test_thread_scaling_orders_by_the_many_thread_time_and_names_the_gain() -> None:
+    one = {"a": 4.0, "b": 1.0, "c": 3.0}
+    more = {"a": 2.0, "b": 1.0, "c": 3.5, "d": 0.5}
+    rows = bench_parts.thread_scaling(one, more, top=3)
+    assert [r[0] for r in rows] == ["c", "a", "b"]
+    assert rows[1] == ("a", 4.0, 2.0, 2.0)
+    assert rows[0][3] < 1.0  # slower on more threads: a gain under 1
+    assert bench_parts.thread_scaling({}, {"d": 0.5}, top=5) == [("d", 0.0, 0.5, 0.0)]
+
+
+def test_op_self_times_profiles_the_step_at_the_thread_count() -> None:
+    threads = torch.get_num_threads()
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    calls = []
+
+    def step() -> None:
+        calls.append(torch.get_num_threads())
+        torch.mm(a, b).relu_()
+
+    try:
+        times = bench_parts.op_self_times(step, 1, steps=4)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [1] * 7  # 3 to settle, then the 4 profiled
+    assert times["aten::mm"] > 0 and times["aten::relu_"] > 0
