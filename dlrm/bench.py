@@ -78,7 +78,7 @@ from comera_rec.rank import model_num_parameters
 from comera_rec.tensor import kernels
 from comera_rec.utils.benchmark import fmt_bytes
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
-from comera_rec.utils.isa import ISA_CHOICES, environment_applies, isa_environment, libraries_isa
+from comera_rec.utils.isa import ISA_CHOICES, check_host_runs, environment_applies, isa_environment, libraries_isa
 from comera_rec.utils.logs import quiet_foreign_notices
 
 # ------------------------------------------------------------------------------ main
@@ -225,6 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    try:
+        check_host_runs(args.isa)
+    except ValueError as exc:
+        parser.error(f"--isa {args.isa}: {exc}")
     wanted = isa_environment(args.isa)
     if not environment_applies(wanted):  # the libraries read their switches once: a fresh process
         run_under(wanted, sys.argv[1:] if argv is None else argv)

@@ -28,7 +28,33 @@ _AVX2 = {
     "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",  # FBGEMM's generated lookup and GEMM code
     "COMERA_CPU_VECTOR_BYTES": "32",  # the fused kernels (comera_rec.tensor.kernels.cpu_extension)
 }
-_SWITCHES = {"ATEN_CPU_CAPABILITY": "ATen", "MKL_ENABLE_INSTRUCTIONS": "MKL", "FBGEMM_ENABLE_INSTRUCTIONS": "FBGEMM"}
+# the switches torch cannot report on, named in a figure's first line when set
+_FORCED = {"MKL_ENABLE_INSTRUCTIONS": "MKL", "FBGEMM_ENABLE_INSTRUCTIONS": "FBGEMM"}
+
+
+def host_cpu_flags() -> set[str]:
+    """This host's CPU flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def check_host_runs(isa: str, flags: set[str] | None = None) -> None:
+    """Raise unless this host (its CPU ``flags``; default :func:`host_cpu_flags`) can run
+    ``isa``'s code: ``avx2`` needs an x86 CPU with AVX2 and FMA.
+
+    Raises:
+        ValueError: the host lacks it, or an unknown ``isa``.
+    """
+    isa_environment(isa)  # an unknown name is named first
+    if isa == "avx2":
+        flags = host_cpu_flags() if flags is None else flags
+        missing = sorted({"avx2", "fma"} - flags)
+        if missing:
+            raise ValueError(f"instruction set avx2: this host's CPU lacks {', '.join(missing)} (from /proc/cpuinfo)")
 
 
 def isa_environment(isa: str) -> dict[str, str]:
@@ -67,7 +93,7 @@ def libraries_isa(environ: dict[str, str] | None = None) -> str:
 
     environ = os.environ if environ is None else environ
     parts = [f"ATen {torch.backends.cpu.get_cpu_capability()}"]
-    for name, library in _SWITCHES.items():
-        if name != "ATEN_CPU_CAPABILITY" and environ.get(name):
+    for name, library in _FORCED.items():
+        if environ.get(name):
             parts.append(f"{library} {environ[name]} (forced)")
     return ", ".join(parts)

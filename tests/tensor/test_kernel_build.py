@@ -265,8 +265,12 @@ def test_host_description_names_the_isa_the_kernels_target(monkeypatch) -> None:
     assert line.startswith("AVX2 (32-byte vectors); ") and line.endswith(" cores")
     monkeypatch.setattr(cpu_extension, "_cpu_flags_line", lambda: "flags\t: fpu avx2 avx512f\n")
     assert cpu_extension.host_description().startswith("AVX-512 (64-byte vectors); ")
-    monkeypatch.setenv(cpu_extension.VECTOR_BYTES_ENV, "32")
-    assert cpu_extension.host_description().startswith("32-byte vectors (COMERA_CPU_VECTOR_BYTES=32); ")
+    monkeypatch.setenv(cpu_extension.VECTOR_BYTES_ENV, "32")  # narrower than this host's: its instruction set
+    assert cpu_extension.host_description().startswith(
+        "AVX2 code on an AVX-512 host (32-byte vectors, COMERA_CPU_VECTOR_BYTES=32); "
+    )
+    monkeypatch.setenv(cpu_extension.VECTOR_BYTES_ENV, "64")  # wider: the compiler emulates it
+    assert cpu_extension.host_description().startswith("64-byte vectors (COMERA_CPU_VECTOR_BYTES=64); ")
 
 
 def kernel_sources() -> list[Path]:

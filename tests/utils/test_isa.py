@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from comera_rec.utils.isa import ISA_CHOICES, environment_applies, isa_environment, libraries_isa
+from comera_rec.utils.isa import (
+    ISA_CHOICES,
+    check_host_runs,
+    environment_applies,
+    host_cpu_flags,
+    isa_environment,
+    libraries_isa,
+)
 
 
 def test_native_needs_no_switch_and_avx2_sets_every_library() -> None:
@@ -46,9 +53,7 @@ def test_libraries_isa_names_the_forced_switches_only() -> None:
 
 
 @pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64")
-    or not Path("/proc/cpuinfo").exists()
-    or " avx2" not in Path("/proc/cpuinfo").read_text(),
+    platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= host_cpu_flags(),
     reason="needs an x86 host with AVX2",
 )
 def test_torch_runs_avx2_code_under_the_switch() -> None:
@@ -58,3 +63,20 @@ def test_torch_runs_avx2_code_under_the_switch() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "ATen AVX2, MKL AVX2 (forced), FBGEMM AVX2 (forced)"
+
+
+def test_a_host_without_avx2_is_refused_by_name() -> None:
+    check_host_runs("native", set())
+    check_host_runs("avx2", {"sse2", "avx", "avx2", "fma"})
+    with pytest.raises(ValueError, match="lacks avx2, fma"):
+        check_host_runs("avx2", {"sse2", "avx"})
+    with pytest.raises(ValueError, match="instruction set 'avx10'"):
+        check_host_runs("avx10", {"avx2", "fma"})
+
+
+def test_host_cpu_flags_reads_this_machine() -> None:
+    flags = host_cpu_flags()
+    if Path("/proc/cpuinfo").exists() and platform.machine() in ("x86_64", "AMD64"):
+        assert "sse2" in flags
+    else:
+        assert isinstance(flags, set)
