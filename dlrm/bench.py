@@ -149,6 +149,12 @@ def kaggle(setup: Setup) -> None:
         f"peak RSS: the largest of those processes (imports included: {fmt_bytes(alone['dense']['base'])} "
         f"before the model); AUC on {setup.val_rows} synthetic validation rows after {setup.train_steps} steps"
     )
+    # what the imports weigh differs from host to host: the part above them, the model's own
+    grown = {v: max(1, alone[v]["peak"] - alone[v]["base"]) for v in names}
+    print(
+        "peak RSS above the process's RSS before its model: "
+        + ", ".join(f"{v} {fmt_bytes(grown[v])} ({grown['dense'] / grown[v]:.1f}x less)" for v in names)
+    )
     print(
         "all variants in one process, steps interleaved (median of "
         f"{setup.train_steps - 3}): "
