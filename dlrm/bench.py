@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ops",
         metavar="VARIANT",
-        choices=("dense", "dense_fi", "tt", "tt_half"),
+        choices=(VARIANTS[0], DENSE_FUSED, *VARIANTS[1:]),
         help="each operator's own time in VARIANT's step on one thread and on all (torch.profiler): what gains "
         "from the second thread",
     )

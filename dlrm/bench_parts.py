@@ -4,6 +4,7 @@ this machine's sgemm throughput."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -151,7 +152,7 @@ def ops(setup: Setup, variant: str = "tt", steps: int = 15, top: int = 25) -> No
     wrapped, optimizer = build(variant, setup, mlperf=False)
     data = train_batches(setup, False, 8)
     freeze_live_objects()
-    counter = iter(range(1 << 30))
+    counter = itertools.count()
 
     def step() -> None:
         train_step(wrapped, optimizer, data[next(counter) % len(data)])

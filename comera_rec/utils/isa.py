@@ -32,14 +32,18 @@ _AVX2 = {
 _FORCED = {"MKL_ENABLE_INSTRUCTIONS": "MKL", "FBGEMM_ENABLE_INSTRUCTIONS": "FBGEMM"}
 
 
-def host_cpu_flags() -> set[str]:
-    """This host's CPU flags from ``/proc/cpuinfo`` (empty where there is none)."""
+def cpu_flags_line() -> str:
+    """The ``flags`` line of ``/proc/cpuinfo`` (``""`` where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
+            return next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
+        return ""
+
+
+def host_cpu_flags() -> set[str]:
+    """This host's CPU flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    return set(cpu_flags_line().partition(":")[2].split())
 
 
 def check_host_runs(isa: str, flags: set[str] | None = None) -> None:
