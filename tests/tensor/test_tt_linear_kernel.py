@@ -179,10 +179,17 @@ def test_thread_counts_give_identical_results(threads: int) -> None:
     seed=st.integers(0, 10_000),
 )
 def test_property_shapes_and_ranks(batch, n_in, n_out, rank, relu, seed) -> None:
+    # every rank and width cuts the backward's weight-gradient tiles differently (rank rows
+    # of grad_right, input rows of grad_left: full tiles, and a short rest merged with the
+    # tile before it into two)
     x, left, right, b = make(batch, n_in, n_out, rank, seed=seed)
     y = kernels.tt_linear_cpu(x, left, right, b, relu)
     assert y.shape == (batch, n_out)
-    torch.testing.assert_close(y, reference(x, left, right, b, relu))
+    want = reference(x, left, right, b, relu)
+    torch.testing.assert_close(y, want)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
+    for got, ref in zip(grads(y, [x, left, right, b], g), grads(want, [x, left, right, b], g)):
+        torch.testing.assert_close(got, ref)
 
 
 def test_tt_linear_dispatch_matches_the_blas_path() -> None:
