@@ -162,8 +162,9 @@ inline void panel_block(const T* const* rows, int64_t K, const T* panel, T* out,
     for (int64_t k = 0; k < K; ++k) {
       vec_t<T> m[PV];
       for (int u = 0; u < PV; ++u) {
-        m[u] = vload(panel + (k * PV + u) * W);
-        hold_in_register(m[u]);
+        vec_t<T> loaded = vload(panel + (k * PV + u) * W);
+        hold_in_register(loaded);
+        m[u] = loaded;
       }
       for (int64_t i = 0; i < kRows; ++i) {
         const T s = rows[i0 + i][k];
@@ -342,10 +343,11 @@ inline void grad_left_tile(const T* const* xr, int64_t k0, const T* dts, int64_t
     __builtin_prefetch(xr[i] + k0 + 64 / sizeof(T));
     vec_t<T> dv[V];
     for (int v = 0; v < V; ++v) {
-      dv[v] = vload(di + v * W);
+      vec_t<T> loaded = vload(di + v * W);
       // held with 16 registers where they fit (2 x 4 at rank 32), else GCC folds a load of
       // dt into every multiply-add (AVX-512's tiles left as they were measured)
-      if constexpr (kVectorRegisters < 32 && K * V + V + 1 <= kVectorRegisters) hold_in_register(dv[v]);
+      if constexpr (kVectorRegisters < 32 && K * V + V + 1 <= kVectorRegisters) hold_in_register(loaded);
+      dv[v] = loaded;
     }
     for (int u = 0; u < K; ++u) {
       const T x = xr[i][k0 + u];
