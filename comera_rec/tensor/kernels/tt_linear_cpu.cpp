@@ -329,23 +329,34 @@ inline void grad_right_columns(const T* t, int64_t ldt, const T* G, int64_t ldg,
   });
 }
 
-// grad_left[k, :] += sum_{i < rows} x[i, k] dt[i, :] for K input rows k0..: K x V sums in
-// registers over the block's rows.
+// With 16 registers grad_left_tile is always inlined: called through the passes of
+// backward_block, GCC made each height a function of its own, with ldd no longer a
+// constant (the rank-16 backward 1-3% slower). With AVX-512, inlining every height was
+// 1-3% slower than GCC's own choice.
+#if COMERA_VECTOR_REGISTERS < 32
+#define COMERA_GRAD_LEFT_INLINE __attribute__((always_inline))
+#else
+#define COMERA_GRAD_LEFT_INLINE
+#endif
+
+// grad_left[k, :] += sum_{i < rows} x[i, k] dt[i, :] for K input rows k0.. and V vectors of
+// dt (rows ldd apart) and of grad_left: K x V sums in registers over the block's rows.
 template <typename T, int V, int K>
-inline void grad_left_tile(const T* const* xr, int64_t k0, const T* dts, int64_t rows, T* gL, int64_t ldl) {
+inline COMERA_GRAD_LEFT_INLINE void grad_left_tile(const T* const* xr, int64_t k0, const T* dts, int64_t ldd, int64_t rows, T* gL,
+                           int64_t ldl) {
   constexpr int64_t W = kLanes<T>;
   vec_t<T> a[K][V];
   for (int u = 0; u < K; ++u)
     for (int v = 0; v < V; ++v) a[u][v] = vload(gL + (k0 + u) * ldl + v * W);
   for (int64_t i = 0; i < rows; ++i) {
-    const T* di = dts + i * V * W;
+    const T* di = dts + i * ldd;
     // the next tiles' x: each row's next cache line, ahead of the loads that reach it
     __builtin_prefetch(xr[i] + k0 + 64 / sizeof(T));
     vec_t<T> dv[V];
     for (int v = 0; v < V; ++v) {
       vec_t<T> loaded = vload(di + v * W);
-      // held with 16 registers where they fit (2 x 4 at rank 32), else GCC folds a load of
-      // dt into every multiply-add (AVX-512's tiles left as they were measured)
+      // held with 16 registers where they fit, else GCC folds a load of dt into every
+      // multiply-add (AVX-512's tiles left as they were measured)
       if constexpr (kVectorRegisters < 32 && K * V + V + 1 <= kVectorRegisters) hold_in_register(loaded);
       dv[v] = loaded;
     }
@@ -439,12 +450,28 @@ void backward_block(const Layer<T>& L, const Grads<T>& d, int64_t b0, int64_t en
   // grad_left += x^T dt
   const T* xr[kBlockRows];
   for (int64_t i = 0; i < rows; ++i) xr[i] = L.x + (b0 + i) * L.n_in;
-  // input rows a tile: with 16 registers as many as leave room for dt's V vectors
-  constexpr int K = kVectorRegisters >= 32 ? std::max(1, kGradAccumulators / V)
-                                           : std::max(1, std::min(kGradAccumulators, (kVectorRegisters - 1 - V) / V));
-  row_tiles<K, V>(L.n_in, [&](int64_t k, auto height) {
-    grad_left_tile<T, V, decltype(height)::value>(xr, k, dts, rows, gL, L.R);
-  });
+  if constexpr (kVectorRegisters >= 32) {
+    constexpr int K = std::max(1, kGradAccumulators / V);  // input rows a tile
+    row_tiles<K, V>(L.n_in, [&](int64_t k, auto height) {
+      grad_left_tile<T, V, decltype(height)::value>(xr, k, dts, R, rows, gL, L.R);
+    });
+  } else {
+    // With 16 registers, 4 and more rank vectors go two at a time, in tiles of as many input
+    // rows as leave room for them: 6 rows x 2 vectors, 12 sums, where all 4 vectors of rank
+    // 32 at once left 2 rows x 4, 8 sums: just the multiply-adds in flight that two FMA
+    // units of latency 4 need.
+    constexpr int VP = V >= 4 ? 2 : V;
+    auto pass = [&](int64_t v0, auto vectors) {
+      constexpr int P = decltype(vectors)::value;
+      constexpr int K = std::max(1, std::min(kGradAccumulators / P, (kVectorRegisters - 1 - P) / P));
+      row_tiles<K, P>(L.n_in, [&](int64_t k, auto height) {
+        grad_left_tile<T, P, decltype(height)::value>(xr, k, dts + v0 * W, R, rows, gL + v0 * W, L.R);
+      });
+    };
+    int64_t v0 = 0;
+    for (; v0 + VP <= V; v0 += VP) pass(v0, std::integral_constant<int, VP>{});
+    if (v0 < V) pass(v0, std::integral_constant<int, 1>{});
+  }
 }
 
 template <typename T>
