@@ -342,8 +342,8 @@ inline void grad_right_columns(const T* t, int64_t ldt, const T* G, int64_t ldg,
 // grad_left[k, :] += sum_{i < rows} x[i, k] dt[i, :] for K input rows k0.. and V vectors of
 // dt (rows ldd apart) and of grad_left: K x V sums in registers over the block's rows.
 template <typename T, int V, int K>
-inline COMERA_GRAD_LEFT_INLINE void grad_left_tile(const T* const* xr, int64_t k0, const T* dts, int64_t ldd, int64_t rows, T* gL,
-                           int64_t ldl) {
+inline COMERA_GRAD_LEFT_INLINE void grad_left_tile(const T* const* xr, int64_t k0, const T* dts, int64_t ldd,
+                                                   int64_t rows, T* gL, int64_t ldl) {
   constexpr int64_t W = kLanes<T>;
   vec_t<T> a[K][V];
   for (int u = 0; u < K; ++u)
