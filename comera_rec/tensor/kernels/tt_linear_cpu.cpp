@@ -450,28 +450,24 @@ void backward_block(const Layer<T>& L, const Grads<T>& d, int64_t b0, int64_t en
   // grad_left += x^T dt
   const T* xr[kBlockRows];
   for (int64_t i = 0; i < rows; ++i) xr[i] = L.x + (b0 + i) * L.n_in;
-  if constexpr (kVectorRegisters >= 32) {
-    constexpr int K = std::max(1, kGradAccumulators / V);  // input rows a tile
-    row_tiles<K, V>(L.n_in, [&](int64_t k, auto height) {
-      grad_left_tile<T, V, decltype(height)::value>(xr, k, dts, R, rows, gL, L.R);
+  // In passes of VP rank vectors, each in tiles of K input rows. With AVX-512 one pass of all
+  // V. With 16 registers, 4 and more vectors go two at a time, in tiles of as many rows as
+  // leave room for them: 6 rows x 2 vectors, 12 sums, where all 4 vectors of rank 32 at once
+  // left 2 rows x 4, 8 sums: just the multiply-adds in flight that two FMA units of latency
+  // 4 need.
+  constexpr int VP = kVectorRegisters < 32 && V >= 4 ? 2 : V;
+  auto pass = [&](int64_t v0, auto vectors) {
+    constexpr int P = decltype(vectors)::value;
+    constexpr int K = kVectorRegisters >= 32
+                          ? std::max(1, kGradAccumulators / P)
+                          : std::max(1, std::min(kGradAccumulators / P, (kVectorRegisters - 1 - P) / P));
+    row_tiles<K, P>(L.n_in, [&](int64_t k, auto height) {
+      grad_left_tile<T, P, decltype(height)::value>(xr, k, dts + v0 * W, R, rows, gL + v0 * W, L.R);
     });
-  } else {
-    // With 16 registers, 4 and more rank vectors go two at a time, in tiles of as many input
-    // rows as leave room for them: 6 rows x 2 vectors, 12 sums, where all 4 vectors of rank
-    // 32 at once left 2 rows x 4, 8 sums: just the multiply-adds in flight that two FMA
-    // units of latency 4 need.
-    constexpr int VP = V >= 4 ? 2 : V;
-    auto pass = [&](int64_t v0, auto vectors) {
-      constexpr int P = decltype(vectors)::value;
-      constexpr int K = std::max(1, std::min(kGradAccumulators / P, (kVectorRegisters - 1 - P) / P));
-      row_tiles<K, P>(L.n_in, [&](int64_t k, auto height) {
-        grad_left_tile<T, P, decltype(height)::value>(xr, k, dts + v0 * W, R, rows, gL + v0 * W, L.R);
-      });
-    };
-    int64_t v0 = 0;
-    for (; v0 + VP <= V; v0 += VP) pass(v0, std::integral_constant<int, VP>{});
-    if (v0 < V) pass(v0, std::integral_constant<int, 1>{});
-  }
+  };
+  int64_t v0 = 0;
+  for (; v0 + VP <= V; v0 += VP) pass(v0, std::integral_constant<int, VP>{});
+  if (v0 < V) pass(v0, std::integral_constant<int, 1>{});
 }
 
 template <typename T>
