@@ -107,9 +107,9 @@ class BinaryMetrics:
         labels = labels.detach().reshape(-1).to(self.device)
         if logits.shape != labels.shape:
             raise ValueError(f"BinaryMetrics.update: {logits.numel()} logits for {labels.numel()} labels")
-        if bool(((labels != 0) & (labels != 1)).any()):
-            bad = labels[(labels != 0) & (labels != 1)][0].item()
-            raise ValueError(f"BinaryMetrics.update: labels must be 0 or 1, got {bad}")
+        not_binary = (labels != 0) & (labels != 1)
+        if bool(not_binary.any()):
+            raise ValueError(f"BinaryMetrics.update: labels must be 0 or 1, got {labels[not_binary][0].item()}")
         targets = labels.float()
         self._logits.append(logits)
         self._labels.append(labels.to(torch.uint8))

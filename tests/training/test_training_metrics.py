@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
+from comera_rec.integration import destroy_distributed
 from comera_rec.training import BinaryMetrics
 from comera_rec.training.metrics import binary_auroc
 
@@ -111,7 +112,7 @@ def _two_process_worker(rank: int, init: str, logits: torch.Tensor, labels: torc
             m.update(logits[chunk], labels[chunk])
         torch.save(m.compute(), f"{out}.{rank}")
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 def test_two_processes_give_the_metrics_of_all_rows(tmp_path) -> None:
