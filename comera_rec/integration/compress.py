@@ -10,11 +10,13 @@ from torchrec.distributed.types import ShardedModule
 from torchrec.modules.crossnet import LowRankCrossNet
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from torchrec.modules.mlp import MLP
 
 from comera_rec.integration.collection import TTMEmbeddingBagCollection
 from comera_rec.integration.embedding_collection import TTMEmbeddingCollection
-from comera_rec.integration.mlp import TTLowRankCrossNet
+from comera_rec.integration.mlp import TTLowRankCrossNet, fuse_layer_chains
 from comera_rec.integration.policy import CompressionPolicy, linear_pays
+from comera_rec.integration.torchrec_internals import perceptron_linear, perceptrons
 from comera_rec.tensor.linear import TTLinear
 from comera_rec.tensor.train import TensorTrainModule
 
@@ -104,7 +106,9 @@ def compress(model: nn.Module, policy: CompressionPolicy | None = None) -> Compr
     * every ``LowRankCrossNet`` becomes a :class:`TTLowRankCrossNet` (if
       ``policy.compress_crossnet``);
     * every ``nn.Linear`` (the MLP layers) becomes a ``TTLinear`` by TT-SVD where it
-      pays at ``policy.mlp_rank`` (if ``policy.compress_mlps``).
+      pays at ``policy.mlp_rank`` (if ``policy.compress_mlps``); a TorchRec ``MLP`` that
+      then holds TT layers trains each run of them as one kernel chain
+      (:class:`~comera_rec.integration.mlp.ChainedPerceptrons`; state-dict names kept).
 
     Args:
         model: the model (not wrapped by DMP/DDP yet).
@@ -177,6 +181,10 @@ def compress(model: nn.Module, policy: CompressionPolicy | None = None) -> Compr
                 report.kept.append(
                     KeptModule(f"{name}.{table}", "table", sizes[table], replacement.plans[table].reason)
                 )
+    # an MLP with TT layers trains its runs of them as one kernel chain (state dict unchanged)
+    for module in model.modules():
+        if isinstance(module, MLP) and any(isinstance(perceptron_linear(p), TTLinear) for p in perceptrons(module)):
+            fuse_layer_chains(module)
     return report
 
 

@@ -12,13 +12,15 @@ from typing import Callable, Sequence, Union
 import torch
 from torch import nn
 from torchrec.modules.crossnet import LowRankCrossNet
-from torchrec.modules.mlp import MLP
+from torchrec.modules.mlp import MLP, Perceptron
 
 from comera_rec.integration.policy import linear_pays
 from comera_rec.integration.torchrec_internals import (
+    mlp_layers,
     perceptron_activation,
     perceptron_linear,
     perceptrons,
+    set_mlp_layers,
     set_perceptron_activation,
     set_perceptron_linear,
 )
@@ -77,7 +79,7 @@ def tt_mlp(
             set_perceptron_linear(perceptron, layer)
             if relu:
                 set_perceptron_activation(perceptron, nn.Identity())
-    return mlp
+    return fuse_layer_chains(mlp)
 
 
 def fuse_narrow_layers(mlp: MLP) -> MLP:
@@ -99,6 +101,78 @@ def fuse_narrow_layers(mlp: MLP) -> MLP:
             set_perceptron_linear(perceptron, NarrowLinear.from_linear(linear, relu=relu))
             if relu:
                 set_perceptron_activation(perceptron, nn.Identity())
+    return mlp
+
+
+class ChainedPerceptrons(nn.Sequential):
+    """The ``nn.Sequential`` of an ``MLP``'s perceptrons that, while training on CPU, runs
+    each run of consecutive fused layers (``TTLinear``, ``NarrowLinear``; their ReLU, or
+    the perceptron's, applied in the kernel) as one chain
+    (:func:`~comera_rec.tensor.kernels.tt_chain_cpu`): a block of rows goes through every
+    layer of the run while it is in cache, and the hidden outputs are not kept for the
+    backward but recomputed from each layer's ``(B, r)`` product with its input chain.
+    The values are the layers' one by one, bit for bit; anything else (scoring, a GPU,
+    other layers, the kernels off) runs perceptron by perceptron.
+
+    Example::
+
+        >>> mlp = tt_mlp(13, [512, 256], rank=16)
+        >>> type(mlp_layers(mlp)).__name__
+        'ChainedPerceptrons'
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if type(input) is not torch.Tensor or input.dim() != 2 or not torch.is_grad_enabled():
+            return super().forward(input)
+        h, run = input, []  # the current run's layers: (left, right, bias, relu)
+
+        def finish_run() -> torch.Tensor:
+            out = h if not run else kernels.tt_chain_cpu(h, run) if len(run) > 1 else kernels.tt_linear_cpu(h, *run[0])
+            run.clear()
+            return out
+
+        for perceptron in self:
+            operands = _chain_operands(perceptron, h)
+            width = run[-1][1].shape[1] if run else h.shape[1]
+            if operands is None or operands[0].shape[0] != width:
+                h = finish_run()
+                h = perceptron(h)
+                continue
+            run.append(operands)
+        return finish_run()
+
+
+def _chain_operands(perceptron: nn.Module, like: torch.Tensor) -> tuple | None:
+    """A perceptron's layer of a chain: ``(left, right, bias, relu)``, the ReLU its layer's
+    or its own; ``None`` where it cannot be one."""
+    if not isinstance(perceptron, Perceptron):
+        return None
+    chain_operands = getattr(perceptron_linear(perceptron), "chain_operands", None)
+    if chain_operands is None:
+        return None
+    activation = perceptron_activation(perceptron)
+    relu_after = is_relu(activation)
+    if not relu_after and type(activation) is not nn.Identity:
+        return None
+    operands = chain_operands(like)
+    if operands is None:
+        return None
+    left, right, bias, relu = operands
+    return left, right, bias, relu or relu_after
+
+
+def fuse_layer_chains(mlp: MLP) -> MLP:
+    """Make ``mlp``'s perceptrons a :class:`ChainedPerceptrons` (the same modules; state-dict
+    names unchanged), in place. Returns ``mlp``.
+
+    Example::
+
+        >>> mlp = fuse_layer_chains(MLP(13, [8, 4]))
+        >>> type(mlp_layers(mlp)).__name__
+        'ChainedPerceptrons'
+    """
+    if type(mlp_layers(mlp)) is not ChainedPerceptrons:
+        set_mlp_layers(mlp, ChainedPerceptrons(*perceptrons(mlp)))
     return mlp
 
 

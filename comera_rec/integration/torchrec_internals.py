@@ -37,6 +37,17 @@ def perceptrons(mlp: MLP) -> list[Perceptron]:
     return list(mlp._mlp)
 
 
+def mlp_layers(mlp: MLP) -> nn.Sequential:
+    """The ``nn.Sequential`` of an ``MLP``'s perceptrons."""
+    return mlp._mlp
+
+
+def set_mlp_layers(mlp: MLP, layers: nn.Sequential) -> None:
+    """Replace the ``nn.Sequential`` of an ``MLP``'s perceptrons (its state-dict name stays
+    ``_mlp``)."""
+    mlp._mlp = layers
+
+
 def perceptron_linear(perceptron: Perceptron) -> nn.Module:
     """The linear layer of a ``Perceptron`` (an ``nn.Linear``, or what replaced it)."""
     return perceptron._linear

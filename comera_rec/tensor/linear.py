@@ -164,6 +164,25 @@ class TTLinear(TensorTrainModule):
         inputs, outputs = self._split()
         return tt_linear(x, inputs, outputs, self.out_features, self.bias, relu=self.relu)
 
+    def chain_operands(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool] | None:
+        """``(left, right, bias, relu)``, the chains merged (differentiable), where a forward
+        that records gradients on rows like ``like`` runs on the fused CPU kernel: one layer
+        of :func:`~comera_rec.tensor.kernels.tt_chain_cpu`. ``None`` where ``forward`` takes
+        another path (scoring keeps packed operands of its own; a GPU; the kernels off).
+
+        Args:
+            like: of the dtype and device of the layer's input (its shape is not read).
+        """
+        if type(like) is not torch.Tensor or like.dim() != 2:
+            return None
+        sources = self.train_tensors()
+        if not records_grad(like, *sources, self.bias):
+            return None
+        left, right = self._merged_chains()
+        if not kernels.tt_linear_kernel_applies(like, left, right):
+            return None
+        return left, right, self.bias, self.relu
+
     # Scoring on the fused CPU kernel keeps the chains and bias packed as the kernel reads
     # them (kernels.tt_linear_pack), keyed on the parameters they come from: at a few rows,
     # packing per call and the checks of the general path took most of a call.
@@ -397,13 +416,33 @@ class NarrowLinear(nn.Linear):
             # kernel's checks and packing (one row: 10 us against 60 us through the module)
             y = F.linear(x, self.weight, self.bias)
             return y.relu_() if self.relu else y
-        if x.dim() == 2 and self.in_features <= self.MAX_FUSED_INPUTS:
-            identity = _identity(self.in_features, self.weight)
-            right = self.weight.t()  # (in, out)
-            if kernels.tt_linear_kernel_applies(x, identity, right):
-                return kernels.tt_linear_cpu(x, identity, right, self.bias, self.relu)
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"NarrowLinear: expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}"
+            )
+        operands = self.chain_operands(x)
+        if operands is not None:
+            return kernels.tt_linear_cpu(x, *operands)
         y = F.linear(x, self.weight, self.bias)
         return torch.relu(y) if self.relu else y
+
+    def chain_operands(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool] | None:
+        """``(identity, weight^T, bias, relu)`` where a forward that records gradients on
+        rows like ``like`` runs on the fused CPU kernel: one layer of
+        :func:`~comera_rec.tensor.kernels.tt_chain_cpu`; else ``None``.
+
+        Args:
+            like: of the dtype and device of the layer's input (its shape is not read).
+        """
+        if type(like) is not torch.Tensor or like.dim() != 2 or self.in_features > self.MAX_FUSED_INPUTS:
+            return None
+        if not records_grad(like, self.weight, self.bias):
+            return None
+        identity = _identity(self.in_features, self.weight)
+        right = self.weight.t()  # (in, out)
+        if not kernels.tt_linear_kernel_applies(like, identity, right):
+            return None
+        return identity, right, self.bias, self.relu
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", relu=True" if self.relu else "")

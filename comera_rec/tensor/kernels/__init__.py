@@ -38,6 +38,8 @@ from comera_rec.tensor.kernels.cpu_extension import (  # the build of all the CP
     set_cpu_kernel_enabled,
 )
 from comera_rec.tensor.kernels.tt_linear_cpu import (  # the fused CPU TT linear and its chains
+    tt_chain_cpu,
+    tt_chain_kernel_applies,
     tt_chains_cpu,
     tt_chains_kernel_applies,
     tt_cross_cpu,
@@ -121,6 +123,8 @@ __all__ = [
     "host_description",
     "set_cpu_kernel_enabled",
     "ttm_embedding_bag_cpu",
+    "tt_chain_cpu",
+    "tt_chain_kernel_applies",
     "tt_chains_cpu",
     "tt_chains_kernel_applies",
     "tt_cross_cpu",

@@ -204,6 +204,28 @@ inline void rank_output_rows(const T* const* rows, int64_t K, const T* m, T* out
     for (int v = 0; v < V; ++v) vstore(out + (i * V + v) * W, a[i][v]);
 }
 
+// The second half of a tile's forward, y = act(t @ right + bias) for its rows b0 .. b0 + rows
+// (or the cross layer's residual, xr the tile's rows of x), from t (kTile, R): the forward's
+// own tile, or a tile of the t the forward kept (tt_chain_backward recomputes the hidden
+// outputs so, the same operations in the same order: the same values).
+template <typename T, bool Cross = false>
+inline void tile_outputs(const Layer<T>& L, const T* t, int64_t b0, int64_t rows, const T* const* xr, bool relu,
+                         T* y) {
+  const vec_t<T> zero = vzero<T>();
+  rank_product(
+      t, L.R, L.right, L.r, L.Np, [&](int64_t c) { return L.bias ? vload(L.bias + c) : zero; },
+      [&](int64_t i, int64_t c, vec_t<T> a) {
+        if (i >= rows) return;
+        const int64_t at = (b0 + i) * L.n_out + c, n = L.n_out - c;
+        if constexpr (Cross) {
+          a = load_head(xr[i] + c, n) + load_head(L.x0 + at, n) * a;
+        } else if (relu) {
+          a = a > zero ? a : zero;
+        }
+        store_head(y + at, a, n);
+      });
+}
+
 // Cross: y = x + x0 * (t @ right + bias) (a cross layer, n_in == n_out), with no ReLU; y may
 // be x itself, the tile's rows of x being read (t, then each vector's residual) before that
 // vector is written. t_out null: t is not kept.
@@ -223,22 +245,9 @@ void forward_tile(const Layer<T>& L, int64_t b0, bool relu, T* t_out, T* y) {
   }
   if (t_out)
     for (int64_t i = 0; i < rows; ++i) std::copy(t[i], t[i] + V * W, t_out + (b0 + i) * L.R);
-
-  // y = t @ right + bias, then the activation (or the cross layer's residual)
-  const vec_t<T> zero = vzero<T>();
-  rank_product(
-      &t[0][0], V * W, L.right, L.r, L.Np, [&](int64_t c) { return L.bias ? vload(L.bias + c) : zero; },
-      [&](int64_t i, int64_t c, vec_t<T> a) {
-        if (i >= rows) return;
-        const int64_t at = (b0 + i) * L.n_out + c, n = L.n_out - c;
-        if constexpr (Cross) {
-          a = load_head(xr[i] + c, n) + load_head(L.x0 + at, n) * a;
-        } else if (relu) {
-          a = a > zero ? a : zero;
-        }
-        store_head(y + at, a, n);
-      });
+  tile_outputs<T, Cross>(L, &t[0][0], b0, rows, xr, relu, y);
 }
+
 
 template <typename T>
 struct Grads {
@@ -528,31 +537,39 @@ struct CrossTiles {
   }
 };
 
-// One TT linear over a block of rows (L.B of them), tile after tile, in the calling thread.
+// One TT linear over a block of rows (L.B of them), tile after tile, in the calling thread;
+// t (L.B, R) kept where not null.
 template <typename T, int V>
 struct LinearTiles {
-  static void run(const Layer<T>& L, bool relu, T* y) {
-    for (int64_t b0 = 0; b0 < L.B; b0 += kTile) forward_tile<T, V>(L, b0, relu, nullptr, y);
+  static void run(const Layer<T>& L, bool relu, T* t, T* y) {
+    for (int64_t b0 = 0; b0 < L.B; b0 += kTile) forward_tile<T, V>(L, b0, relu, t, y);
   }
 };
 
+// A block's y = act(t @ right + bias) (rows of them) from the t the forward kept, (rows, R).
 template <typename T, int V>
-struct BackwardRows {
-  static void run(const Layer<T>& L, const Grads<T>& d, int64_t chunks, int64_t chunk_rows, T* gL, T* gR, T* gB) {
-    const int64_t sL = d.left ? L.n_in * L.R : 0, sR = L.r * L.Np, sB = L.Np;  // a chunk's partials (see below)
-    at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<T> G(padded(kBlockRows, kTile) * L.Np), dts(kBlockRows * V * kLanes<T>);
-      for (int64_t c = lo; c < hi; ++c) {
-        // the chunk's partials, zeroed by the thread that sums into them
-        std::fill(gL + c * sL, gL + (c + 1) * sL, T(0));
-        std::fill(gR + c * sR, gR + (c + 1) * sR, T(0));
-        if (gB) std::fill(gB + c * sB, gB + (c + 1) * sB, T(0));
-        const int64_t end = std::min(L.B, (c + 1) * chunk_rows);
-        for (int64_t b0 = c * chunk_rows; b0 < end; b0 += kBlockRows)
-          backward_block<T, V>(L, d, b0, end, gL + c * sL, gR + c * sR, gB ? gB + c * sB : nullptr, G.data(),
-                               dts.data());
+struct OutputsFromT {
+  static void run(const Layer<T>& L, const T* t, int64_t rows, bool relu, T* y) {
+    constexpr int64_t W = kLanes<T>;
+    alignas(64) T tail[kTile][V * W];
+    for (int64_t b0 = 0; b0 < rows; b0 += kTile) {
+      const int64_t n = std::min(kTile, rows - b0);
+      const T* tile = t + b0 * L.R;
+      if (n < kTile) {  // the tile's rows past the block read zeros, as in the forward
+        std::fill(&tail[0][0], &tail[0][0] + kTile * V * W, T(0));
+        std::copy(tile, tile + n * L.R, &tail[0][0]);
+        tile = &tail[0][0];
       }
-    });
+      tile_outputs<T>(L, tile, b0, n, nullptr, relu, y);
+    }
+  }
+};
+
+// backward_block over one block of rows with pointers of its own (row 0: the block's first).
+template <typename T, int V>
+struct BlockBackward {
+  static void run(const Layer<T>& L, const Grads<T>& d, int64_t rows, T* gL, T* gR, T* gB, T* G, T* dts) {
+    backward_block<T, V>(L, d, 0, rows, gL, gR, gB, G, dts);
   }
 };
 
@@ -779,7 +796,7 @@ at::Tensor tt_cross_forward(std::vector<at::Tensor> x0_parts, std::vector<at::Te
           head.B = rows;
           head.x = input;
           T* y = j + 1 == nexts ? out_ptr + b0 * n_out : hidden.get() + (j % 2) * block * widest;
-          with_vectors<T, LinearTiles>(head.R / W, head, static_cast<bool>(next_relus[j]), y);
+          with_vectors<T, LinearTiles>(head.R / W, head, static_cast<bool>(next_relus[j]), static_cast<T*>(nullptr), y);
           input = y;
         }
       }
@@ -787,6 +804,86 @@ at::Tensor tt_cross_forward(std::vector<at::Tensor> x0_parts, std::vector<at::Te
   });
   return out;
 }
+
+namespace {
+
+// The backward's weight operands as backward_block reads them: {right^T (n_out, R), in panels
+// with 16 registers (dt = g @ right^T by panel_product), left^T (r, Nip) in panels}.
+template <typename T>
+std::vector<at::Tensor> backward_operands(const at::Tensor& left, const at::Tensor& right) {
+  constexpr int64_t W = kLanes<T>;
+  const auto right_t = pad_last(right.t(), W);  // (n_out, R)
+  const auto left_t = pad_last(left.t(), W);    // (r, Nip)
+  return {kVectorRegisters < 32 ? pack_panels<T>(right_t) : right_t, pack_panels<T>(left_t)};
+}
+
+// A layer's weight-gradient partials, one set per chunk of rows (zeroed by the thread that
+// sums into them), and their sums in chunk order.
+template <typename T>
+struct GradParts {
+  int64_t used = 0, sL = 0, sR = 0, sB = 0;  // chunks; a chunk's grad_left, grad_right, grad_bias
+  at::Tensor parts;
+  T *gL = nullptr, *gR = nullptr, *gB = nullptr;
+
+  GradParts(const Layer<T>& L, int64_t chunks, bool left, bool bias, const at::TensorOptions& options)
+      : used(chunks), sL(left ? L.n_in * L.R : 0), sR(L.r * L.Np), sB(bias ? L.Np : 0) {
+    parts = at::empty({used * (sL + sR + sB)}, options);
+    gL = parts.template data_ptr<T>();
+    gR = gL + used * sL;
+    gB = bias ? gR + used * sR : nullptr;
+  }
+  void zero(int64_t c) const {
+    std::fill(gL + c * sL, gL + (c + 1) * sL, T(0));
+    std::fill(gR + c * sR, gR + (c + 1) * sR, T(0));
+    if (gB) std::fill(gB + c * sB, gB + (c + 1) * sB, T(0));
+  }
+  T* left(int64_t c) const { return gL + c * sL; }
+  T* right(int64_t c) const { return gR + c * sR; }
+  T* bias(int64_t c) const { return gB ? gB + c * sB : nullptr; }
+  // {grad_left (n_in, r) or undefined, grad_right (r, n_out), grad_bias (n_out) or undefined}
+  std::vector<at::Tensor> sums(const Layer<T>& L) const {
+    const auto options = parts.options();
+    at::Tensor grad_left, grad_bias;
+    if (sL) {
+      auto gl = at::empty({L.n_in, L.R}, options);
+      sum_chunks(gL, used, sL, gl.template data_ptr<T>());
+      grad_left = gl.narrow(1, 0, L.r);
+    }
+    auto gr = at::empty({L.r, L.Np}, options);
+    sum_chunks(gR, used, sR, gr.template data_ptr<T>());
+    if (sB) {
+      auto gb = at::empty({L.Np}, options);
+      sum_chunks(gB, used, sB, gb.template data_ptr<T>());
+      grad_bias = gb.narrow(0, 0, L.n_out);
+    }
+    return {grad_left, gr.narrow(1, 0, L.n_out), grad_bias};
+  }
+};
+
+// The backward's chunks of rows: (chunks used, rows per chunk, whole tiles).
+inline std::pair<int64_t, int64_t> backward_chunks(int64_t B) {
+  const int64_t chunks = num_chunks(B);
+  const int64_t chunk_rows = padded((B + chunks - 1) / chunks, kTile);
+  return {std::max<int64_t>(1, (B + chunk_rows - 1) / chunk_rows), chunk_rows};
+}
+
+// One layer's backward over the whole batch, each thread taking whole chunks.
+template <typename T, int V>
+struct BackwardRows {
+  static void run(const Layer<T>& L, const Grads<T>& d, int64_t chunk_rows, const GradParts<T>& parts) {
+    at::parallel_for(0, parts.used, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<T> G(padded(kBlockRows, kTile) * L.Np), dts(kBlockRows * V * kLanes<T>);
+      for (int64_t c = lo; c < hi; ++c) {
+        parts.zero(c);
+        const int64_t end = std::min(L.B, (c + 1) * chunk_rows);
+        for (int64_t b0 = c * chunk_rows; b0 < end; b0 += kBlockRows)
+          backward_block<T, V>(L, d, b0, end, parts.left(c), parts.right(c), parts.bias(c), G.data(), dts.data());
+      }
+    });
+  }
+};
+
+}  // namespace
 
 // (grad_x or empty, grad_left (n_in, r) or empty, grad_right (r, n_out), grad_bias or empty).
 // y: the forward's output when it applied the ReLU, else empty.
@@ -800,56 +897,240 @@ std::vector<at::Tensor> tt_linear_backward(at::Tensor grad_y, at::Tensor x, at::
   TORCH_CHECK(grad_y.size(0) == B && grad_y.size(1) == n_out, "tt_linear: grad of shape ", grad_y.sizes(),
               " for an output of (", B, ", ", n_out, ")");
   at::Tensor grad_x = need_grad_x ? at::empty({B, n_in}, x.options()) : at::Tensor();
-  at::Tensor grad_left, grad_right, grad_bias;
+  std::vector<at::Tensor> grads;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tt_linear_backward", [&] {
     using T = scalar_t;
     constexpr int64_t W = kLanes<T>;
     const auto left_p = pad_last(left, W);
     const auto right_p = pad_last(right, W);
     const int64_t R = left_p.size(1), Np = right_p.size(1);
-    const auto right_t = pad_last(right.t(), W);  // (n_out, R)
-    const auto left_t = pad_last(left.t(), W);    // (r, Nip)
     const auto zeros = at::zeros({std::max({n_in, Np, R})}, x.options());
     const auto none = at::empty({0}, x.options());
     const auto L = layer_of<T>(x, left_p, right_p, none, r, n_out, zeros);
+    const auto operands = backward_operands<T>(left, right);
     Grads<T> d;
     d.gy = grad_y.data_ptr<T>();
     d.y = y.numel() ? y.data_ptr<T>() : nullptr;
     d.t = t.data_ptr<T>();
-    // with 16 registers dt = g @ right^T reads right^T in panels (panel_product)
-    const auto right_t_panels = kVectorRegisters < 32 ? pack_panels<T>(right_t) : right_t;
-    d.right_t = right_t_panels.data_ptr<T>();
-    const auto left_t_panels = pack_panels<T>(left_t);
-    d.left_t = left_t_panels.data_ptr<T>();
+    d.right_t = operands[0].data_ptr<T>();
+    d.left_t = operands[1].data_ptr<T>();
     d.gx = need_grad_x ? grad_x.data_ptr<T>() : nullptr;
     d.left = need_grad_left;
 
-    const int64_t chunks = num_chunks(B);
-    const int64_t chunk_rows = padded((B + chunks - 1) / chunks, kTile);  // whole tiles
-    const int64_t used = (B + chunk_rows - 1) / chunk_rows;
-    const int64_t sL = need_grad_left ? n_in * R : 0, sR = r * Np, sB = Np;  // as BackwardRows lays them out
-    auto parts = at::empty({used * (sL + sR + (need_grad_bias ? sB : 0))}, x.options());  // zeroed per chunk
-    T* gL = parts.data_ptr<T>();
-    T* gR = gL + used * sL;
-    T* gB = need_grad_bias ? gR + used * sR : nullptr;
-    with_vectors<T, BackwardRows>(R / W, L, d, used, chunk_rows, gL, gR, gB);
+    const auto [used, chunk_rows] = backward_chunks(B);
+    const GradParts<T> parts(L, used, need_grad_left, need_grad_bias, x.options());
+    with_vectors<T, BackwardRows>(R / W, L, d, chunk_rows, parts);
+    grads = parts.sums(L);
+  });
+  return {grad_x.defined() ? grad_x : at::Tensor(), grads[0], grads[1], grads[2]};
+}
 
-    if (need_grad_left) {
-      auto gl = at::empty({n_in, R}, x.options());
-      sum_chunks(gL, used, sL, gl.data_ptr<T>());
-      grad_left = gl.narrow(1, 0, r);
+// ---------------------------------------------------------------- a chain of TT linears
+//
+// An MLP's consecutive fused layers (TT linears, and NarrowLinears: a constant identity
+// left) in one call each way. One by one, each layer's forward reads its (B, N_in) input
+// and writes its (B, N_out) output, and its backward reads the output's gradient, the output
+// (the ReLU's mask) and the input, and writes the input's gradient: passes over activations
+// of 8 MB each for a 1024-wide layer at 2048 rows, which bound the layers (their FLOPs at the
+// sgemm rate take a third of their time; docs/performance.md).
+//
+// Here a thread takes a block of rows through every layer while the block is in its core's
+// cache. The forward writes the last output and each layer's t (B, R_k), not the hidden
+// outputs. The backward goes block by block from the last layer to the first: it recomputes
+// each hidden output from its t (one rank product, act(t @ right + bias), the forward's own
+// operations) where it is the next layer's input and its own layer's ReLU mask, and hands
+// each layer's input gradient to the layer below in the block's buffer. Only the last
+// output's gradient, the first input and its gradient go through memory.
+//
+// Blocks and chunks are the single-layer kernels', so every value is the one the layers
+// would give one by one, bit for bit, for any number of threads.
+
+namespace {
+
+// Each layer's packed forward operands (kept alive with the Layer that points into them).
+template <typename T>
+struct ChainLayers {
+  std::vector<at::Tensor> kept;
+  std::vector<Layer<T>> layers;
+  int64_t widest_out = 0, widest_in = 0, widest_np = 0, widest_r = 0;
+};
+
+void check_chain(const at::Tensor& x, const std::vector<at::Tensor>& lefts, const std::vector<at::Tensor>& rights,
+                 const std::vector<at::Tensor>& biases, const std::vector<bool>& relus) {
+  const auto K = lefts.size();
+  TORCH_CHECK(K >= 1 && rights.size() == K && biases.size() == K && relus.size() == K, "tt_chain: ", K,
+              " lefts, ", rights.size(), " rights, ", biases.size(), " biases and ", relus.size(),
+              " ReLU flags; one each per layer, at least one layer");
+  TORCH_CHECK(x.dim() == 2, "tt_chain: x must be a matrix, got shape ", x.sizes());
+  for (size_t k = 0; k < K; ++k) {
+    const auto like = k == 0 ? x : at::empty({x.size(0), rights[k - 1].size(1)}, x.options().device(at::kMeta));
+    TORCH_CHECK(lefts[k].dim() == 2 && lefts[k].size(1) >= 1, "tt_chain: layer ", k, "'s left must be (N_in, r >= 1), got ",
+                lefts[k].sizes());
+    check_inputs(like, lefts[k], rights[k], biases[k]);
+  }
+}
+
+template <typename T>
+ChainLayers<T> chain_layers(const at::Tensor& x, const std::vector<at::Tensor>& lefts,
+                            const std::vector<at::Tensor>& rights, const std::vector<at::Tensor>& biases) {
+  ChainLayers<T> C;
+  for (size_t k = 0; k < lefts.size(); ++k) {
+    const auto operands = forward_operands<T>(lefts[k], rights[k], biases[k]);
+    const auto like = k == 0 ? x : at::empty({x.size(0), rights[k - 1].size(1)}, x.options().device(at::kMeta));
+    auto L = forward_layer<T>(like, operands, lefts[k].size(1), rights[k].size(1));
+    C.kept.insert(C.kept.end(), operands.begin(), operands.end());
+    C.widest_out = std::max(C.widest_out, L.n_out);
+    C.widest_in = std::max(C.widest_in, L.n_in);
+    C.widest_np = std::max(C.widest_np, L.Np);
+    C.widest_r = std::max(C.widest_r, L.R);
+    C.layers.push_back(L);
+  }
+  return C;
+}
+
+}  // namespace
+
+// {y (B, n_out of the last), then t_k (B, R_k) for each layer k: the padded input @ left_k}.
+// Layer k: y_k = relu_k?((y_{k-1} @ lefts[k]) @ rights[k] + biases[k]) (bias empty: none).
+std::vector<at::Tensor> tt_chain_forward(at::Tensor x, std::vector<at::Tensor> lefts,
+                                         std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
+                                         std::vector<bool> relus) {
+  check_chain(x, lefts, rights, biases, relus);
+  x = x.contiguous();
+  const int64_t B = x.size(0), K = static_cast<int64_t>(lefts.size());
+  std::vector<at::Tensor> out{at::empty({B, rights.back().size(1)}, x.options())};
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tt_chain_forward", [&] {
+    using T = scalar_t;
+    constexpr int64_t W = kLanes<T>;
+    const auto C = chain_layers<T>(x, lefts, rights, biases);
+    std::vector<T*> t(K);
+    for (int64_t k = 0; k < K; ++k) {
+      out.push_back(at::empty({B, C.layers[k].R}, x.options()));
+      t[k] = out.back().data_ptr<T>();
     }
-    auto gr = at::empty({r, Np}, x.options());
-    sum_chunks(gR, used, sR, gr.data_ptr<T>());
-    grad_right = gr.narrow(1, 0, n_out);
-    if (need_grad_bias) {
-      auto gb = at::empty({Np}, x.options());
-      sum_chunks(gB, used, sB, gb.data_ptr<T>());
-      grad_bias = gb.narrow(0, 0, n_out);
+    const T* x_ptr = x.data_ptr<T>();
+    T* y_ptr = out[0].data_ptr<T>();
+    const int64_t n_in = x.size(1), n_last = C.layers.back().n_out, width = C.widest_out;
+    at::parallel_for(0, (B + kBlockRows - 1) / kBlockRows, 1, [&](int64_t lo, int64_t hi) {
+      // this thread's hidden outputs, two blocks (a layer's input and output); not zeroed:
+      // every element is written before it is read
+      std::unique_ptr<T[]> hidden(new T[K > 1 ? 2 * kBlockRows * width : 0]);
+      for (int64_t blk = lo; blk < hi; ++blk) {
+        const int64_t b0 = blk * kBlockRows, rows = std::min(kBlockRows, B - b0);
+        const T* input = x_ptr + b0 * n_in;
+        for (int64_t k = 0; k < K; ++k) {
+          Layer<T> L = C.layers[k];
+          L.B = rows;
+          L.x = input;
+          T* y = k + 1 == K ? y_ptr + b0 * n_last : hidden.get() + (k % 2) * kBlockRows * width;
+          with_vectors<T, LinearTiles>(L.R / W, L, static_cast<bool>(relus[k]), t[k] + b0 * L.R, y);
+          input = y;
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// {grad_x or undefined, then per layer {grad_left or undefined, grad_right, grad_bias or
+// undefined}} from tt_chain_forward's ts (biases: the forward's, which the recomputed
+// hidden outputs need).
+std::vector<at::Tensor> tt_chain_backward(at::Tensor grad_y, at::Tensor x, std::vector<at::Tensor> lefts,
+                                          std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
+                                          std::vector<bool> relus, std::vector<at::Tensor> ts, bool need_grad_x,
+                                          std::vector<bool> need_grad_left, std::vector<bool> need_grad_bias) {
+  check_chain(x, lefts, rights, biases, relus);
+  const int64_t B = x.size(0), K = static_cast<int64_t>(lefts.size());
+  TORCH_CHECK(static_cast<int64_t>(ts.size()) == K && static_cast<int64_t>(need_grad_left.size()) == K &&
+                  static_cast<int64_t>(need_grad_bias.size()) == K,
+              "tt_chain: ", ts.size(), " saved t, ", need_grad_left.size(), " and ", need_grad_bias.size(),
+              " gradient flags for ", K, " layers");
+  TORCH_CHECK(grad_y.dim() == 2 && grad_y.size(0) == B && grad_y.size(1) == rights.back().size(1),
+              "tt_chain: grad of shape ", grad_y.sizes(), " for an output of (", B, ", ", rights.back().size(1), ")");
+  x = x.contiguous();
+  grad_y = grad_y.contiguous();
+  at::Tensor grad_x = need_grad_x ? at::empty({B, x.size(1)}, x.options()) : at::Tensor();
+  std::vector<at::Tensor> out{grad_x};
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tt_chain_backward", [&] {
+    using T = scalar_t;
+    constexpr int64_t W = kLanes<T>;
+    const auto C = chain_layers<T>(x, lefts, rights, biases);
+    const auto [used, chunk_rows] = backward_chunks(B);
+    std::vector<at::Tensor> kept;
+    std::vector<Grads<T>> grads(K);
+    std::vector<GradParts<T>> parts;
+    std::vector<const T*> t(K);
+    for (int64_t k = 0; k < K; ++k) {
+      const auto& L = C.layers[k];
+      TORCH_CHECK(ts[k].dim() == 2 && ts[k].size(0) == B && ts[k].size(1) == L.R && ts[k].is_contiguous() &&
+                      ts[k].scalar_type() == x.scalar_type(),
+                  "tt_chain: layer ", k, "'s saved t has shape ", ts[k].sizes(), "; the forward made (", B, ", ", L.R,
+                  ")");
+      t[k] = ts[k].data_ptr<T>();
+      const auto operands = backward_operands<T>(lefts[k], rights[k]);
+      kept.insert(kept.end(), operands.begin(), operands.end());
+      grads[k].right_t = operands[0].data_ptr<T>();
+      grads[k].left_t = operands[1].data_ptr<T>();
+      grads[k].left = need_grad_left[k];
+      parts.emplace_back(L, used, need_grad_left[k], need_grad_bias[k] && biases[k].numel() > 0, x.options());
+    }
+    const T* x_ptr = x.data_ptr<T>();
+    const T* gy_ptr = grad_y.data_ptr<T>();
+    T* gx_ptr = need_grad_x ? grad_x.data_ptr<T>() : nullptr;
+    const int64_t n_in = x.size(1), n_last = C.layers.back().n_out;
+    at::parallel_for(0, used, 1, [&](int64_t lo, int64_t hi) {
+      // scratch: backward_block's G and dt, the block's recomputed outputs (two: a layer's
+      // input and its output, the mask) and its input gradients (two: a layer's and the one
+      // it reads)
+      const int64_t block = kBlockRows;
+      std::vector<T> G(padded(block, kTile) * C.widest_np), dts(block * C.widest_r);
+      std::vector<T> X(2 * block * C.widest_out), GX(2 * block * C.widest_in);
+      for (int64_t c = lo; c < hi; ++c) {
+        for (const auto& p : parts) p.zero(c);
+        const int64_t end = std::min(B, (c + 1) * chunk_rows);
+        for (int64_t b0 = c * chunk_rows; b0 < end; b0 += block) {
+          const int64_t rows = std::min(block, end - b0);
+          int xb = 0;                // the X buffer the next recomputed output goes to
+          const T* mask = nullptr;   // the current layer's output, where it has a ReLU
+          if (relus[K - 1]) {
+            const auto& L = C.layers[K - 1];
+            with_vectors<T, OutputsFromT>(L.R / W, L, t[K - 1] + b0 * L.R, rows, true, X.data());
+            mask = X.data();
+            xb = 1;
+          }
+          const T* gy = gy_ptr + b0 * n_last;
+          for (int64_t k = K - 1; k >= 0; --k) {
+            Layer<T> L = C.layers[k];
+            L.B = rows;
+            if (k > 0) {  // this layer's input: the layer below's output, recomputed
+              const auto& below = C.layers[k - 1];
+              T* xk = X.data() + xb * block * C.widest_out;
+              with_vectors<T, OutputsFromT>(below.R / W, below, t[k - 1] + b0 * below.R, rows,
+                                            static_cast<bool>(relus[k - 1]), xk);
+              L.x = xk;
+              xb ^= 1;
+            } else {
+              L.x = x_ptr + b0 * n_in;
+            }
+            Grads<T> d = grads[k];
+            d.gy = gy;
+            d.y = relus[k] ? mask : nullptr;
+            d.t = t[k] + b0 * L.R;
+            d.gx = k > 0 ? GX.data() + (k % 2) * block * C.widest_in : (gx_ptr ? gx_ptr + b0 * n_in : nullptr);
+            with_vectors<T, BlockBackward>(L.R / W, L, d, rows, parts[k].left(c), parts[k].right(c),
+                                           parts[k].bias(c), G.data(), dts.data());
+            gy = d.gx;
+            mask = L.x;
+          }
+        }
+      }
+    });
+    for (int64_t k = 0; k < K; ++k) {
+      const auto sums = parts[k].sums(C.layers[k]);
+      out.insert(out.end(), sums.begin(), sums.end());
     }
   });
-  return {grad_x.defined() ? grad_x : at::Tensor(), grad_left.defined() ? grad_left : at::Tensor(), grad_right,
-          grad_bias.defined() ? grad_bias : at::Tensor()};
+  return out;
 }
 
 // ---------------------------------------------------------------- the chains of a TT weight

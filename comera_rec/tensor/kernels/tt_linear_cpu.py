@@ -86,6 +86,106 @@ def tt_linear_cpu(
     return _FusedTTLinear.apply(x, left, right, bias, bool(relu))
 
 
+class _FusedTTChain(torch.autograd.Function):
+    # operands: left, right, bias (or None) of each layer in turn
+    @staticmethod
+    def forward(ctx, x, relus, *operands):
+        lefts, rights = list(operands[0::3]), list(operands[1::3])
+        biases = [b if b is not None else _EMPTY.to(x.dtype) for b in operands[2::3]]
+        y, *ts = extension().tt_chain_forward(x, lefts, rights, biases, list(relus))
+        ctx.relus = list(relus)
+        ctx.has_bias = [b is not None for b in operands[2::3]]
+        ctx.save_for_backward(x, *lefts, *rights, *biases, *ts)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        k = len(ctx.relus)
+        saved = ctx.saved_tensors
+        x, lefts, rights, biases, ts = (
+            saved[0],
+            saved[1 : 1 + k],
+            saved[1 + k : 1 + 2 * k],
+            saved[1 + 2 * k : 1 + 3 * k],
+            saved[1 + 3 * k :],
+        )
+        need = ctx.needs_input_grad  # (x, relus, left_0, right_0, bias_0, ...)
+        need_left = [bool(need[2 + 3 * j]) for j in range(k)]
+        need_bias = [ctx.has_bias[j] and bool(need[4 + 3 * j]) for j in range(k)]
+        grad_x, *grads = extension().tt_chain_backward(
+            grad_y, x, list(lefts), list(rights), list(biases), ctx.relus, list(ts), bool(need[0]), need_left, need_bias
+        )
+        out: list[torch.Tensor | None] = [grad_x if need[0] else None, None]
+        for j in range(k):
+            grad_left, grad_right, grad_bias = grads[3 * j : 3 * j + 3]
+            out += [
+                grad_left if need_left[j] else None,
+                grad_right if need[3 + 3 * j] else None,
+                grad_bias if need_bias[j] else None,
+            ]
+        return tuple(out)
+
+
+def tt_chain_kernel_applies(x: torch.Tensor, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether a chain of layers ``(left, right)`` on ``x`` is the fused CPU chain's to do:
+    :func:`tt_linear_kernel_applies` for each layer, each layer's input the output of the one
+    before."""
+    width = x.shape[-1] if x.dim() == 2 else -1
+    for left, right in layers:
+        if (
+            left.dim() != 2
+            or right.dim() != 2
+            or left.shape[0] != width
+            or not tt_linear_kernel_applies(x, left, right)
+        ):
+            return False
+        width = right.shape[1]
+    return bool(layers)
+
+
+def tt_chain_cpu(
+    x: torch.Tensor,
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]],
+) -> torch.Tensor:
+    """Consecutive fused TT linears ``h = act_k((h @ left_k) @ right_k + bias_k)`` in one
+    kernel call each way, a block of rows at a time through every layer (see
+    ``tt_chain_forward`` in ``tt_linear_cpu.cpp``). The same values as :func:`tt_linear_cpu`
+    layer after layer, without writing the hidden outputs to memory: the backward recomputes
+    them from each layer's ``x @ left`` (``(B, r)``, kept).
+
+    The caller checks :func:`tt_chain_kernel_applies` first.
+
+    Args:
+        x: ``(B, N_0)``.
+        layers: per layer ``(left (N_k, r_k), right (r_k, N_{k+1}), bias (N_{k+1},) or None,
+            relu)``.
+
+    Returns:
+        ``(B, N_K)``.
+
+    Example::
+
+        >>> x = torch.randn(4, 8)
+        >>> a, b = (torch.randn(8, 2), torch.randn(2, 6), None, True), (torch.randn(6, 3), torch.randn(3, 5), None, False)
+        >>> torch.allclose(tt_chain_cpu(x, [a, b]), tt_linear_cpu(tt_linear_cpu(x, *a), *b))  # doctest: +SKIP
+        True
+    """
+    operands: list[torch.Tensor | None] = []
+    for left, right, bias, _ in layers:
+        operands += [left, right, bias]
+    relus = tuple(bool(layer[3]) for layer in layers)
+    if not records_grad(x, *operands):
+        return extension().tt_chain_forward(
+            x,
+            [o for o in operands[0::3]],
+            [o for o in operands[1::3]],
+            [b if b is not None else _EMPTY.to(x.dtype) for b in operands[2::3]],
+            list(relus),
+        )[0]
+    return _FusedTTChain.apply(x, relus, *operands)
+
+
 def tt_linear_pack(
     left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, ...]:

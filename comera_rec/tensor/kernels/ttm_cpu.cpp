@@ -1163,6 +1163,13 @@ at::Tensor tt_cross_forward(std::vector<at::Tensor> x0_parts, std::vector<at::Te
                             int64_t block_rows, std::vector<at::Tensor> next_lefts,
                             std::vector<at::Tensor> next_rights, std::vector<at::Tensor> next_biases,
                             std::vector<bool> next_relus);
+std::vector<at::Tensor> tt_chain_forward(at::Tensor x, std::vector<at::Tensor> lefts,
+                                         std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
+                                         std::vector<bool> relus);
+std::vector<at::Tensor> tt_chain_backward(at::Tensor grad_y, at::Tensor x, std::vector<at::Tensor> lefts,
+                                          std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
+                                          std::vector<bool> relus, std::vector<at::Tensor> ts, bool need_grad_x,
+                                          std::vector<bool> need_grad_left, std::vector<bool> need_grad_bias);
 std::vector<at::Tensor> tt_chains_forward(std::vector<at::Tensor> cores, std::vector<at::Tensor> controllers,
                                           int64_t d, int64_t in_features, int64_t out_features);
 std::vector<at::Tensor> tt_chains_backward(at::Tensor grad_left, at::Tensor grad_right,
@@ -1191,6 +1198,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tt_linear_pack", &tt_linear_pack, "a TT linear's weights packed once for repeated scoring calls");
   m.def("tt_linear_forward_packed", &tt_linear_forward_packed, "fused TT linear (+ ReLU) on packed weights, scoring");
   m.def("tt_cross_forward", &tt_cross_forward, "a DCN cross net, each layer's projections one TT weight, then optionally TT linears (scoring)");
+  m.def("tt_chain_forward", &tt_chain_forward, "an MLP's consecutive fused TT linears (+ ReLU): forward, keeping each layer's t");
+  m.def("tt_chain_backward", &tt_chain_backward, "the backward of tt_chain_forward, the hidden outputs recomputed from t");
   m.def("tt_chains_forward", &tt_chains_forward, "a TT weight's cores and controllers merged into its two chains");
   m.def("tt_chains_backward", &tt_chains_backward, "the gradient of tt_chains_forward");
   m.def("check_jagged", &check_jagged, "input checks of a jagged batch in one pass");
