@@ -5,7 +5,7 @@ variant's peak memory is measured in its own fresh process.
 
     python launch/bench_tensor.py                # full sizes (about 2 minutes here)
     python launch/bench_tensor.py --quick        # small sizes, for a smoke run
-    python launch/bench_tensor.py --only cross   # one comparison: linear, lookup or cross
+    python launch/bench_tensor.py --only cross   # one comparison: linear, lookup, cross or chain
 """
 
 from __future__ import annotations
@@ -238,11 +238,50 @@ def bench_cross(sizes: Sizes) -> None:
     )
 
 
+# ----------------------------------------------------------------------------- MLP chains
+
+
+def bench_chain(sizes: Sizes) -> None:
+    """Training DLRM's Kaggle MLPs (forward + backward): each run of fused layers as one
+    kernel chain (``ChainedPerceptrons``) against the same layers one by one (TorchRec's
+    ``nn.Sequential`` over the same perceptrons), and TorchRec's dense ``MLP``."""
+    from torchrec.modules.mlp import MLP
+
+    from comera_rec.integration.mlp import fuse_narrow_layers, tt_mlp
+    from comera_rec.integration.torchrec_internals import perceptrons
+
+    rows = min(sizes.rows, 2048)  # the Kaggle batch
+    print(f"\nDLRM Kaggle MLPs, training (forward + backward), rank 32, {rows} rows")
+    for name, n_in, widths in (("bottom", 13, [512, 256, 64, 16]), ("top", 367, [512, 256])):
+        torch.manual_seed(0)
+        chained = fuse_narrow_layers(tt_mlp(n_in, widths, rank=32))
+        layers = nn.Sequential(*perceptrons(chained))  # the same modules, one by one
+        dense = MLP(n_in, widths)
+        x = torch.randn(rows, n_in, requires_grad=name == "top")  # the top MLP's input has a gradient
+        grad = torch.randn(rows, widths[-1])
+
+        def step(module: nn.Module) -> None:
+            module(x).backward(grad)
+
+        t = time_interleaved(
+            {"dense": lambda: step(dense), "layers": lambda: step(layers), "chain": lambda: step(chained)},
+            sizes.repeats,
+        )
+        print(
+            f"  {name:6s} {n_in} -> {widths}: dense MLP {t['dense'] * 1e3:7.2f} ms   TT layers one by one "
+            f"{t['layers'] * 1e3:7.2f} ms   TT chained {t['chain'] * 1e3:7.2f} ms   chained vs one by one "
+            f"{t['layers'] / t['chain']:.2f}x, vs dense {t['dense'] / t['chain']:.2f}x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     parser.add_argument(
-        "--only", choices=("linear", "lookup", "cross"), default=None, help="one comparison only (default: all)"
+        "--only",
+        choices=("linear", "lookup", "cross", "chain"),
+        default=None,
+        help="one comparison only (default: all)",
     )
     args = parser.parse_args()
     sizes = QUICK if args.quick else Sizes()
@@ -257,6 +296,8 @@ def main() -> None:
         bench_lookup(sizes)
     if args.only in (None, "cross"):
         bench_cross(sizes)
+    if args.only in (None, "chain"):
+        bench_chain(sizes)
 
 
 if __name__ == "__main__":

@@ -194,3 +194,19 @@ def test_bad_inputs_name_what_was_wrong() -> None:
         kernels.tt_chain_cpu(x[0], layers)
     with pytest.raises(RuntimeError, match="at least one layer"):
         kernels.tt_chain_cpu(x, [])
+
+
+def test_the_backward_names_a_saved_output_of_another_shape() -> None:
+    from comera_rec.tensor.kernels.cpu_extension import extension
+
+    x, layers = make_chain(4, [6, 5, 3], [2, 2], [True, True])
+    lefts, rights, biases = ([layer[i] for layer in layers] for i in range(3))
+    y, *ts = extension().tt_chain_forward(x, lefts, rights, biases, [True, True])
+    with pytest.raises(RuntimeError, match=r"the forward's output has shape \[4, 2\] for a gradient of \[4, 3\]"):
+        extension().tt_chain_backward(
+            torch.ones_like(y), x, lefts, rights, biases, [True, True], ts, y[:, :2], True, [True] * 2, [True] * 2
+        )
+    with pytest.raises(RuntimeError, match="saved t has shape"):
+        extension().tt_chain_backward(
+            torch.ones_like(y), x, lefts, rights, biases, [True, True], [ts[0][:3], ts[1]], y, True, [True] * 2, [True] * 2
+        )

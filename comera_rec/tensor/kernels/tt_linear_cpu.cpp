@@ -1034,11 +1034,13 @@ std::vector<at::Tensor> tt_chain_forward(at::Tensor x, std::vector<at::Tensor> l
 
 // {grad_x or undefined, then per layer {grad_left or undefined, grad_right, grad_bias or
 // undefined}} from tt_chain_forward's ts (biases: the forward's, which the recomputed
-// hidden outputs need).
+// hidden outputs need). y: the forward's output where the last layer has a ReLU (its mask,
+// not recomputed), else empty.
 std::vector<at::Tensor> tt_chain_backward(at::Tensor grad_y, at::Tensor x, std::vector<at::Tensor> lefts,
                                           std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
-                                          std::vector<bool> relus, std::vector<at::Tensor> ts, bool need_grad_x,
-                                          std::vector<bool> need_grad_left, std::vector<bool> need_grad_bias) {
+                                          std::vector<bool> relus, std::vector<at::Tensor> ts, at::Tensor y,
+                                          bool need_grad_x, std::vector<bool> need_grad_left,
+                                          std::vector<bool> need_grad_bias) {
   check_chain(x, lefts, rights, biases, relus);
   const int64_t B = x.size(0), K = static_cast<int64_t>(lefts.size());
   TORCH_CHECK(static_cast<int64_t>(ts.size()) == K && static_cast<int64_t>(need_grad_left.size()) == K &&
@@ -1047,8 +1049,11 @@ std::vector<at::Tensor> tt_chain_backward(at::Tensor grad_y, at::Tensor x, std::
               " gradient flags for ", K, " layers");
   TORCH_CHECK(grad_y.dim() == 2 && grad_y.size(0) == B && grad_y.size(1) == rights.back().size(1),
               "tt_chain: grad of shape ", grad_y.sizes(), " for an output of (", B, ", ", rights.back().size(1), ")");
+  TORCH_CHECK(y.numel() == 0 || (y.sizes() == grad_y.sizes() && y.scalar_type() == x.scalar_type()),
+              "tt_chain: the forward's output has shape ", y.sizes(), " for a gradient of ", grad_y.sizes());
   x = x.contiguous();
   grad_y = grad_y.contiguous();
+  y = y.contiguous();
   at::Tensor grad_x = need_grad_x ? at::empty({B, x.size(1)}, x.options()) : at::Tensor();
   std::vector<at::Tensor> out{grad_x};
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tt_chain_backward", [&] {
@@ -1076,6 +1081,7 @@ std::vector<at::Tensor> tt_chain_backward(at::Tensor grad_y, at::Tensor x, std::
     }
     const T* x_ptr = x.data_ptr<T>();
     const T* gy_ptr = grad_y.data_ptr<T>();
+    const T* y_ptr = y.numel() ? y.data_ptr<T>() : nullptr;
     T* gx_ptr = need_grad_x ? grad_x.data_ptr<T>() : nullptr;
     const int64_t n_in = x.size(1), n_last = C.layers.back().n_out;
     at::parallel_for(0, used, 1, [&](int64_t lo, int64_t hi) {
@@ -1092,7 +1098,9 @@ std::vector<at::Tensor> tt_chain_backward(at::Tensor grad_y, at::Tensor x, std::
           const int64_t rows = std::min(block, end - b0);
           int xb = 0;                // the X buffer the next recomputed output goes to
           const T* mask = nullptr;   // the current layer's output, where it has a ReLU
-          if (relus[K - 1]) {
+          if (relus[K - 1] && y_ptr) {
+            mask = y_ptr + b0 * n_last;
+          } else if (relus[K - 1]) {
             const auto& L = C.layers[K - 1];
             with_vectors<T, OutputsFromT>(L.R / W, L, t[K - 1] + b0 * L.R, rows, true, X.data());
             mask = X.data();

@@ -95,7 +95,8 @@ class _FusedTTChain(torch.autograd.Function):
         y, *ts = extension().tt_chain_forward(x, lefts, rights, biases, list(relus))
         ctx.relus = list(relus)
         ctx.has_bias = [b is not None for b in operands[2::3]]
-        ctx.save_for_backward(x, *lefts, *rights, *biases, *ts)
+        # the output is the last layer's ReLU mask (kept by the caller anyway, not recomputed)
+        ctx.save_for_backward(x, *lefts, *rights, *biases, *ts, y if relus[-1] else _EMPTY.to(x.dtype))
         return y
 
     @staticmethod
@@ -108,13 +109,24 @@ class _FusedTTChain(torch.autograd.Function):
             saved[1 : 1 + k],
             saved[1 + k : 1 + 2 * k],
             saved[1 + 2 * k : 1 + 3 * k],
-            saved[1 + 3 * k :],
+            saved[1 + 3 * k : 1 + 4 * k],
         )
+        y = saved[-1]
         need = ctx.needs_input_grad  # (x, relus, left_0, right_0, bias_0, ...)
         need_left = [bool(need[2 + 3 * j]) for j in range(k)]
         need_bias = [ctx.has_bias[j] and bool(need[4 + 3 * j]) for j in range(k)]
         grad_x, *grads = extension().tt_chain_backward(
-            grad_y, x, list(lefts), list(rights), list(biases), ctx.relus, list(ts), bool(need[0]), need_left, need_bias
+            grad_y,
+            x,
+            list(lefts),
+            list(rights),
+            list(biases),
+            ctx.relus,
+            list(ts),
+            y,
+            bool(need[0]),
+            need_left,
+            need_bias,
         )
         out: list[torch.Tensor | None] = [grad_x if need[0] else None, None]
         for j in range(k):

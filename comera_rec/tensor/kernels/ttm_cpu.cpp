@@ -1168,8 +1168,9 @@ std::vector<at::Tensor> tt_chain_forward(at::Tensor x, std::vector<at::Tensor> l
                                          std::vector<bool> relus);
 std::vector<at::Tensor> tt_chain_backward(at::Tensor grad_y, at::Tensor x, std::vector<at::Tensor> lefts,
                                           std::vector<at::Tensor> rights, std::vector<at::Tensor> biases,
-                                          std::vector<bool> relus, std::vector<at::Tensor> ts, bool need_grad_x,
-                                          std::vector<bool> need_grad_left, std::vector<bool> need_grad_bias);
+                                          std::vector<bool> relus, std::vector<at::Tensor> ts, at::Tensor y,
+                                          bool need_grad_x, std::vector<bool> need_grad_left,
+                                          std::vector<bool> need_grad_bias);
 std::vector<at::Tensor> tt_chains_forward(std::vector<at::Tensor> cores, std::vector<at::Tensor> controllers,
                                           int64_t d, int64_t in_features, int64_t out_features);
 std::vector<at::Tensor> tt_chains_backward(at::Tensor grad_left, at::Tensor grad_right,
