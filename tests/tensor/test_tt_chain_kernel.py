@@ -208,5 +208,15 @@ def test_the_backward_names_a_saved_output_of_another_shape() -> None:
         )
     with pytest.raises(RuntimeError, match="saved t has shape"):
         extension().tt_chain_backward(
-            torch.ones_like(y), x, lefts, rights, biases, [True, True], [ts[0][:3], ts[1]], y, True, [True] * 2, [True] * 2
+            torch.ones_like(y),
+            x,
+            lefts,
+            rights,
+            biases,
+            [True, True],
+            [ts[0][:3], ts[1]],
+            y,
+            True,
+            [True] * 2,
+            [True] * 2,
         )
