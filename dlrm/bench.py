@@ -28,6 +28,8 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
     comera-bench --rounds 5       # more fresh processes per variant for the step time
     comera-bench --lookup-paths   # adds tt_torch / tt_half_torch: the same models with the
                                   # fused CPU kernels off (TTM lookup, TT linear, interaction)
+    comera-bench --unchained      # adds tt_unchained: tt with its MLPs' TT layers one kernel
+                                  # call each (not chained), the chains' share of the step
     comera-bench --isa avx2       # every library's CPU code limited to AVX2 (an AVX2 host's
                                   # code on an AVX-512 host; not its caches or clocks)
 """
@@ -228,6 +230,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also time the compressed models with the fused CPU kernels off (tt_torch, tt_half_torch)",
     )
+    parser.add_argument(
+        "--unchained",
+        action="store_true",
+        help="also time tt with its MLPs' TT layers one kernel call each, not chained (tt_unchained)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -245,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         fused_interaction=args.fused_interaction,
         rounds=args.rounds,
         lookup_paths=args.lookup_paths,
+        unchained=args.unchained,
     )
     # where the figures come from
     print(f"host: {kernels.host_description()}; torch {torch.__version__}; {libraries_isa()}", flush=True)

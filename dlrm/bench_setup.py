@@ -9,12 +9,14 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from torchrec.modules.mlp import MLP
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from comera_rec.data import SyntheticCriteo, SyntheticCriteoConfig
 from comera_rec.dlrm.config import DLRMConfig
 from comera_rec.dlrm.model import build_dlrm_train
 from comera_rec.integration.distributed import EmbeddingOptimizerSpec, replicated_parameter_groups, wrap_model
+from comera_rec.integration.mlp import unchain_layers
 from comera_rec.tensor import kernels
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training.metrics import BinaryMetrics
@@ -35,6 +37,7 @@ class Setup:
         True  # PairwiseDotInteraction + FlatSparseArch (+ NarrowLinear) in the compressed models and in dense_fi
     )
     lookup_paths: bool = False  # also the compressed models with the CPU kernels off (tt_torch, tt_half_torch)
+    unchained: bool = False  # also tt with its MLPs' TT layers one by one, not chained (tt_unchained)
 
 
 VARIANTS = ("dense", "tt", "tt_half")
@@ -44,11 +47,13 @@ DENSE_FUSED = "dense_fi"
 
 
 TORCH_LOOKUP = "_torch"  # suffix: the same compressed model with the fused CPU kernels off (PyTorch path)
+UNCHAINED = "_unchained"  # suffix: the same compressed model, its MLPs' TT layers one kernel call each
 
 
 def variants(setup: Setup) -> tuple[str, ...]:
     names = ("dense", DENSE_FUSED, "tt", "tt_half") if setup.fused_interaction else VARIANTS
-    return names + (("tt" + TORCH_LOOKUP, "tt_half" + TORCH_LOOKUP) if setup.lookup_paths else ())
+    names += ("tt" + TORCH_LOOKUP, "tt_half" + TORCH_LOOKUP) if setup.lookup_paths else ()
+    return names + (("tt" + UNCHAINED,) if setup.unchained else ())
 
 
 def use_lookup_path(variant: str) -> None:
@@ -57,8 +62,13 @@ def use_lookup_path(variant: str) -> None:
     kernels.set_cpu_kernel_enabled(not variant.endswith(TORCH_LOOKUP))
 
 
+def base_variant(variant: str) -> str:
+    """The model a variant trains (``tt_torch`` and ``tt_unchained`` train ``tt``)."""
+    return variant.removesuffix(TORCH_LOOKUP).removesuffix(UNCHAINED)
+
+
 def model_config(variant: str, setup: Setup, mlperf: bool) -> DLRMConfig:
-    variant = variant.removesuffix(TORCH_LOOKUP)
+    variant = base_variant(variant)
     base = DLRMConfig.mlperf_dcn() if mlperf else DLRMConfig.kaggle()
     # TorchRec's interaction for "dense" always: it is the baseline as TorchRec ships it
     fused = setup.fused_interaction and variant != "dense" and not mlperf
@@ -80,8 +90,12 @@ def cut_ranks_to_half(model: nn.Module) -> None:
 def build(variant: str, setup: Setup, mlperf: bool):
     torch.manual_seed(0)
     model = build_dlrm_train(model_config(variant, setup, mlperf), device="cpu")
-    if variant.removesuffix(TORCH_LOOKUP) == "tt_half":
+    if base_variant(variant) == "tt_half":
         cut_ranks_to_half(model)
+    if variant.endswith(UNCHAINED):
+        for module in model.modules():
+            if isinstance(module, MLP):
+                unchain_layers(module)
     wrapped, _ = wrap_model(
         model,
         device="cpu",

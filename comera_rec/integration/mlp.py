@@ -176,6 +176,22 @@ def fuse_layer_chains(mlp: MLP) -> MLP:
     return mlp
 
 
+def unchain_layers(mlp: MLP) -> MLP:
+    """Undo :func:`fuse_layer_chains`: ``mlp``'s perceptrons (the same modules) in TorchRec's
+    plain ``nn.Sequential`` again, each layer one kernel call (the benchmark's
+    ``tt_unchained``), in place. Returns ``mlp``.
+
+    Example::
+
+        >>> mlp = unchain_layers(tt_mlp(13, [512, 256], rank=16))
+        >>> type(mlp_layers(mlp)).__name__
+        'Sequential'
+    """
+    if type(mlp_layers(mlp)) is ChainedPerceptrons:
+        set_mlp_layers(mlp, nn.Sequential(*perceptrons(mlp)))
+    return mlp
+
+
 def merge_projections(v: TTLinear, w: TTLinear) -> tuple[torch.Tensor, torch.Tensor]:
     """``w(v(x)) = x @ left @ right`` for bias-free TT layers ``v: N -> L``, ``w: L -> M``.
 

@@ -164,3 +164,15 @@ def test_compress_chains_the_tt_layers_of_a_torchrec_mlp() -> None:
     assert torch.equal(y, want_y)
     for got, want in zip(grads, want_grads):
         assert torch.equal(got, want)
+
+
+def test_unchain_layers_gives_torchrecs_sequential_back() -> None:
+    from comera_rec.integration.mlp import unchain_layers
+
+    mlp = bottom_mlp()
+    x = torch.randn(30, 13, requires_grad=True)
+    y, grads = step(mlp, x)
+    assert unchain_layers(mlp) is mlp and type(mlp_layers(mlp)) is nn.Sequential
+    y2, grads2 = step(mlp, x)
+    assert torch.equal(y, y2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    assert type(mlp_layers(fuse_layer_chains(mlp))) is ChainedPerceptrons

@@ -76,3 +76,14 @@ def test_op_self_times_profiles_the_step_at_the_thread_count() -> None:
         torch.set_num_threads(threads)
     assert calls == [1] * 7  # 3 to settle, then the 4 profiled
     assert times["aten::mm"] > 0 and times["aten::relu_"] > 0
+
+
+def test_unchained_adds_the_tt_model_with_its_layers_one_by_one() -> None:
+    from comera_rec.dlrm import bench_setup
+
+    setup = replace(bench_dlrm.Setup(), unchained=True)
+    names = bench_setup.variants(setup)
+    assert names[-1] == "tt_unchained" and "tt_unchained" not in bench_setup.variants(bench_dlrm.Setup())
+    assert bench_setup.base_variant("tt_unchained") == "tt" == bench_setup.base_variant("tt_torch")
+    config = bench_setup.model_config("tt_unchained", setup, mlperf=False)
+    assert config == bench_setup.model_config("tt", setup, mlperf=False)
