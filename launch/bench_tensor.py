@@ -249,7 +249,11 @@ def bench_chain(sizes: Sizes) -> None:
 
     from comera_rec.integration.mlp import fuse_narrow_layers, tt_mlp
     from comera_rec.integration.torchrec_internals import perceptrons
+    from comera_rec.utils.host import keep_freed_memory
 
+    # as the trainer runs (trainer.keep_freed_memory): freed activations are reused, not fresh
+    # pages each step, which would cost the layers one by one (more and larger buffers) most
+    keep_freed_memory()
     rows = min(sizes.rows, 2048)  # the Kaggle batch
     print(f"\nDLRM Kaggle MLPs, training (forward + backward), rank 32, {rows} rows")
     for name, n_in, widths in (("bottom", 13, [512, 256, 64, 16]), ("top", 367, [512, 256])):
