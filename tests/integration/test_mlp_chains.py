@@ -39,6 +39,18 @@ def step(mlp: MLP, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return y, list(grads)
 
 
+def assert_as_one_by_one(mlp: MLP, x: torch.Tensor, exact: bool = True) -> None:
+    """``mlp``'s values and gradients equal its perceptrons' one by one (bit for bit with
+    ``exact``)."""
+    y, grads = step(mlp, x)
+    want_y, want_grads = step(plain_copy(mlp), x)
+    for got, want in zip([y, *grads], [want_y, *want_grads]):
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want)
+
+
 def test_tt_mlp_chains_its_layers_and_keeps_torchrecs_state_dict() -> None:
     mlp = bottom_mlp()
     assert type(mlp_layers(mlp)) is ChainedPerceptrons
@@ -57,11 +69,7 @@ def test_tt_mlp_chains_its_layers_and_keeps_torchrecs_state_dict() -> None:
 def test_training_values_and_gradients_are_the_layers_one_by_one_bit_for_bit(batch, dtype) -> None:
     mlp = bottom_mlp(dtype)
     x = torch.randn(batch, 13, dtype=dtype, requires_grad=True)
-    y, grads = step(mlp, x)
-    want_y, want_grads = step(plain_copy(mlp), x)
-    assert torch.equal(y, want_y)
-    for got, want in zip(grads, want_grads):
-        assert torch.equal(got, want)
+    assert_as_one_by_one(mlp, x)
 
 
 def test_training_takes_the_chain_for_the_run_of_fused_layers(monkeypatch) -> None:
@@ -84,11 +92,7 @@ def test_a_relu_left_in_the_perceptron_is_chained_too() -> None:
         p._linear.relu = False
         p._activation_fn = nn.ReLU()
     x = torch.randn(50, 13, dtype=torch.float64, requires_grad=True)
-    y, grads = step(mlp, x)
-    want_y, want_grads = step(plain_copy(mlp), x)
-    assert torch.equal(y, want_y)
-    for got, want in zip(grads, want_grads):
-        assert torch.equal(got, want)
+    assert_as_one_by_one(mlp, x)
 
 
 def test_another_activation_ends_the_run() -> None:
@@ -96,11 +100,7 @@ def test_another_activation_ends_the_run() -> None:
     perceptrons(mlp)[1]._linear.relu = False
     perceptrons(mlp)[1]._activation_fn = nn.Sigmoid()
     x = torch.randn(30, 13, dtype=torch.float64, requires_grad=True)
-    y, grads = step(mlp, x)
-    want_y, want_grads = step(plain_copy(mlp), x)
-    torch.testing.assert_close(y, want_y)
-    for got, want in zip(grads, want_grads):
-        torch.testing.assert_close(got, want)
+    assert_as_one_by_one(mlp, x, exact=False)
 
 
 def test_without_the_kernels_the_same_values() -> None:
@@ -122,11 +122,7 @@ def test_after_a_rank_truncation_the_chain_takes_the_new_ranks() -> None:
                 p._linear.controllers[-1][4:] = 0.0
             p._linear.truncate_ranks(1e-9)
     x = torch.randn(25, 13, dtype=torch.float64, requires_grad=True)
-    y, grads = step(mlp, x)
-    want_y, want_grads = step(plain_copy(mlp), x)
-    assert torch.equal(y, want_y)
-    for got, want in zip(grads, want_grads):
-        assert torch.equal(got, want)
+    assert_as_one_by_one(mlp, x)
 
 
 def test_bad_input_gets_the_layers_own_error() -> None:
@@ -159,11 +155,7 @@ def test_compress_chains_the_tt_layers_of_a_torchrec_mlp() -> None:
     assert type(mlp_layers(holder.mlp)) is ChainedPerceptrons
     # the perceptrons' names are TorchRec's (a TT layer holds cores where the weight was)
     assert {n.split("._linear")[0] for n in holder.state_dict()} == {n.split("._linear")[0] for n in names}
-    y, grads = step(holder.mlp, x)
-    want_y, want_grads = step(plain_copy(holder.mlp), x)
-    assert torch.equal(y, want_y)
-    for got, want in zip(grads, want_grads):
-        assert torch.equal(got, want)
+    assert_as_one_by_one(holder.mlp, x)
 
 
 def test_unchain_layers_gives_torchrecs_sequential_back() -> None:
