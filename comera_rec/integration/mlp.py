@@ -111,8 +111,10 @@ class ChainedPerceptrons(nn.Sequential):
     (:func:`~comera_rec.tensor.kernels.tt_chain_cpu`): a block of rows goes through every
     layer of the run while it is in cache, and the hidden outputs are not kept for the
     backward but recomputed from each layer's ``(B, r)`` product with its input chain.
-    The values are the layers' one by one, bit for bit; anything else (scoring, a GPU,
-    other layers, the kernels off) runs perceptron by perceptron.
+    A run ends where its layers' weights and weight-gradient partials would outgrow half of
+    a core's L2 (:func:`~comera_rec.tensor.kernels.chain_fits`). The values are the layers'
+    one by one, bit for bit; anything else (scoring, a GPU, other layers, the kernels off)
+    runs perceptron by perceptron.
 
     Example::
 
@@ -125,6 +127,7 @@ class ChainedPerceptrons(nn.Sequential):
         if type(input) is not torch.Tensor or input.dim() != 2 or not torch.is_grad_enabled():
             return super().forward(input)
         h, run = input, []  # the current run's layers: (left, right, bias, relu)
+        run_bytes = 0  # what the run keeps in cache per block of rows (kernels.chain_bytes)
 
         def finish_run() -> torch.Tensor:
             out = h if not run else kernels.tt_chain_cpu(h, run) if len(run) > 1 else kernels.tt_linear_cpu(h, *run[0])
@@ -138,7 +141,12 @@ class ChainedPerceptrons(nn.Sequential):
                 h = finish_run()
                 h = perceptron(h)
                 continue
+            layer_bytes = kernels.chain_bytes(operands[0], operands[1])
+            if run and not kernels.chain_fits(run_bytes + layer_bytes):
+                h = finish_run()  # a new run: weights and partials beyond the cache cost what it saves
+                run_bytes = 0
             run.append(operands)
+            run_bytes += layer_bytes
         return finish_run()
 
 

@@ -168,3 +168,21 @@ def test_unchain_layers_gives_torchrecs_sequential_back() -> None:
     y2, grads2 = step(mlp, x)
     assert torch.equal(y, y2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
     assert type(mlp_layers(fuse_layer_chains(mlp))) is ChainedPerceptrons
+
+
+def test_a_run_ends_where_its_weights_would_outgrow_the_cache(monkeypatch) -> None:
+    torch.manual_seed(0)
+    mlp = tt_mlp(64, [96, 80, 64, 48], rank=8, min_gain=1.0)
+    assert all(isinstance(p._linear, TTLinear) for p in perceptrons(mlp))
+    sizes = [kernels.chain_bytes(*p._linear.chain_operands(torch.randn(2, 2))[:2]) for p in perceptrons(mlp)]
+    runs = []
+    chain = kernels.tt_chain_cpu
+    monkeypatch.setattr(kernels, "tt_chain_cpu", lambda x, layers: runs.append(len(layers)) or chain(x, layers))
+    x = torch.randn(40, 64, requires_grad=True)
+    monkeypatch.setattr(kernels, "chain_fits", lambda b: b <= sum(sizes[:2]))  # two layers fit, not three
+    assert_as_one_by_one(mlp, x)
+    assert runs == [2, 2]
+    runs.clear()
+    monkeypatch.setattr(kernels, "chain_fits", lambda b: b <= sizes[0] // 2)  # not even one: each on its own
+    assert_as_one_by_one(mlp, x)
+    assert runs == []

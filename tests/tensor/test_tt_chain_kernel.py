@@ -220,3 +220,30 @@ def test_the_backward_names_a_saved_output_of_another_shape() -> None:
             [True] * 2,
             [True] * 2,
         )
+
+
+def test_the_l2_size_is_read_from_sysfs_or_defaults(tmp_path, monkeypatch) -> None:
+    import importlib
+
+    tt_linear_cpu = importlib.import_module("comera_rec.tensor.kernels.tt_linear_cpu")  # the module, not the function
+    for name, level, kind, size in (
+        ("index0", 1, "Data", "48K"),
+        ("index1", 1, "Instruction", "32K"),
+        ("index2", 2, "Unified", "2048K"),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "level").write_text(f"{level}\n")
+        (tmp_path / name / "type").write_text(f"{kind}\n")
+        (tmp_path / name / "size").write_text(f"{size}\n")
+    monkeypatch.setattr(tt_linear_cpu, "_CACHE_DIR", tmp_path)
+    tt_linear_cpu.l2_cache_bytes.cache_clear()
+    try:
+        assert tt_linear_cpu.l2_cache_bytes() == 2 << 20
+        assert tt_linear_cpu.chain_fits(1 << 20) and not tt_linear_cpu.chain_fits((1 << 20) + 1)
+        monkeypatch.setattr(tt_linear_cpu, "_CACHE_DIR", tmp_path / "missing")
+        tt_linear_cpu.l2_cache_bytes.cache_clear()
+        assert tt_linear_cpu.l2_cache_bytes() == 1 << 20
+    finally:
+        tt_linear_cpu.l2_cache_bytes.cache_clear()
+    left, right = torch.zeros(10, 4), torch.zeros(4, 6)
+    assert tt_linear_cpu.chain_bytes(left, right) == 2 * (40 + 24) * 4

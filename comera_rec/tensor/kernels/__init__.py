@@ -38,6 +38,9 @@ from comera_rec.tensor.kernels.cpu_extension import (  # the build of all the CP
     set_cpu_kernel_enabled,
 )
 from comera_rec.tensor.kernels.tt_linear_cpu import (  # the fused CPU TT linear and its chains
+    chain_bytes,
+    chain_fits,
+    l2_cache_bytes,
     tt_chain_cpu,
     tt_chain_kernel_applies,
     tt_chains_cpu,
@@ -123,6 +126,9 @@ __all__ = [
     "host_description",
     "set_cpu_kernel_enabled",
     "ttm_embedding_bag_cpu",
+    "chain_bytes",
+    "chain_fits",
+    "l2_cache_bytes",
     "tt_chain_cpu",
     "tt_chain_kernel_applies",
     "tt_chains_cpu",
