@@ -142,7 +142,7 @@ def kaggle(setup: Setup) -> None:
             f"{alone[v]['faults']:11.0f} {aucs[v]:8.4f}"
         )
     print(
-        f"\nstep: median over {setup.rounds} fresh processes per variant (variants alternating) of each "
+        f"\nstep: median over {setup.rounds} fresh processes per variant (variants alternating, reversed every other round) of each "
         f"process's median of {setup.timed_steps} steps after {setup.warmup_steps} warm-up steps (AdamW on "
         f"MLPs/cores, fused row-wise Adagrad on dense tables); per-process medians (ms): "
         + "; ".join(f"{v} " + " ".join(f"{t * 1e3:.1f}" for t in alone[v]["steps"]) for v in names)

@@ -67,16 +67,32 @@ def run_in_process(variant: str, setup: Setup, mlperf: bool) -> dict:
     return result
 
 
+def round_order(names: tuple[str, ...], round_index: int) -> tuple[str, ...]:
+    """The variants' order in round ``round_index``: as given in even rounds, reversed in
+    odd ones (A, B, C; C, B, A; ...), so that no variant always runs right after the same
+    one. In a fixed order ``tt`` always ran after ``dense_fi``'s 4.6 GB process, and its
+    fresh processes were slower than those of the same model after a small one
+    (docs/performance.md, 2026-12-02).
+
+    Example::
+
+        >>> round_order(("a", "b", "c"), 1)
+        ('c', 'b', 'a')
+    """
+    return names if round_index % 2 == 0 else names[::-1]
+
+
 def own_process_rounds(names: tuple[str, ...], setup: Setup, mlperf: bool) -> dict[str, dict]:
     """Each variant in its own fresh process, ``setup.rounds`` times, the variants
-    alternating (A, B, C, A, B, C, ...) so that the machine's drift hits all alike.
+    alternating (:func:`round_order`) so that the machine's drift, and what each process
+    leaves behind for the next, hit all alike.
 
     Returns, per variant: the median over rounds of the per-process median step time, of
     the page faults per step, and the largest peak RSS.
     """
     runs: dict[str, list[dict]] = {v: [] for v in names}
-    for _ in range(setup.rounds):
-        for v in names:
+    for k in range(setup.rounds):
+        for v in round_order(names, k):
             runs[v].append(run_in_process(v, setup, mlperf))
     median = statistics.median_high
     return {

@@ -87,3 +87,14 @@ def test_unchained_adds_the_tt_model_with_its_layers_one_by_one() -> None:
     assert bench_setup.base_variant("tt_unchained") == "tt" == bench_setup.base_variant("tt_torch")
     config = bench_setup.model_config("tt_unchained", setup, mlperf=False)
     assert config == bench_setup.model_config("tt", setup, mlperf=False)
+
+
+def test_every_other_round_reverses_the_variants_order() -> None:
+    from comera_rec.dlrm.bench_process import round_order
+
+    names = ("dense", "dense_fi", "tt", "tt_half")
+    assert round_order(names, 0) == names == round_order(names, 2)
+    assert round_order(names, 1) == ("tt_half", "tt", "dense_fi", "dense") == round_order(names, 3)
+    # over two rounds, tt runs after dense_fi once and after tt_half once
+    two = round_order(names, 0) + round_order(names, 1)
+    assert {two[i - 1] for i in range(1, len(two)) if two[i] == "tt"} == {"dense_fi", "tt_half"}
