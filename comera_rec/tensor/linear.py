@@ -178,6 +178,11 @@ class TTLinear(TensorTrainModule):
         sources = self.train_tensors()
         if not records_grad(like, *sources, self.bias):
             return None
+        # the merged chains' rank is the last input core's right rank: checked before merging,
+        # so that a layer the kernel does not take costs no merge here
+        last_input_core = sources[len(self.in_shape) - 1]
+        if not kernels.tt_linear_kernel_applies(like, last_input_core[0], last_input_core[0]):
+            return None
         left, right = self._merged_chains()
         if not kernels.tt_linear_kernel_applies(like, left, right):
             return None

@@ -186,3 +186,19 @@ def test_a_run_ends_where_its_weights_would_outgrow_the_cache(monkeypatch) -> No
     monkeypatch.setattr(kernels, "chain_fits", lambda b: b <= sizes[0] // 2)  # not even one: each on its own
     assert_as_one_by_one(mlp, x)
     assert runs == []
+
+
+def test_a_layer_the_kernel_does_not_take_is_not_merged_for_nothing(monkeypatch) -> None:
+    # float64 takes ranks up to 32: a rank-40 layer runs its own (BLAS) path, unmerged here
+    layer = TTLinear(64, 64, rank=40, dtype=torch.float64)
+    assert layer.chains()[0].shape[1] == 40
+    merges = []
+    merged = layer._merged_chains
+    monkeypatch.setattr(layer, "_merged_chains", lambda: merges.append(1) or merged())
+    assert layer.chain_operands(torch.randn(2, 64, dtype=torch.float64)) is None
+    assert merges == []
+    assert layer.chain_operands(torch.randn(2, 64, dtype=torch.float32)) is None  # another dtype
+    assert merges == []
+    small = TTLinear(64, 64, rank=8, dtype=torch.float64)
+    left, right, bias, relu = small.chain_operands(torch.randn(2, 64, dtype=torch.float64))
+    assert left.shape == (64, 8) and right.shape == (8, 64) and bias is small.bias and relu is False
