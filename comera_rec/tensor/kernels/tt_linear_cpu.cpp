@@ -931,8 +931,8 @@ std::vector<at::Tensor> tt_linear_backward(at::Tensor grad_y, at::Tensor x, at::
 // left) in one call each way. One by one, each layer's forward reads its (B, N_in) input
 // and writes its (B, N_out) output, and its backward reads the output's gradient, the output
 // (the ReLU's mask) and the input, and writes the input's gradient: passes over activations
-// of 8 MB each for a 1024-wide layer at 2048 rows, which bound the layers (their FLOPs at the
-// sgemm rate take a third of their time; docs/performance.md).
+// of 8 MB each for a 1024-wide layer at 2048 rows, and the hidden outputs kept for the
+// backward.
 //
 // Here a thread takes a block of rows through every layer while the block is in its core's
 // cache. The forward writes the last output and each layer's t (B, R_k), not the hidden
@@ -943,7 +943,11 @@ std::vector<at::Tensor> tt_linear_backward(at::Tensor grad_y, at::Tensor x, at::
 // output's gradient, the first input and its gradient go through memory.
 //
 // Blocks and chunks are the single-layer kernels', so every value is the one the layers
-// would give one by one, bit for bit, for any number of threads.
+// would give one by one, bit for bit, for any number of threads. Every block reads all the
+// chain's weights and weight-gradient partials, so a chain pays only while they stay in
+// the core's cache (the caller cuts runs: kernels.chain_fits). Measured at DLRM's Kaggle
+// shapes: the forward 1.10-1.20x faster than the layers one by one, the backward 1.02-1.06x
+// slower (the recomputation), the hidden outputs' memory saved (docs/tensor.md).
 
 namespace {
 
