@@ -130,7 +130,12 @@ class ChainedPerceptrons(nn.Sequential):
         run_bytes = 0  # what the run keeps in cache per block of rows (kernels.chain_bytes)
 
         def finish_run() -> torch.Tensor:
-            out = h if not run else kernels.tt_chain_cpu(h, run) if len(run) > 1 else kernels.tt_linear_cpu(h, *run[0])
+            # the run so far on h: one layer through its own kernel, more as a chain
+            out = h
+            if len(run) == 1:
+                out = kernels.tt_linear_cpu(h, *run[0])
+            elif run:
+                out = kernels.tt_chain_cpu(h, run)
             run.clear()
             return out
 

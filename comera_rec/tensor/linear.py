@@ -180,12 +180,10 @@ class TTLinear(TensorTrainModule):
             return None
         # the merged chains' rank is the last input core's right rank: checked before merging,
         # so that a layer the kernel does not take costs no merge here
-        last_input_core = sources[len(self.in_shape) - 1]
-        if not kernels.tt_linear_kernel_applies(like, last_input_core[0], last_input_core[0]):
+        rank = sources[len(self.in_shape) - 1].shape[-1]
+        if not kernels.tt_linear_rank_applies(like, rank, *sources):
             return None
         left, right = self._merged_chains()
-        if not kernels.tt_linear_kernel_applies(like, left, right):
-            return None
         return left, right, self.bias, self.relu
 
     # Scoring on the fused CPU kernel keeps the chains and bias packed as the kernel reads

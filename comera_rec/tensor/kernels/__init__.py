@@ -50,6 +50,7 @@ from comera_rec.tensor.kernels.tt_linear_cpu import (  # the fused CPU TT linear
     tt_linear_cpu_packed,
     tt_linear_kernel_applies,
     tt_linear_pack,
+    tt_linear_rank_applies,
 )
 from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup
     check_jagged,
@@ -138,6 +139,7 @@ __all__ = [
     "tt_linear_cpu_packed",
     "tt_linear_kernel_applies",
     "tt_linear_pack",
+    "tt_linear_rank_applies",
     "register_cpu_extension",
     "set_triton_enabled",
     "triton_available",

@@ -38,7 +38,14 @@ def tt_linear_kernel_applies(x: torch.Tensor, left: torch.Tensor, right: torch.T
     """Whether ``x @ left @ right`` is the fused CPU kernel's to do: real CPU float32 /
     float64 matrices of one dtype, ``r <=`` :func:`max_fused_rank`, outside tracing and
     ``torch.compile``, kernel enabled."""
-    return cpu_float_tensors_apply(x, left, right) and 0 < left.shape[1] <= max_fused_rank(x.dtype)
+    return tt_linear_rank_applies(x, left.shape[1], left, right)
+
+
+def tt_linear_rank_applies(x: torch.Tensor, rank: int, *operands: torch.Tensor) -> bool:
+    """:func:`tt_linear_kernel_applies` before the chains are merged: ``x`` and the tensors
+    they come from (``operands``) of one CPU float dtype, and the chains' ``rank`` within
+    :func:`max_fused_rank`."""
+    return cpu_float_tensors_apply(x, *operands) and 0 < rank <= max_fused_rank(x.dtype)
 
 
 class _FusedTTLinear(torch.autograd.Function):
@@ -88,12 +95,18 @@ def tt_linear_cpu(
     return _FusedTTLinear.apply(x, left, right, bias, bool(relu))
 
 
+def _chain_lists(x: torch.Tensor, operands: Sequence[torch.Tensor | None]) -> tuple[list, list, list]:
+    """``(lefts, rights, biases)`` from ``left, right, bias`` of each layer in turn; an
+    absent bias as the kernel's empty tensor."""
+    biases = [b if b is not None else _EMPTY.to(x.dtype) for b in operands[2::3]]
+    return list(operands[0::3]), list(operands[1::3]), biases
+
+
 class _FusedTTChain(torch.autograd.Function):
     # operands: left, right, bias (or None) of each layer in turn
     @staticmethod
     def forward(ctx, x, relus, *operands):
-        lefts, rights = list(operands[0::3]), list(operands[1::3])
-        biases = [b if b is not None else _EMPTY.to(x.dtype) for b in operands[2::3]]
+        lefts, rights, biases = _chain_lists(x, operands)
         y, *ts = extension().tt_chain_forward(x, lefts, rights, biases, list(relus))
         ctx.relus = list(relus)
         ctx.has_bias = [b is not None for b in operands[2::3]]
@@ -224,13 +237,7 @@ def tt_chain_cpu(
         operands += [left, right, bias]
     relus = tuple(bool(layer[3]) for layer in layers)
     if not records_grad(x, *operands):
-        return extension().tt_chain_forward(
-            x,
-            [o for o in operands[0::3]],
-            [o for o in operands[1::3]],
-            [b if b is not None else _EMPTY.to(x.dtype) for b in operands[2::3]],
-            list(relus),
-        )[0]
+        return extension().tt_chain_forward(x, *_chain_lists(x, operands), list(relus))[0]
     return _FusedTTChain.apply(x, relus, *operands)
 
 
