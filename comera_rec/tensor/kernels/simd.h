@@ -152,6 +152,16 @@ inline void hold_in_register(V& v) {
 #endif
 }
 
+// vload(p) held in a register until its uses (hold_in_register) with 16 registers, where GCC
+// folded a loaded vector into each multiply-add that reads it (a memory operand each); with
+// 32 the load is left to the compiler (the AVX-512 tiles as they were measured).
+template <typename T>
+inline vec_t<T> vload_held(const T* p) {
+  vec_t<T> v = vload(p);
+  if constexpr (kVectorRegisters < 32) hold_in_register(v);
+  return v;
+}
+
 inline int64_t padded(int64_t n, int64_t lanes) { return (n + lanes - 1) / lanes * lanes; }
 
 // The last dimension zero-padded to a multiple of `lanes`, contiguous.

@@ -79,13 +79,7 @@ inline void contract_tile(T* out, const Contraction& k, const int64_t* entries, 
       for (int c = 0; c < CB; ++c) acc[u][j][c] = vzero<T>();
   auto step = [&](vec_t<T>(&sum)[JB][CB], const T* ak, const T* bk) {
     vec_t<T> bv[CB];
-    for (int c = 0; c < CB; ++c) {
-      vec_t<T> loaded = vload(bk + c * W);
-      // held with 16 registers, where GCC folded each load of b into every row's
-      // multiply-add (the AVX-512 tiles left as they were measured)
-      if constexpr (kVectorRegisters < 32) hold_in_register(loaded);
-      bv[c] = loaded;
-    }
+    for (int c = 0; c < CB; ++c) bv[c] = vload_held(bk + c * W);  // not folded into each row's multiply-add
     for (int j = 0; j < JB; ++j) {
       const T s = ak[j * k.aj];
       for (int c = 0; c < CB; ++c) sum[j][c] += s * bv[c];
