@@ -18,6 +18,8 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
     comera-bench --parts          # where the step goes, per part
     comera-bench --ops tt         # each operator's own time on one thread and on all (what gains
                                   # from the second thread)
+    comera-bench --fixed-costs tt # the step against copies without the chain merges, the
+                                  # controllers' folds or the optimizer step: what each is worth
     comera-bench --no-fused-interaction  # TorchRec's InteractionArch and SparseArch in the
                                          # compressed models, and no dense_fi (by default the
                                          # compressed models have PairwiseDotInteraction and
@@ -36,7 +38,8 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
 
 # The docstring above is the command's --help, so the layout is said here: the variants,
 # their models and batches are in bench_setup.py, the fresh processes in bench_process.py,
-# --parts in bench_parts.py; this module runs them and prints the tables.
+# --parts and --ops in bench_parts.py, --fixed-costs in bench_fixed.py; this module runs them
+# and prints the tables.
 
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ from typing import NoReturn
 
 import torch
 
+from comera_rec.dlrm.bench_fixed import fixed_costs
 from comera_rec.dlrm.bench_parts import ops, part_times, parts, sgemm_flops_per_second  # noqa: F401  (re-exported)
 from comera_rec.dlrm.bench_process import (  # noqa: F401  (re-exported: importable from here as before the split)
     exit_now,
@@ -198,6 +202,13 @@ def main(argv: list[str] | None = None) -> None:
         help="each operator's own time in VARIANT's step on one thread and on all (torch.profiler): what gains "
         "from the second thread",
     )
+    parser.add_argument(
+        "--fixed-costs",
+        metavar="VARIANT",
+        choices=VARIANTS[1:],
+        help="VARIANT's step against copies of its model without the TT layers' chain merges, the TTM tables' "
+        "controller folds or the optimizer step, in one process: a bound on what each is worth",
+    )
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
     parser.add_argument("--steps", type=int, default=None, help="training steps per variant")
     parser.add_argument("--batch-size", type=int, default=2048)
@@ -262,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
         setup = replace(setup, train_steps=args.steps)
     if args.ops:
         ops(setup, args.ops, steps=3 if args.quick else 15)
+    elif args.fixed_costs:
+        fixed_costs(setup, args.fixed_costs, **({"steps": 3, "warmup": 1} if args.quick else {}))
     elif args.parts:
         parts(setup)
     else:

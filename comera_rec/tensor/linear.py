@@ -257,10 +257,10 @@ class TTLinear(TensorTrainModule):
         where it does not apply (a GPU; kept between forwards without gradients while the
         parameters do not change)."""
         d = len(self.in_shape)
-        cores = list(self.cores)
-        if kernels.tt_chains_kernel_applies(self.train_tensors(), ()):
+        sources = self.train_tensors()  # the 2d cores, then the 2d - 1 controllers
+        if kernels.tt_chains_kernel_applies(sources, ()):
             return kernels.tt_chains_cpu(
-                cores[:d], cores[d:], list(self.controllers), self.in_features, self.out_features
+                sources[:d], sources[d : 2 * d], sources[2 * d :], self.in_features, self.out_features
             )
         inputs, outputs = self._split()
         return merge_input_chain(inputs)[: self.in_features], merge_output_chain(outputs)[:, : self.out_features]
