@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from comera_rec.dlrm.bench_setup import Setup, build, train_batches, train_step, use_lookup_path
+from comera_rec.dlrm.bench_setup import Setup, build, model_config, train_batches, train_step, use_lookup_path
 from comera_rec.tensor.linear import TTLinear
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
@@ -86,6 +86,8 @@ def fixed_cost_times(setup: Setup, variant: str = "tt", steps: int = 50, warmup:
         steps: timed steps, each on a batch of its own.
         warmup: untimed steps first.
     """
+    if not model_config(variant, setup, mlperf=False).compressed:
+        raise ValueError(f"fixed costs of {variant!r}: a dense model has no merges or folds (tt, tt_half)")
     if setup.keep_freed_memory:
         keep_freed_memory()
     use_lookup_path(variant)

@@ -74,6 +74,7 @@ def test_fixed_costs_times_the_model_and_every_copy(capsys) -> None:
     assert [line.split()[0] for line in lines[2:]] == ["model", "merges", "folds", "optimizer"]
 
 
-def test_a_model_without_tt_layers_is_named() -> None:
-    with pytest.raises(ValueError, match="no TT layer"):
-        bench_fixed.fixed_cost_times(replace(SETUP, rank=32), "dense", steps=1, warmup=0)
+def test_a_dense_model_is_refused_before_anything_is_built(monkeypatch) -> None:
+    monkeypatch.setattr(bench_fixed, "build", lambda *a, **k: pytest.fail("built a model"))
+    with pytest.raises(ValueError, match="'dense': a dense model has no merges or folds"):
+        bench_fixed.fixed_cost_times(SETUP, "dense", steps=1, warmup=0)
