@@ -58,6 +58,7 @@ from comera_rec.dlrm.bench_parts import ops, part_times, parts, sgemm_flops_per_
 from comera_rec.dlrm.bench_process import (  # noqa: F401  (re-exported: importable from here as before the split)
     exit_now,
     own_process_rounds,
+    paired_speedups,
     process_child,
     run_in_process,
 )
@@ -150,6 +151,15 @@ def kaggle(setup: Setup) -> None:
         f"process's median of {setup.timed_steps} steps after {setup.warmup_steps} warm-up steps (AdamW on "
         f"MLPs/cores, fused row-wise Adagrad on dense tables); per-process medians (ms): "
         + "; ".join(f"{v} " + " ".join(f"{t * 1e3:.1f}" for t in alone[v]["steps"]) for v in names)
+    )
+    paired = paired_speedups({v: alone[v]["steps"] for v in names})
+    print(
+        "speed-up over dense within each round (its two processes, minutes apart), median: "
+        + "; ".join(
+            f"{v} " + " ".join(f"{r:.2f}" for r in paired[v]) + f" ({statistics.median(paired[v]):.2f}x)"
+            for v in names
+            if v != "dense"
+        )
     )
     print(
         f"peak RSS: the largest of those processes (imports included: {fmt_bytes(alone['dense']['base'])} "

@@ -82,6 +82,27 @@ def round_order(names: tuple[str, ...], round_index: int) -> tuple[str, ...]:
     return names if round_index % 2 == 0 else names[::-1]
 
 
+def paired_speedups(steps: dict[str, list[float]], baseline: str = "dense") -> dict[str, list[float]]:
+    """Per round, ``baseline``'s step over each variant's, from the two fresh processes of that
+    round (:func:`own_process_rounds`' per-process ``steps``): a ratio of processes minutes
+    apart, which a drift of the machine between rounds moves less than the ratio of medians.
+
+    Example::
+
+        >>> paired_speedups({"dense": [0.06, 0.08], "tt": [0.03, 0.02]})["tt"]
+        [2.0, 4.0]
+    """
+    if baseline not in steps:
+        raise ValueError(f"paired speed-ups: no {baseline!r} among {sorted(steps)}")
+    base = steps[baseline]
+    out = {}
+    for v, times in steps.items():
+        if len(times) != len(base):
+            raise ValueError(f"paired speed-ups: {v} ran {len(times)} rounds, {baseline} {len(base)}")
+        out[v] = [b / t for b, t in zip(base, times)]
+    return out
+
+
 def own_process_rounds(names: tuple[str, ...], setup: Setup, mlperf: bool) -> dict[str, dict]:
     """Each variant in its own fresh process, ``setup.rounds`` times, the variants
     alternating (:func:`round_order`) so that the machine's drift, and what each process

@@ -98,3 +98,19 @@ def test_every_other_round_reverses_the_variants_order() -> None:
     # over two rounds, tt runs after dense_fi once and after tt_half once
     two = round_order(names, 0) + round_order(names, 1)
     assert {two[i - 1] for i in range(1, len(two)) if two[i] == "tt"} == {"dense_fi", "tt_half"}
+
+
+def test_paired_speedups_divide_the_processes_of_one_round() -> None:
+    import pytest
+
+    from comera_rec.dlrm.bench_process import paired_speedups
+
+    steps = {"dense": [0.060, 0.080, 0.070], "tt": [0.030, 0.020, 0.035], "tt_half": [0.020, 0.040, 0.035]}
+    paired = paired_speedups(steps)
+    assert paired["dense"] == [1.0, 1.0, 1.0]
+    assert paired["tt"] == pytest.approx([2.0, 4.0, 2.0])
+    assert paired["tt_half"] == pytest.approx([3.0, 2.0, 2.0])
+    with pytest.raises(ValueError, match="tt ran 2 rounds, dense 3"):
+        paired_speedups({"dense": [0.06, 0.08, 0.07], "tt": [0.03, 0.02]})
+    with pytest.raises(ValueError, match="no 'dense'"):
+        paired_speedups({"tt": [0.03]})
