@@ -63,7 +63,9 @@ def skip_folds(model: nn.Module) -> int:
     for _, module in tensor_train_modules(model):
         if isinstance(module, TTLinear):
             continue
-        module._fold_controllers = types.MethodType(lambda self: list(self.cores), module)
+        module._fold_controllers = types.MethodType(lambda self, skip=None: list(self.cores), module)
+        if hasattr(module, "training_operands"):  # a stack's lookup: no middle controller either
+            module.training_operands = types.MethodType(lambda self: (list(self.cores), None), module)
         changed += 1
     return changed
 

@@ -190,6 +190,7 @@ def ttm_embedding_bag(
     *,
     static_shapes: bool = False,
     stream_batch: int = 0,
+    middle: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """De-duplicated TTM embedding-bag lookup.
 
@@ -216,10 +217,16 @@ def ttm_embedding_bag(
             ``f * stream_batch + b`` is sample ``b`` of stream ``f``) and the result is laid
             out as a KeyedTensor's values: ``(stream_batch, streams * D)``, stream ``f`` in
             columns ``f * D ...``. The fused CPU kernel writes it so directly.
+        middle: optional ``(T, r)`` controller of the bond between the two halves (after
+            core ``split_point(d) - 1``), left out of ``cores``. The fused CPU kernel scales
+            the distinct prefixes by it; the other paths fold it into that core first.
 
     Returns:
         ``(B, D)`` pooled embeddings, or ``(stream_batch, B / stream_batch * D)``.
     """
+    fused_cpu = not static_shapes and kernels.cpu_kernel_applies(cores, ids)  # CPU ids only
+    if middle is not None and not fused_cpu:  # only the fused CPU lookup takes it apart
+        cores, middle = fold_middle(cores, middle), None
     if ids.is_cuda and kernels.triton_enabled():  # fused Triton lookup (docs/gpu.md)
         out = kernels.ttm_embedding_bag_triton(
             cores,
@@ -232,7 +239,7 @@ def ttm_embedding_bag(
             trains,
             static_shapes=static_shapes,
         )
-    elif not static_shapes and kernels.cpu_kernel_applies(cores, ids):  # fused C++ lookup (kernels/ttm_cpu.cpp)
+    elif fused_cpu:  # fused C++ lookup (kernels/ttm_cpu.cpp)
         return kernels.ttm_embedding_bag_cpu(
             cores,
             row_shape,
@@ -243,12 +250,34 @@ def ttm_embedding_bag(
             per_sample_weights,
             trains,
             stream_batch=stream_batch,
+            middle=middle,
         )
     elif static_shapes:
         out = ttm_embedding_bag_static(cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains)
     else:
         out = _ttm_embedding_bag_dedup(cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains)
     return streams_side_by_side(out, stream_batch) if stream_batch > 0 else out
+
+
+def fold_middle(cores: Sequence[torch.Tensor], middle: torch.Tensor) -> list[torch.Tensor]:
+    """``cores`` with ``middle`` ``(T, r)`` folded into the last rank of core
+    ``split_point(d) - 1``, the left half's last: the bond between the halves.
+
+    Example::
+
+        >>> cores = [torch.ones(2, 1, 3, 2, 4), torch.ones(2, 4, 3, 2, 1)]
+        >>> fold_middle(cores, torch.full((2, 4), 0.5))[0].sum().item()
+        24.0
+    """
+    bond = split_point(len(cores)) - 1
+    if middle.shape != (cores[bond].shape[0], cores[bond].shape[-1]):
+        raise ValueError(
+            f"fold_middle: the middle controller must be (T, r) = {(cores[bond].shape[0], cores[bond].shape[-1])}, "
+            f"got {tuple(middle.shape)}"
+        )
+    out = list(cores)
+    out[bond] = cores[bond] * middle.reshape(middle.shape[0], 1, 1, 1, middle.shape[1])
+    return out
 
 
 def _ttm_embedding_bag_dedup(

@@ -20,6 +20,7 @@ from torch import nn
 from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import ttm_dense_table, ttm_embedding_bag
 from comera_rec.tensor.embedding import TTMEmbeddingBag
+from comera_rec.tensor.halves import split_point
 from comera_rec.tensor.shapes import check_shape
 from comera_rec.tensor.train import TensorTrainModule, cap_ranks, check_float_dtype, check_rank
 from comera_rec.tensor.validation import check_rank_argument
@@ -146,9 +147,23 @@ class StackedTTMTables(TensorTrainModule):
         if halves is not None:  # scoring on CPU: two rows of the kept halves per id
             cores = list(self.cores._parameters.values())  # read for their shapes only
             return kernels.ttm_embedding_bag_cpu(cores, *batch, stream_batch=stream_batch, halves=halves)
+        if not torch.is_grad_enabled():  # folded once and kept while the cores do not change
+            return ttm_embedding_bag(
+                self.scaled_cores(), *batch, static_shapes=self.static_shapes, stream_batch=stream_batch
+            )
+        cores, middle = self.training_operands()
         return ttm_embedding_bag(
-            self.scaled_cores(), *batch, static_shapes=self.static_shapes, stream_batch=stream_batch
+            cores, *batch, static_shapes=self.static_shapes, stream_batch=stream_batch, middle=middle
         )
+
+    def training_operands(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``(cores, middle)``: the cores with every controller folded in but the one of the
+        bond between the two halves (:func:`~comera_rec.tensor.halves.split_point`), and that
+        controller ``(T, r)``. The fused CPU lookup scales its distinct prefixes by it (a few
+        thousand rows), not the ``(T, r, n, m, r)`` core beside it, forward and backward;
+        the other paths fold it in (:func:`~comera_rec.tensor.contract.fold_middle`)."""
+        bond = split_point(len(self.cores)) - 1
+        return self._fold_controllers(skip=bond), self.controllers[bond]
 
     def _kept_halves(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Both whole halves while scoring on CPU, kept on the parameters themselves

@@ -300,9 +300,12 @@ class TensorTrainModule(InitOnMaterialize):
         # a copy of the kept list: a caller may change its own
         return list(derived_cache(self, "scaled_cores").get(self.train_tensors(), self._fold_controllers))
 
-    def _fold_controllers(self) -> list[torch.Tensor]:
+    def _fold_controllers(self, skip: int | None = None) -> list[torch.Tensor]:
+        """The cores with every controller folded in but bond ``skip``'s (if given)."""
         out = list(self.cores)
         for k, d in enumerate(self.controllers):
+            if k == skip:
+                continue
             left, right = out[k], out[k + 1]
             batch, r = d.shape[:-1], d.shape[-1:]
             if self.cores[k + 1].numel() < self.cores[k].numel():

@@ -114,3 +114,14 @@ def test_paired_speedups_divide_the_processes_of_one_round() -> None:
         paired_speedups({"dense": [0.06, 0.08, 0.07], "tt": [0.03, 0.02]})
     with pytest.raises(ValueError, match="no 'dense'"):
         paired_speedups({"tt": [0.03]})
+
+
+def test_upstream_gradient_is_made_once_per_shape_and_kept() -> None:
+    kept: dict = {}
+    first = bench_parts.upstream_gradient(kept, torch.zeros(4, 3))
+    again = bench_parts.upstream_gradient(kept, torch.randn(4, 3))
+    other = bench_parts.upstream_gradient(kept, torch.zeros(4, 2))
+    assert again is first and torch.equal(first, torch.ones(4, 3))
+    assert other is not first and other.shape == (4, 2)
+    as_double = bench_parts.upstream_gradient(kept, torch.zeros(4, 3, dtype=torch.float64))
+    assert as_double.dtype == torch.float64 and kept[(4, 3)] is as_double

@@ -374,3 +374,134 @@ def test_stacked_tables_keep_their_halves_on_the_parameters(kernels_on) -> None:
     with torch.no_grad():
         torch.testing.assert_close(changed, stack(ids, offsets, trains), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(changed, want)
+
+
+def fold_by_hand(cores, middle):
+    """The middle controller folded into the left half's last core, written out here."""
+    bond = (len(cores) + 1) // 2 - 1
+    out = list(cores)
+    out[bond] = torch.einsum("tanbr,tr->tanbr", cores[bond], middle)
+    return out
+
+
+@pytest.mark.parametrize("rows, cols, ranks", SHAPES)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_middle_controller_equals_folding_it_in(rows, cols, ranks, mode, weighted) -> None:
+    # the kernel scales the distinct prefixes by the controller between the halves; the
+    # reference folds it into the core by hand and takes the PyTorch path
+    cores = make_cores(3, rows, cols, ranks)
+    r = ranks[(len(rows) + 1) // 2 - 1]
+    middle = (torch.rand(3, r, dtype=DT, generator=torch.Generator().manual_seed(4)) * 2 - 0.5).requires_grad_()
+    ids, trains, offsets, weights = make_batch(3, math.prod(rows))
+    weights = weights if weighted else None
+    dim = math.prod(cols) - 1
+    inputs = [*cores, middle] + ([weights] if weighted else [])
+    got = ttm_embedding_bag(cores, rows, dim, ids, offsets, mode, weights, trains, middle=middle)
+    want = lookup(fold_by_hand(cores, middle), rows, dim, ids, offsets, mode, weights, trains, kernel=False)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, inputs, g), torch.autograd.grad(want, inputs, g)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_middle_controller_gradcheck() -> None:
+    cores = make_cores(2, (2, 3, 2, 2), (2, 1, 2, 1), [3, 5, 2])
+    middle = torch.rand(2, 5, dtype=DT, requires_grad=True)
+    ids = torch.tensor([0, 23, 23, 4, 17, 2, 9])
+    trains = torch.tensor([0, 1, 1, 0, 1, 0, 0])
+    offsets = torch.tensor([0, 2, 2, 7])
+    weights = torch.rand(7, dtype=DT, requires_grad=True)
+
+    def fn(c0, c1, c2, c3, m, w):
+        return ttm_embedding_bag([c0, c1, c2, c3], (2, 3, 2, 2), 4, ids, offsets, "sum", w, trains, middle=m)
+
+    assert torch.autograd.gradcheck(fn, (*cores, middle, weights))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_middle_controller_gradient_is_the_same_at_any_thread_count(threads: int) -> None:
+    rows, cols, ranks = (5, 6, 7, 4), (2, 2, 2, 2), [6, 9, 4]
+    cores = make_cores(2, rows, cols, ranks)
+    middle = torch.rand(2, 9, dtype=DT, requires_grad=True)
+    ids, trains, offsets, _ = make_batch(2, math.prod(rows), n_ids=3000)  # > one partial of slots
+
+    def run():
+        out = ttm_embedding_bag(cores, rows, 16, ids, offsets, "sum", None, trains, middle=middle)
+        return [out, *torch.autograd.grad(out.square().sum(), [*cores, middle])]
+
+    assert_bit_identical(at_thread_counts(run, (1, threads)))
+
+
+def test_middle_controller_of_the_wrong_shape_is_named() -> None:
+    cores = make_cores(2, (4, 5, 6, 3), (2, 3, 2, 2), [3, 7, 5])
+    ids, trains, offsets, _ = make_batch(2, 4 * 5 * 6 * 3)
+    with pytest.raises(RuntimeError, match=r"middle controller must be \(T, r\) = \(2, 7\)"):
+        ttm_embedding_bag(cores, (4, 5, 6, 3), 8, ids, offsets, "sum", None, trains, middle=torch.ones(2, 3, dtype=DT))
+    kernels.set_cpu_kernel_enabled(False)
+    try:  # the PyTorch path folds it, and says the same
+        with pytest.raises(ValueError, match=r"middle controller must be \(T, r\) = \(2, 7\)"):
+            ttm_embedding_bag(
+                cores, (4, 5, 6, 3), 8, ids, offsets, "sum", None, trains, middle=torch.ones(2, 3, dtype=DT)
+            )
+    finally:
+        kernels.set_cpu_kernel_enabled(True)
+
+
+def test_stacked_tables_train_with_the_middle_controller_in_the_kernel(monkeypatch) -> None:
+    """A stack's training lookup leaves the controller between its halves to the kernel (the
+    cores it passes have it unfolded); values and every gradient equal the PyTorch path's,
+    which folds all of them."""
+    from comera_rec.tensor import stacked as stacked_module
+    from comera_rec.tensor.stacked import StackedTTMTables
+
+    torch.manual_seed(0)
+    stack = StackedTTMTables([900, 1000], 8, rank=4, row_shape=(10, 10, 10), col_shape=(2, 2, 2)).double()
+    with torch.no_grad():
+        for c in stack.controllers:
+            c.uniform_(0.5, 1.5)
+    seen = []
+    original = stacked_module.ttm_embedding_bag
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("middle"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(stacked_module, "ttm_embedding_bag", spy)
+    ids = torch.randint(0, 900, (60,))
+    trains = torch.randint(0, 2, (60,))
+    offsets = torch.arange(0, 61, 3)
+    params = [*stack.cores, *stack.controllers]
+    got = stack(ids, offsets, trains)
+    assert seen[-1] is stack.controllers[1]  # 3 cores: halves of 2 and 1, meeting at bond 1
+    grads = torch.autograd.grad(got.square().sum(), params)
+    kernels.set_cpu_kernel_enabled(False)
+    try:
+        want = stack(ids, offsets, trains)
+        want_grads = torch.autograd.grad(want.square().sum(), params)
+    finally:
+        kernels.set_cpu_kernel_enabled(True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows, cols, ranks", [((6, 5, 4, 7), (2, 2, 2, 2), [32, 32, 32]), ((30, 27), (4, 4), [20])])
+def test_middle_controller_in_float32_equals_float64_folded(rows, cols, ranks) -> None:
+    cores64 = make_cores(2, rows, cols, ranks)
+    r = ranks[(len(rows) + 1) // 2 - 1]
+    middle64 = torch.rand(2, r, dtype=DT, generator=torch.Generator().manual_seed(5)) + 0.5
+    cores32 = [c.detach().float().requires_grad_() for c in cores64]
+    middle32 = middle64.float().requires_grad_()
+    ids, trains, offsets, _ = make_batch(2, math.prod(rows), n_ids=300)
+    got = ttm_embedding_bag(cores32, rows, 16, ids, offsets, "sum", None, trains, middle=middle32)
+    want = lookup(fold_by_hand(cores64, middle64), rows, 16, ids, offsets, "sum", None, trains, kernel=False)
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    (grad_middle,) = torch.autograd.grad(got.sum(), [middle32])
+    (want_middle,) = torch.autograd.grad(
+        lookup(
+            fold_by_hand(cores64, middle64.requires_grad_()), rows, 16, ids, offsets, "sum", None, trains, False
+        ).sum(),
+        [middle64],
+    )
+    torch.testing.assert_close(grad_middle.double(), want_middle, rtol=1e-4, atol=1e-4)

@@ -686,14 +686,83 @@ at::Tensor bag_output(const BagInputs& in, int64_t dim, int64_t batch, const at:
   return batch > 0 ? at::empty({batch, in.streams * dim}, fopt) : at::empty({in.B, dim}, fopt);
 }
 
+// The middle bond's controller (T, r), when the caller leaves it out of the cores: as (T, rp),
+// zero-padded, or an undefined tensor when `middle` is empty. Row t of P then stands for
+// P(t, .) diag(c_t): the forward scales a copy of the prefix slots by it (scale_slots), the
+// backward works out its gradient from the slots' own (middle_gradient), so the caller
+// folds no controller into a core of the size of the two cores it sits between.
+at::Tensor middle_of(const at::Tensor& middle, const Train& tr, const at::Tensor& like, const char* who) {
+  if (middle.numel() == 0) return at::Tensor();
+  TORCH_CHECK(middle.dim() == 2 && middle.size(0) == tr.T && middle.size(1) == tr.r, who,
+              ": the middle controller must be (T, r) = (", tr.T, ", ", tr.r, "), got ", middle.sizes());
+  TORCH_CHECK(middle.scalar_type() == like.scalar_type(), who, ": the middle controller must be ", like.scalar_type(),
+              ", got ", middle.scalar_type());
+  return tr.rp == tr.r ? middle.contiguous() : pad_last(middle, tr.rp);
+}
+
+// out[s] = P[s] diag(c_t) for the slots s < U of keys t * N + i: each row of M rank vectors
+// scaled by its table's controller (rp values a row).
+template <typename T_>
+void scale_slots(const T_* P, const int64_t* keys, int64_t U, int64_t N, int64_t M, int64_t rp, const T_* c, T_* out) {
+  at::parallel_for(0, U, 256, [&](int64_t b, int64_t e) {
+    for (int64_t s = b; s < e; ++s) {
+      const T_* cs = c + keys[s] / N * rp;
+      for (int64_t x = 0; x < M; ++x) {
+        const T_* in = P + (s * M + x) * rp;
+        T_* o = out + (s * M + x) * rp;
+        for (int64_t k = 0; k < rp; ++k) o[k] = in[k] * cs[k];
+      }
+    }
+  });
+}
+
+// Slots per partial of the middle controller's gradient: fixed, so the sums' order (and
+// the result) does not depend on the number of threads.
+constexpr int64_t kSlotsPerPartial = 256;
+
+// With dP[s] = sum over slot s's rows of G S (the gradient of the scaled prefix P diag(c)):
+// grad_c[t] = sum over table t's slots of sum_x P[s][x, :] * dP[s][x, :], then dP[s] scaled by
+// c_t in place (the gradient of the unscaled P). Slots (T, rp) partials of kSlotsPerPartial
+// slots each, summed in slot order.
+template <typename T_>
+at::Tensor middle_gradient(T_* dP, const T_* P, const int64_t* keys, int64_t U, int64_t N, int64_t M, int64_t T,
+                           int64_t rp, const T_* c, const at::TensorOptions& fopt) {
+  const int64_t parts = std::max<int64_t>(1, (U + kSlotsPerPartial - 1) / kSlotsPerPartial);
+  std::vector<T_> partial(parts * T * rp, T_(0));
+  at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
+    for (int64_t part = b; part < e; ++part) {
+      T_* acc = partial.data() + part * T * rp;
+      for (int64_t s = part * kSlotsPerPartial; s < std::min(U, (part + 1) * kSlotsPerPartial); ++s) {
+        const int64_t t = keys[s] / N;
+        const T_* cs = c + t * rp;
+        T_* gt = acc + t * rp;
+        for (int64_t x = 0; x < M; ++x) {
+          T_* d = dP + (s * M + x) * rp;
+          const T_* p = P + (s * M + x) * rp;
+          for (int64_t k = 0; k < rp; ++k) {
+            gt[k] += p[k] * d[k];
+            d[k] *= cs[k];
+          }
+        }
+      }
+    }
+  });
+  auto grad = at::zeros({T, rp}, fopt);
+  T_* g = grad.data_ptr<T_>();
+  for (int64_t part = 0; part < parts; ++part)
+    for (int64_t i = 0; i < T * rp; ++i) g[i] += partial[part * T * rp + i];
+  return grad;
+}
+
 }  // namespace
 
 // Forward. Returns {out (B, D), prefix slot (N,), suffix slot (N,), distinct prefix keys,
 // distinct suffix keys, P table (U_l, M_l, rp), S table (U_r, M_r, rp)}.
 std::vector<at::Tensor> ttm_bag_forward(
     std::vector<at::Tensor> cores, at::Tensor ids, at::Tensor trains, at::Tensor offsets,
-    at::Tensor weights, int64_t dim, int64_t batch, std::vector<at::Tensor> layouts) {
+    at::Tensor weights, int64_t dim, int64_t batch, std::vector<at::Tensor> layouts, at::Tensor middle) {
   const Train tr = describe(cores, "ttm_bag_forward", true, layouts);
+  const at::Tensor mid = middle_of(middle, tr, cores[0], "ttm_bag_forward");
   const int64_t T = tr.T, r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
   TORCH_CHECK(dim >= 1 && dim <= Ml * Mr, "ttm_bag_forward: embedding_dim ", dim, " outside [1, ", Ml * Mr, "]");
   const BagInputs in = bag_inputs("ttm_bag_forward", ids, trains, offsets, weights, cores[0].scalar_type(), batch);
@@ -730,8 +799,15 @@ std::vector<at::Tensor> ttm_bag_forward(
     T_* S = stab.data_ptr<T_>();
     contract_prefixes(tr, cores, pdistinct.data(), Ul, P);  // 2. each distinct prefix and suffix once
     contract_suffixes(tr, cores, sdistinct.data(), Ur, S);
-    pool_bags(sh, P, S, pslot.data_ptr<int32_t>(), sslot.data_ptr<int32_t>(), in.offsets.data_ptr<int64_t>(), in.B,
-              in.weighted ? in.weights.data_ptr<T_>() : nullptr, out.data_ptr<T_>());  // 3.
+    const T_* pooled = P;  // the prefixes the bags read: with a middle controller, P diag(c_t)
+    at::Tensor scaled;
+    if (mid.defined()) {
+      scaled = at::empty_like(ptab);
+      scale_slots(P, pdistinct.data(), Ul, Nl, Ml, rp, mid.data_ptr<T_>(), scaled.data_ptr<T_>());
+      pooled = scaled.data_ptr<T_>();
+    }
+    pool_bags(sh, pooled, S, pslot.data_ptr<int32_t>(), sslot.data_ptr<int32_t>(), in.offsets.data_ptr<int64_t>(),
+              in.B, in.weighted ? in.weights.data_ptr<T_>() : nullptr, out.data_ptr<T_>());  // 3.
   });
   return {out, pslot, sslot, pkey_t, skey_t, ptab, stab};
 }
@@ -826,8 +902,10 @@ void ttm_bag_forward_halves_into(at::Tensor ptab, at::Tensor stab, at::Tensor id
 std::vector<at::Tensor> ttm_bag_backward(
     at::Tensor grad_out, std::vector<at::Tensor> cores, at::Tensor offsets, at::Tensor weights,
     at::Tensor pslot, at::Tensor sslot, at::Tensor pkeys, at::Tensor skeys, at::Tensor ptab,
-    at::Tensor stab, bool weights_need_grad, int64_t dim, int64_t batch) {
+    at::Tensor stab, bool weights_need_grad, int64_t dim, int64_t batch, at::Tensor middle) {
   const Train tr = describe(cores, "ttm_bag_backward", false);
+  const at::Tensor mid = middle_of(middle, tr, cores[0], "ttm_bag_backward");
+  at::Tensor dmiddle;  // (T, rp) with a middle controller
   const Half &L = tr.L, &R = tr.R;
   const int64_t r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
   grad_out = grad_out.to(cores[0].scalar_type()).contiguous();
@@ -903,10 +981,19 @@ std::vector<at::Tensor> ttm_bag_backward(
           if (dw) {  // d out[b] / d w_i = <row_i, g[b]>
             const T_* p = P + ps[i] * Ml * rp;
             const T_* q = S + ss[i] * Mr * rp;
+            const T_* c = mid.defined() ? mid.data_ptr<T_>() + pk[ps[i]] / Nl * rp : nullptr;
             T_ acc = 0;
             for (int64_t x = 0; x < Ml; ++x)
-              for (int64_t a = 0; a < Mr; ++a)
-                if (x * Mr + a < dim) acc += gb[x * Mr + a] * dot(p + x * rp, q + a * rp, rp);
+              for (int64_t a = 0; a < Mr; ++a) {
+                if (x * Mr + a >= dim) continue;
+                T_ row = 0;
+                if (c == nullptr) {
+                  row = dot(p + x * rp, q + a * rp, rp);
+                } else {
+                  for (int64_t k = 0; k < rp; ++k) row += p[x * rp + k] * c[k] * q[a * rp + k];
+                }
+                acc += gb[x * Mr + a] * row;
+              }
             dw[i] = acc;
           }
         }
@@ -948,6 +1035,19 @@ std::vector<at::Tensor> ttm_bag_backward(
     slot_grads(rows.by_prefix, dP, Ml, S, rows.sslot.data(), Mr, Mr, 1);
     // 1b. suffix slots: dS[s][a, :] = sum over its rows of sum_x g[x, a] P[x, :]
     slot_grads(rows.by_suffix, dS, Mr, P, rows.pslot.data(), Ml, 1, Mr);
+    if (mid.defined()) {  // rows P diag(c) S^T: both slot gradients scaled by c, and c's own
+      const T_* c = mid.data_ptr<T_>();
+      dmiddle = middle_gradient(dP, P, pk, Ul, Nl, Ml, tr.T, rp, c, grad_out.options());
+      at::parallel_for(0, Ur, 256, [&](int64_t b, int64_t e) {
+        for (int64_t s = b; s < e; ++s) {
+          const T_* cs = c + sk[s] / Nr * rp;
+          for (int64_t a = 0; a < Mr; ++a) {
+            T_* d = dS + (s * Mr + a) * rp;
+            for (int64_t k = 0; k < rp; ++k) d[k] *= cs[k];
+          }
+        }
+      });
+    }
 
     // 2. prefix slot gradients -> left cores. Slots sharing a core slice are summed into it
     // by one thread (slots grouped by that core's index), so there are no write conflicts.
@@ -1086,6 +1186,7 @@ std::vector<at::Tensor> ttm_bag_backward(
   // the padded layout back to the core's own: drop the rank padding (no copy without)
   if (L.cores == 2) dcores[1] = rp == r ? dleft1 : dleft1.narrow(-1, 0, r).contiguous();
   dcores.push_back(dweights);
+  dcores.push_back(dmiddle.defined() ? (rp == r ? dmiddle : dmiddle.narrow(-1, 0, r).contiguous()) : at::Tensor());
   return dcores;
 }
 

@@ -83,27 +83,50 @@ EMPTY = torch.empty(0, dtype=torch.long)  # an absent optional tensor argument (
 
 
 class _FusedTTMBag(torch.autograd.Function):
-    """``(ids, offsets, trains, weights, dim, batch, *cores) -> (B, dim)`` summed bags, or
-    ``(batch, B / batch * dim)`` with ``batch > 0`` (bag ``f * batch + b`` in row ``b``)."""
+    """``(ids, offsets, trains, weights, dim, batch, middle, *cores) -> (B, dim)`` summed bags,
+    or ``(batch, B / batch * dim)`` with ``batch > 0`` (bag ``f * batch + b`` in row ``b``);
+    ``middle``: the middle bond's controller ``(T, r)`` not folded into the cores, or empty."""
 
     @staticmethod
-    def forward(ctx, ids, offsets, trains, weights, dim, batch, *cores):
+    def forward(ctx, ids, offsets, trains, weights, dim, batch, middle, *cores):
         out, pslot, sslot, pkeys, skeys, ptab, stab = extension().ttm_bag_forward(
-            list(cores), ids, trains, offsets, weights, dim, batch, _forward_layouts(cores)
+            list(cores), ids, trains, offsets, weights, dim, batch, _forward_layouts(cores), middle
         )
-        ctx.save_for_backward(offsets, weights, pslot, sslot, pkeys, skeys, ptab, stab, *cores)
+        ctx.save_for_backward(offsets, weights, middle, pslot, sslot, pkeys, skeys, ptab, stab, *cores)
         ctx.layout = (dim, batch)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        offsets, weights, pslot, sslot, pkeys, skeys, ptab, stab, *cores = ctx.saved_tensors
+        offsets, weights, middle, pslot, sslot, pkeys, skeys, ptab, stab, *cores = ctx.saved_tensors
         weights_need_grad = bool(ctx.needs_input_grad[3]) and weights.numel() > 0
-        *grad_cores, grad_weights = extension().ttm_bag_backward(
-            grad_out, cores, offsets, weights, pslot, sslot, pkeys, skeys, ptab, stab, weights_need_grad, *ctx.layout
+        *grad_cores, grad_weights, grad_middle = extension().ttm_bag_backward(
+            grad_out,
+            cores,
+            offsets,
+            weights,
+            pslot,
+            sslot,
+            pkeys,
+            skeys,
+            ptab,
+            stab,
+            weights_need_grad,
+            *ctx.layout,
+            middle,
         )
-        return (None, None, None, grad_weights if weights_need_grad else None, None, None, *grad_cores)
+        middle_need_grad = bool(ctx.needs_input_grad[6]) and middle.numel() > 0
+        return (
+            None,
+            None,
+            None,
+            grad_weights if weights_need_grad else None,
+            None,
+            None,
+            grad_middle if middle_need_grad else None,
+            *grad_cores,
+        )
 
 
 # the permuted, padded core copies a lookup makes, kept for the stacks of cores
@@ -275,6 +298,7 @@ def ttm_embedding_bag_cpu(
     *,
     stream_batch: int = 0,
     halves: tuple[torch.Tensor, torch.Tensor] | None = None,
+    middle: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused CPU lookup with the signature of ``contract.ttm_embedding_bag``.
 
@@ -282,6 +306,9 @@ def ttm_embedding_bag_cpu(
     range, or table indices out of the stack, raise an error naming the value.
     ``halves``: these cores' :func:`make_whole_halves`, kept by the caller (scoring, no
     gradients): the lookup reads them and nothing else of the cores but their shapes.
+    ``middle``: the controller ``(T, r)`` of the bond between the two halves, left out of
+    ``cores``: the kernel scales the distinct prefixes by it (and works out its gradient
+    from theirs), where folding it into a core would cost passes over that whole core.
 
     Returns:
         ``(B, embedding_dim)`` pooled embeddings, or with ``stream_batch > 0`` the bags
@@ -295,8 +322,11 @@ def ttm_embedding_bag_cpu(
     weights = per_sample_weights if per_sample_weights is not None else EMPTY.to(cores[0].dtype)
     batch = int(stream_batch)
     trains = trains if trains is not None else EMPTY
-    if halves is None:
+    if middle is not None and halves is not None:
+        raise ValueError("ttm_embedding_bag_cpu: kept halves are made from folded cores; pass no middle controller")
+    if halves is None and middle is None:
         halves = _whole_halves(cores)
+    middle_arg = middle if middle is not None else EMPTY.to(cores[0].dtype)
     if halves is not None:  # scoring: two rows of the kept halves per id, nothing contracted
         prefixes, suffixes = halves
         suffix_rows = math.prod(int(n) for n in row_shape[split_point(len(cores)) :])
@@ -312,12 +342,12 @@ def ttm_embedding_bag_cpu(
             int(cores[0].shape[0]),
             suffix_rows,
         )
-    elif not records_grad(weights, *cores):
+    elif not records_grad(weights, middle, *cores):
         out = extension().ttm_bag_forward(
-            list(cores), ids, trains, offsets, weights, int(embedding_dim), batch, _forward_layouts(cores)
+            list(cores), ids, trains, offsets, weights, int(embedding_dim), batch, _forward_layouts(cores), middle_arg
         )[0]
     else:
-        out = _FusedTTMBag.apply(ids, offsets, trains, weights, int(embedding_dim), batch, *cores)
+        out = _FusedTTMBag.apply(ids, offsets, trains, weights, int(embedding_dim), batch, middle_arg, *cores)
     # out: (B, D), or (batch, streams * D)
     if mode == "mean":
         out = divide_bags(out, (offsets[1:] - offsets[:-1]).clamp_min(1), batch)
