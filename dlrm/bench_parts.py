@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from comera_rec.dlrm.bench_setup import Setup, build, train_batches, train_step, use_lookup_path, variants
 from comera_rec.tensor import kernels
+from comera_rec.tensor.kernels.ttm_cpu import PROFILER_NAMES as TTM_LOOKUP_KERNELS
 from comera_rec.utils.benchmark import time_interleaved
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
 
@@ -139,6 +140,22 @@ def parts(setup: Setup, repeats: int = 20) -> None:
             cells.append(f"{flops[v][n] / 1e9:7.3f} / {ideal * 1e3:5.2f} / {over}")
         print(f"{v:14s}" + "".join(f"{c:>22s}" for c in cells))
 
+    # the lookups part holds memory-bound work with no FLOPs counted (row tables, id checks,
+    # column-block gathers): the kernel that does the part's products, against them alone
+    print(
+        "\nthe TTM lookup kernel's own time (torch.profiler, forward + backward, in the step) against the lookups' FLOP time:"
+    )
+    for v in names_:
+        ideal = flops[v]["lookups"] / rate
+        if ideal == 0:
+            continue
+        use_lookup_path(v)
+        seconds = lookup_kernel_seconds(lambda m=models[v], b=itertools.cycle(data): train_step(*m, next(b)))
+        if seconds == 0:
+            print(f"{v:14s} the fused CPU lookup not used")
+        else:
+            print(f"{v:14s} {seconds * 1e3:6.2f} ms / {ideal * 1e3:5.2f} ms = {seconds / ideal:4.2f}x")
+
 
 def op_self_times(step, threads: int, steps: int) -> dict[str, float]:
     """Seconds per step spent in each operator itself (its own time, not its callees'), over
@@ -152,6 +169,14 @@ def op_self_times(step, threads: int, steps: int) -> dict[str, float]:
         for _ in range(steps):
             step()
     return {e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()}
+
+
+def lookup_kernel_seconds(step, steps: int = 10) -> float:
+    """Seconds per call of ``step`` that the fused CPU TTM lookup spends in its own forward and
+    backward (``TTM_LOOKUP_KERNELS``, torch's profiler, at the current thread count); 0 where
+    ``step`` does not use it."""
+    times = op_self_times(step, torch.get_num_threads(), steps)
+    return sum(times.get(name, 0.0) for name in TTM_LOOKUP_KERNELS)
 
 
 def thread_scaling(one: dict[str, float], more: dict[str, float], top: int) -> list[tuple[str, float, float, float]]:

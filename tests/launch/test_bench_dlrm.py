@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from comera_rec.dlrm import bench as bench_dlrm
@@ -44,8 +45,6 @@ def test_isa_avx2_runs_the_command_again_under_the_switches(monkeypatch) -> None
 
 
 def test_isa_is_checked_before_anything_runs(capsys) -> None:
-    import pytest
-
     with pytest.raises(SystemExit):
         bench_dlrm.main(["--isa", "avx10"])
     assert "invalid choice: 'avx10'" in capsys.readouterr().err
@@ -101,8 +100,6 @@ def test_every_other_round_reverses_the_variants_order() -> None:
 
 
 def test_paired_speedups_divide_the_processes_of_one_round() -> None:
-    import pytest
-
     from comera_rec.dlrm.bench_process import paired_speedups
 
     steps = {"dense": [0.060, 0.080, 0.070], "tt": [0.030, 0.020, 0.035], "tt_half": [0.020, 0.040, 0.035]}
@@ -125,3 +122,29 @@ def test_upstream_gradient_is_made_once_per_shape_and_kept() -> None:
     assert other is not first and other.shape == (4, 2)
     as_double = bench_parts.upstream_gradient(kept, torch.zeros(4, 3, dtype=torch.float64))
     assert as_double.dtype == torch.float64 and kept[(4, 3)] is as_double
+
+
+@pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
+def test_lookup_kernel_seconds_finds_the_fused_lookup_in_the_profile() -> None:
+    from comera_rec.tensor import kernels
+    from comera_rec.tensor.contract import ttm_embedding_bag
+
+    g = torch.Generator().manual_seed(0)
+    rows, cols, ranks = (6, 5, 4, 7), (2, 2, 2, 2), (1, 4, 4, 4, 1)
+    cores = [torch.randn(1, ranks[k], rows[k], cols[k], ranks[k + 1], generator=g).requires_grad_() for k in range(4)]
+    ids = torch.randint(0, 6 * 5 * 4 * 7, (64,), generator=g)
+    offsets = torch.arange(0, 65, 4)
+
+    def step() -> None:
+        ttm_embedding_bag(cores, rows, 16, ids, offsets, "sum", None, torch.zeros_like(ids)).sum().backward()
+
+    threads = torch.get_num_threads()
+    try:
+        times = bench_parts.op_self_times(step, threads, steps=3)
+        assert all(times.get(name, 0.0) > 0 for name in bench_parts.TTM_LOOKUP_KERNELS), sorted(times)
+        assert bench_parts.lookup_kernel_seconds(step, steps=3) > 0
+        kernels.set_cpu_kernel_enabled(False)  # the PyTorch path: no fused lookup to find
+        assert bench_parts.lookup_kernel_seconds(step, steps=3) == 0
+    finally:
+        kernels.set_cpu_kernel_enabled(True)
+        torch.set_num_threads(threads)
