@@ -138,13 +138,9 @@ def test_lookup_kernel_seconds_finds_the_fused_lookup_in_the_profile() -> None:
     def step() -> None:
         ttm_embedding_bag(cores, rows, 16, ids, offsets, "sum", None, torch.zeros_like(ids)).sum().backward()
 
-    threads = torch.get_num_threads()
-    try:
-        times = bench_parts.op_self_times(step, threads, steps=3)
-        assert all(times.get(name, 0.0) > 0 for name in bench_parts.TTM_LOOKUP_KERNELS), sorted(times)
-        assert bench_parts.lookup_kernel_seconds(step, steps=3) > 0
-        kernels.set_cpu_kernel_enabled(False)  # the PyTorch path: no fused lookup to find
-        assert bench_parts.lookup_kernel_seconds(step, steps=3) == 0
-    finally:
-        kernels.set_cpu_kernel_enabled(True)
-        torch.set_num_threads(threads)
+    # at the current thread count; the kernels_on fixture switches the kernels back on
+    times = bench_parts.op_self_times(step, torch.get_num_threads(), steps=3)
+    assert all(times.get(name, 0.0) > 0 for name in bench_parts.TTM_LOOKUP_KERNELS), sorted(times)
+    assert bench_parts.lookup_kernel_seconds(step, steps=3) > 0
+    kernels.set_cpu_kernel_enabled(False)  # the PyTorch path: no fused lookup to find
+    assert bench_parts.lookup_kernel_seconds(step, steps=3) == 0
