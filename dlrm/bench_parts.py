@@ -14,7 +14,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from comera_rec.dlrm.bench_setup import Setup, build, train_batches, train_step, use_lookup_path, variants
 from comera_rec.tensor import kernels
+from comera_rec.tensor.kernels.ttm_cpu import PHASE_KINDS as TTM_LOOKUP_PHASES
 from comera_rec.tensor.kernels.ttm_cpu import PROFILER_NAMES as TTM_LOOKUP_KERNELS
+from comera_rec.tensor.kernels.ttm_cpu import take_contraction_flops
 from comera_rec.utils.benchmark import time_interleaved
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
 
@@ -143,18 +145,48 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     # the lookups part holds memory-bound work with no FLOPs counted (row tables, id checks,
     # column-block gathers): the kernel that does the part's products, against them alone
     print(
-        "\nthe TTM lookup kernel's own time (torch.profiler, forward + backward, in the step) against the lookups' FLOP time:"
+        "\nthe TTM lookup kernel's own time (torch.profiler, forward + backward, in the step) against the lookups' "
+        "FLOP time, and the kernel's time by kind of work (ms): contraction (products of core slices: FLOPs "
+        "that shrink with the rank), per id (per id and distinct row: random row reads), pass (over cores "
+        "or slots), calls (argument conversion, output allocation):"
     )
+    phase_times, contraction_flops = {}, {}
     for v in names_:
         ideal = flops[v]["lookups"] / rate
         if ideal == 0:
             continue
         use_lookup_path(v)
-        seconds = lookup_kernel_seconds(lambda m=models[v], b=itertools.cycle(data): train_step(*m, next(b)))
+        phase_times[v], contraction_flops[v] = lookup_kernel_phases(
+            lambda m=models[v], b=itertools.cycle(data): train_step(*m, next(b))
+        )
+        seconds = sum(phase_times[v].values())
         if seconds == 0:
             print(f"{v:14s} the fused CPU lookup not used")
-        else:
-            print(f"{v:14s} {seconds * 1e3:6.2f} ms / {ideal * 1e3:5.2f} ms = {seconds / ideal:4.2f}x")
+            continue
+        kinds = "  ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(phases_by_kind(phase_times[v]).items()))
+        print(f"{v:14s} {seconds * 1e3:6.2f} ms / {ideal * 1e3:5.2f} ms = {seconds / ideal:4.2f}x   ({kinds})")
+    # the lookups' FLOP count above is the PyTorch path's, which makes products the kernel
+    # does not (a row per id): the contraction phases against the kernel's own FLOPs
+    print("\nthe kernel's contraction phases against their own FLOPs (the kernel's count, at the sgemm rate above):")
+    for v in phase_times:
+        if phase_times[v] and contraction_flops[v] > 0:
+            seconds = phases_by_kind(phase_times[v]).get("contraction", 0.0)
+            ideal = contraction_flops[v] / rate
+            print(
+                f"{v:14s} {seconds * 1e3:6.2f} ms for {contraction_flops[v] / 1e9:.3f} GFLOP "
+                f"({ideal * 1e3:5.2f} ms) = {seconds / ideal:4.2f}x"
+            )
+    shown = [v for v in phase_times if phase_times[v]]
+    if shown:
+        print("\nthe kernel's phases (ms per step):")
+        print(f"{'phase':40s}" + "".join(f"{v:>12s}" for v in shown))
+        for name in [*TTM_LOOKUP_PHASES, "calls"]:
+            if any(name in phase_times[v] for v in shown):
+                row = "".join(f"{phase_times[v].get(name, 0.0) * 1e3:12.3f}" for v in shown)
+                print(f"{name:40s}{row}")
+
+
+OP_WARMUP_STEPS = 3  # op_self_times' calls of `step` before the profiled ones
 
 
 def op_self_times(step, threads: int, steps: int) -> dict[str, float]:
@@ -163,7 +195,7 @@ def op_self_times(step, threads: int, steps: int) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(threads)
-    for _ in range(3):  # the thread pool at its new size
+    for _ in range(OP_WARMUP_STEPS):  # the thread pool at its new size
         step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
@@ -171,12 +203,35 @@ def op_self_times(step, threads: int, steps: int) -> dict[str, float]:
     return {e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()}
 
 
-def lookup_kernel_seconds(step, steps: int = 10) -> float:
-    """Seconds per call of ``step`` that the fused CPU TTM lookup spends in its own forward and
-    backward (``TTM_LOOKUP_KERNELS``, torch's profiler, at the current thread count); 0 where
-    ``step`` does not use it."""
+def lookup_kernel_phases(step, steps: int = 10) -> tuple[dict[str, float], float]:
+    """``(seconds, contraction FLOPs)`` per call of ``step``: the seconds in each phase of the
+    fused CPU TTM lookup (``TTM_LOOKUP_PHASES``, the kernel's profiler scopes) and under
+    ``"calls"`` the rest of its forward and backward (``TTM_LOOKUP_KERNELS``' own time:
+    argument conversion, output allocation), by torch's profiler at the current thread count;
+    and the FLOPs of its contraction phases (:func:`take_contraction_flops`). ``({}, 0.0)``
+    where ``step`` does not use the kernel."""
+    take_contraction_flops()  # restart the count
     times = op_self_times(step, torch.get_num_threads(), steps)
-    return sum(times.get(name, 0.0) for name in TTM_LOOKUP_KERNELS)
+    flops = take_contraction_flops() / (OP_WARMUP_STEPS + steps)
+    phases = {name: times[name] for name in TTM_LOOKUP_PHASES if name in times}
+    calls = sum(times.get(name, 0.0) for name in TTM_LOOKUP_KERNELS)
+    return ({**phases, "calls": calls}, flops) if calls > 0 else ({}, 0.0)
+
+
+def lookup_kernel_seconds(step, steps: int = 10) -> float:
+    """Seconds per call of ``step`` that the fused CPU TTM lookup spends in its forward and
+    backward, phases included (:func:`lookup_kernel_phases`); 0 where ``step`` does not use it."""
+    return sum(lookup_kernel_phases(step, steps)[0].values())
+
+
+def phases_by_kind(phases: dict[str, float]) -> dict[str, float]:
+    """:func:`lookup_kernel_phases`' seconds summed by kind of work (``TTM_LOOKUP_PHASES``:
+    ``"contraction"``, ``"per id"``, ``"pass"``; ``"calls"`` as it is)."""
+    kinds: dict[str, float] = {}
+    for name, seconds in phases.items():
+        kind = TTM_LOOKUP_PHASES.get(name, name)
+        kinds[kind] = kinds.get(kind, 0.0) + seconds
+    return kinds
 
 
 def thread_scaling(one: dict[str, float], more: dict[str, float], top: int) -> list[tuple[str, float, float, float]]:

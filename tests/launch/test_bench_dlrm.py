@@ -141,6 +141,44 @@ def test_lookup_kernel_seconds_finds_the_fused_lookup_in_the_profile() -> None:
     # at the current thread count; the kernels_on fixture switches the kernels back on
     times = bench_parts.op_self_times(step, torch.get_num_threads(), steps=3)
     assert all(times.get(name, 0.0) > 0 for name in bench_parts.TTM_LOOKUP_KERNELS), sorted(times)
+    # every phase of a lookup without a middle controller is in the profile, and no other
+    ran = {name for name in bench_parts.TTM_LOOKUP_PHASES if name in times}
+    assert ran == set(bench_parts.TTM_LOOKUP_PHASES) - {"ttm_lookup: controller", "ttm_lookup backward: controller"}
+    assert all(times[name] > 0 for name in ran)
+    phases, flops = bench_parts.lookup_kernel_phases(step, steps=3)
+    assert set(phases) == ran | {"calls"} and all(t > 0 for t in phases.values())
+    # both halves of these cores have 2 cores: per distinct prefix and suffix one (m0, r_mid) x
+    # (r_mid, m1 r) product forward, two backward
+    keys = ids // (4 * 7), ids % (4 * 7)
+    per_slot = 2 * 4 * 2 * 4  # m0 r_mid m1 r, the same for both halves here
+    expected = 2 * 3 * per_slot * (keys[0].unique().numel() + keys[1].unique().numel())
+    assert flops == expected
+    kinds = bench_parts.phases_by_kind(phases)
+    assert set(kinds) == {"contraction", "per id", "pass", "calls"}
+    assert sum(kinds.values()) == pytest.approx(sum(phases.values()))
     assert bench_parts.lookup_kernel_seconds(step, steps=3) > 0
     kernels.set_cpu_kernel_enabled(False)  # the PyTorch path: no fused lookup to find
+    assert bench_parts.lookup_kernel_phases(step, steps=3) == ({}, 0.0)
     assert bench_parts.lookup_kernel_seconds(step, steps=3) == 0
+
+
+@pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
+def test_the_lookup_with_a_middle_controller_profiles_its_controller_phases() -> None:
+    from comera_rec.tensor.kernels.ttm_cpu import extension
+
+    g = torch.Generator().manual_seed(0)
+    rows, cols, ranks = (6, 5, 4, 7), (2, 2, 2, 2), (1, 4, 4, 4, 1)
+    cores = [torch.randn(1, ranks[k], rows[k], cols[k], ranks[k + 1], generator=g) for k in range(4)]
+    middle = torch.rand(1, 4, generator=g)
+    ids, offsets = torch.randint(0, 6 * 5 * 4 * 7, (64,), generator=g), torch.arange(0, 65, 4)
+    empty = torch.empty(0, dtype=torch.long)
+
+    def step() -> None:
+        out, *saved = extension().ttm_bag_forward(cores, ids, empty, offsets, empty, 16, 0, [], middle)
+        pslot, sslot, pkeys, skeys, ptab, stab = saved
+        extension().ttm_bag_backward(
+            torch.ones_like(out), cores, offsets, empty, pslot, sslot, pkeys, skeys, ptab, stab, False, 16, 0, middle
+        )
+
+    times = bench_parts.op_self_times(step, torch.get_num_threads(), steps=2)
+    assert {"ttm_lookup: controller", "ttm_lookup backward: controller"} <= set(times), sorted(times)

@@ -26,11 +26,14 @@
 #include "python_module.h"
 #endif
 
+#include <ATen/record_function.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -41,6 +44,28 @@ namespace {
 using namespace comera;
 
 constexpr int64_t kAhead = 4;  // ids ahead whose rows are prefetched in the per-id loops
+
+// Multiply-adds of the lookup's contraction phases (products of core slices, the work that
+// shrinks with the rank) since the last take_contraction_madds(): benchmarks set them against
+// those phases' time. Counted at the true rank (not the padded lanes), forward and backward.
+std::atomic<int64_t> g_contraction_madds{0};
+
+// The lookup's phases as scopes of torch's profiler, so that a profile shows where a
+// lookup's time goes: the contractions, whose FLOPs shrink with the rank, apart from the
+// work per id and per distinct row, which does not. Nothing is recorded while no profiler
+// is on. The names are ttm_cpu.py's PHASE_KINDS.
+class ProfiledPhases {
+ public:
+  // end the running phase (if any) and start `name` (a string literal)
+  void start(const char* name) {
+    running_.reset();
+    running_.emplace(at::RecordScope::USER_SCOPE);
+    if (running_->isActive()) running_->before(name);
+  }
+
+ private:
+  std::optional<at::RecordFunction> running_;  // ended when reset or destroyed
+};
 
 // sum_i a[i] b[i] over n = C whole vectors
 template <typename T>
@@ -516,6 +541,16 @@ Train describe(std::vector<at::Tensor>& cores, const char* who, bool layouts,
   return tr;
 }
 
+// The forward's contraction multiply-adds for Ul distinct prefixes and Ur distinct suffixes:
+// a 2-core half's slot is an (m0, r_mid) x (r_mid, m1 r) product; a 1-core half's is a copy.
+// The backward does two products of that size per slot (each core's gradient).
+int64_t contraction_madds(const Train& tr, int64_t Ul, int64_t Ur) {
+  int64_t madds = 0;
+  if (tr.L.cores == 2) madds += Ul * tr.L.m0 * tr.L.r_mid * tr.L.m1 * tr.r;
+  if (tr.R.cores == 2) madds += Ur * tr.R.m0 * tr.R.r_mid * tr.R.m1 * tr.r;
+  return madds;
+}
+
 // The forward's derived layouts of these cores, {left1, right0} (an empty tensor where a
 // half has one core), for a caller that keeps them between lookups with unchanged cores.
 std::vector<at::Tensor> ttm_forward_layouts(std::vector<at::Tensor> cores) {
@@ -761,6 +796,8 @@ at::Tensor middle_gradient(T_* dP, const T_* P, const int64_t* keys, int64_t U, 
 std::vector<at::Tensor> ttm_bag_forward(
     std::vector<at::Tensor> cores, at::Tensor ids, at::Tensor trains, at::Tensor offsets,
     at::Tensor weights, int64_t dim, int64_t batch, std::vector<at::Tensor> layouts, at::Tensor middle) {
+  ProfiledPhases phase;
+  phase.start("ttm_lookup: core layouts");
   const Train tr = describe(cores, "ttm_bag_forward", true, layouts);
   const at::Tensor mid = middle_of(middle, tr, cores[0], "ttm_bag_forward");
   const int64_t T = tr.T, r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
@@ -769,6 +806,7 @@ std::vector<at::Tensor> ttm_bag_forward(
   const int64_t N = in.N;
 
   // 1. keys -> slots
+  phase.start("ttm_lookup: keys and slots");
   std::vector<int64_t> pkeys(N), skeys(N);
   keys_of_ids(in.ids.data_ptr<int64_t>(), in.has_trains ? in.trains.data_ptr<int64_t>() : nullptr, N, T, Nl, Nr,
               pkeys.data(), skeys.data());
@@ -782,6 +820,7 @@ std::vector<at::Tensor> ttm_bag_forward(
     }
   });
   const int64_t Ul = static_cast<int64_t>(pdistinct.size()), Ur = static_cast<int64_t>(sdistinct.size());
+  g_contraction_madds += contraction_madds(tr, Ul, Ur);
   auto lopt = at::TensorOptions().dtype(at::kLong);
   auto pkey_t = at::from_blob(pdistinct.data(), {Ul}, lopt).clone();
   auto skey_t = at::from_blob(sdistinct.data(), {Ur}, lopt).clone();
@@ -797,15 +836,18 @@ std::vector<at::Tensor> ttm_bag_forward(
     using T_ = scalar_t;
     T_* P = ptab.data_ptr<T_>();
     T_* S = stab.data_ptr<T_>();
+    phase.start("ttm_lookup: contractions");
     contract_prefixes(tr, cores, pdistinct.data(), Ul, P);  // 2. each distinct prefix and suffix once
     contract_suffixes(tr, cores, sdistinct.data(), Ur, S);
     const T_* pooled = P;  // the prefixes the bags read: with a middle controller, P diag(c_t)
     at::Tensor scaled;
     if (mid.defined()) {
+      phase.start("ttm_lookup: controller");
       scaled = at::empty_like(ptab);
       scale_slots(P, pdistinct.data(), Ul, Nl, Ml, rp, mid.data_ptr<T_>(), scaled.data_ptr<T_>());
       pooled = scaled.data_ptr<T_>();
     }
+    phase.start("ttm_lookup: pooling");
     pool_bags(sh, pooled, S, pslot.data_ptr<int32_t>(), sslot.data_ptr<int32_t>(), in.offsets.data_ptr<int64_t>(),
               in.B, in.weighted ? in.weights.data_ptr<T_>() : nullptr, out.data_ptr<T_>());  // 3.
   });
@@ -903,6 +945,8 @@ std::vector<at::Tensor> ttm_bag_backward(
     at::Tensor grad_out, std::vector<at::Tensor> cores, at::Tensor offsets, at::Tensor weights,
     at::Tensor pslot, at::Tensor sslot, at::Tensor pkeys, at::Tensor skeys, at::Tensor ptab,
     at::Tensor stab, bool weights_need_grad, int64_t dim, int64_t batch, at::Tensor middle) {
+  ProfiledPhases phase;
+  phase.start("ttm_lookup backward: grouping");
   const Train tr = describe(cores, "ttm_bag_backward", false);
   const at::Tensor mid = middle_of(middle, tr, cores[0], "ttm_bag_backward");
   at::Tensor dmiddle;  // (T, rp) with a middle controller
@@ -914,6 +958,7 @@ std::vector<at::Tensor> ttm_bag_backward(
   if (weighted) weights = weights.to(cores[0].scalar_type()).contiguous();
   const int64_t B = offsets.numel() - 1, N = pslot.numel(), streams = batch > 0 ? B / batch : 1;
   const int64_t Ul = pkeys.numel(), Ur = skeys.numel();
+  g_contraction_madds += 2 * contraction_madds(tr, Ul, Ur);  // two products per slot, each the forward's size
 
   auto dptab = at::empty_like(ptab), dstab = at::empty_like(stab);  // every row written once
   // Core gradients: a 1-core half's slices are summed into (zeroed); a 2-core half's are
@@ -958,6 +1003,7 @@ std::vector<at::Tensor> ttm_bag_backward(
     T_* dP = dptab.data_ptr<T_>();
     T_* dS = dstab.data_ptr<T_>();
 
+    phase.start("ttm_lookup backward: row gradients");
     // Each id's row gradient as (M_l, M_r) starts at grows + goff[id]: its bag's gradient
     // row itself when unweighted and unpadded, else a zero-padded weighted copy. The
     // offsets are worked out once here, not in the loops below.
@@ -1031,11 +1077,13 @@ std::vector<at::Tensor> ttm_bag_backward(
           contract(out + s * n_out * rp, k, by.order.data() + by.start[s], by.start[s + 1] - by.start[s], a_of, b_of, ahead);
       });
     };
+    phase.start("ttm_lookup backward: slot gradients");
     // 1a. prefix slots: dP[s][x, :] = sum over its rows of sum_a g[x, a] S[a, :]
     slot_grads(rows.by_prefix, dP, Ml, S, rows.sslot.data(), Mr, Mr, 1);
     // 1b. suffix slots: dS[s][a, :] = sum over its rows of sum_x g[x, a] P[x, :]
     slot_grads(rows.by_suffix, dS, Mr, P, rows.pslot.data(), Ml, 1, Mr);
     if (mid.defined()) {  // rows P diag(c) S^T: both slot gradients scaled by c, and c's own
+      phase.start("ttm_lookup backward: controller");
       const T_* c = mid.data_ptr<T_>();
       dmiddle = middle_gradient(dP, P, pk, Ul, Nl, Ml, tr.T, rp, c, grad_out.options());
       at::parallel_for(0, Ur, 256, [&](int64_t b, int64_t e) {
@@ -1049,6 +1097,7 @@ std::vector<at::Tensor> ttm_bag_backward(
       });
     }
 
+    phase.start("ttm_lookup backward: core gradients");
     // 2. prefix slot gradients -> left cores. Slots sharing a core slice are summed into it
     // by one thread (slots grouped by that core's index), so there are no write conflicts.
     const T_* g0 = cores[0].data_ptr<T_>();
@@ -1067,7 +1116,9 @@ std::vector<at::Tensor> ttm_bag_backward(
     } else {
       // dG0 is summed as vectors over its rank j: G1 read as (T, n1, m1, r, rm_p), dG0 as (T, n0, m0, rm_p)
       const int64_t rm = L.r_mid, blk = L.m1 * rp, rmp = padded(rm, W);
+      phase.start("ttm_lookup backward: core layouts");
       const auto g1t_t = rank_last(cores[1], W);
+      phase.start("ttm_lookup backward: core gradients");
       auto dg0t_t = at::empty({tr.T, L.n0, L.m0, rmp}, cores[0].options());  // every slice written
       const T_* g1t = g1t_t.data_ptr<T_>();
       T_* d0 = dg0t_t.data_ptr<T_>();
@@ -1279,6 +1330,9 @@ std::vector<at::Tensor> tt_chains_backward(at::Tensor grad_left, at::Tensor grad
                                            std::vector<at::Tensor> controllers, std::vector<at::Tensor> saved,
                                            int64_t d);
 
+// The TTM lookup's contraction multiply-adds counted since the last call; the count restarts.
+int64_t take_contraction_madds() { return g_contraction_madds.exchange(0); }
+
 // checks_cpu.cpp: input checks of a jagged batch
 std::vector<int64_t> check_jagged(at::Tensor values, at::Tensor lengths, at::Tensor offsets, int64_t batch,
                                   std::vector<int64_t> bounds);
@@ -1288,6 +1342,8 @@ std::vector<int64_t> check_jagged(at::Tensor values, at::Tensor lengths, at::Ten
 #ifndef COMERA_OPERATOR_LIBRARY
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_bytes", [] { return comera::kVectorBytes; }, "the vector width this build's kernels use");
+  m.def("take_contraction_madds", &take_contraction_madds,
+        "the TTM lookup's contraction multiply-adds since the last call (and reset the count)");
   m.def("ttm_bag_forward", &ttm_bag_forward, "fused de-duplicated TTM embedding-bag lookup (forward)");
   m.def("ttm_halves", &ttm_halves, "both halves of a TTM train contracted over all their row indices");
   m.def("ttm_bag_forward_halves", &ttm_bag_forward_halves, "the TTM embedding-bag lookup over whole halves (scoring)");

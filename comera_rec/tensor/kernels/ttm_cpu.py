@@ -132,6 +132,36 @@ class _FusedTTMBag(torch.autograd.Function):
 # the names torch.profiler gives the fused lookup's forward and backward (benchmarks read them)
 PROFILER_NAMES = (_FusedTTMBag.__name__, f"{_FusedTTMBag.__name__}Backward")
 
+# the scopes torch.profiler shows inside them (ttm_cpu.cpp's ProfiledPhases), each with its
+# kind of work: "contraction" (products of core slices, whose FLOPs shrink with the rank),
+# "per id" (per id or distinct row: random reads of rows, bound by memory latency) or
+# "pass" (a pass over cores or slots: bound by memory bandwidth); a phase that did not run
+# is absent from a profile
+PHASE_KINDS = {
+    "ttm_lookup: core layouts": "pass",
+    "ttm_lookup: keys and slots": "per id",
+    "ttm_lookup: contractions": "contraction",
+    "ttm_lookup: controller": "pass",
+    "ttm_lookup: pooling": "per id",
+    "ttm_lookup backward: grouping": "per id",
+    "ttm_lookup backward: row gradients": "per id",
+    "ttm_lookup backward: slot gradients": "per id",
+    "ttm_lookup backward: controller": "pass",
+    "ttm_lookup backward: core layouts": "pass",
+    "ttm_lookup backward: core gradients": "contraction",
+}
+
+
+def take_contraction_flops() -> int:
+    """FLOPs (two per multiply-add) of the fused CPU lookup's contraction phases (its
+    ``"contraction"`` phases in ``PHASE_KINDS``: products of core slices, at the true rank)
+    counted over all its forward and backward calls since the last call, which restarts the
+    count; 0 without the compiled kernels. For benchmarks that set those phases' time against
+    their FLOPs."""
+    ext = extension()
+    return 2 * ext.take_contraction_madds() if ext is not None else 0
+
+
 # the permuted, padded core copies a lookup makes, kept for the stacks of cores
 # looked up without gradients (scoring calls every group's lookup with the same cores)
 _LAYOUTS = DerivedCaches(slots=64, max_bytes=256 << 20)
