@@ -144,46 +144,62 @@ def parts(setup: Setup, repeats: int = 20) -> None:
 
     # the lookups part holds memory-bound work with no FLOPs counted (row tables, id checks,
     # column-block gathers): the kernel that does the part's products, against them alone
-    print(
-        "\nthe TTM lookup kernel's own time (torch.profiler, forward + backward, in the step) against the lookups' "
+    measured = {}
+    for v in names_:
+        if flops[v]["lookups"] == 0:
+            continue
+        use_lookup_path(v)
+        measured[v] = lookup_kernel_phases(lambda m=models[v], b=itertools.cycle(data): train_step(*m, next(b)))
+    lookup_flops = {v: flops[v]["lookups"] for v in measured}
+    print("\n" + "\n".join(lookup_kernel_report(measured, lookup_flops, rate)))
+
+
+def lookup_kernel_report(
+    measured: dict[str, tuple[dict[str, float], float]], lookup_flops: dict[str, float], rate: float
+) -> list[str]:
+    """The lines ``--parts`` prints about the fused TTM lookup kernel, per variant: its time
+    (``measured[variant]``: :func:`lookup_kernel_phases`' ``(seconds by phase, contraction
+    FLOPs)``) against the lookups' FLOPs on the PyTorch path (``lookup_flops``) at ``rate``
+    FLOP/s, and by kind of work; its contraction phases against the kernel's own FLOPs; each
+    phase. A variant with no phases did not use the kernel."""
+    lines = [
+        "the TTM lookup kernel's own time (torch.profiler, forward + backward, in the step) against the lookups' "
         "FLOP time, and the kernel's time by kind of work (ms): contraction (products of core slices: FLOPs "
         "that shrink with the rank), per id (per id and distinct row: random row reads), pass (over cores "
         "or slots), calls (argument conversion, output allocation):"
-    )
-    phase_times, contraction_flops = {}, {}
-    for v in names_:
-        ideal = flops[v]["lookups"] / rate
-        if ideal == 0:
-            continue
-        use_lookup_path(v)
-        phase_times[v], contraction_flops[v] = lookup_kernel_phases(
-            lambda m=models[v], b=itertools.cycle(data): train_step(*m, next(b))
-        )
-        seconds = sum(phase_times[v].values())
+    ]
+    for v, (phases, _) in measured.items():
+        seconds, ideal = sum(phases.values()), lookup_flops[v] / rate
         if seconds == 0:
-            print(f"{v:14s} the fused CPU lookup not used")
+            lines.append(f"{v:14s} the fused CPU lookup not used")
             continue
-        kinds = "  ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(phases_by_kind(phase_times[v]).items()))
-        print(f"{v:14s} {seconds * 1e3:6.2f} ms / {ideal * 1e3:5.2f} ms = {seconds / ideal:4.2f}x   ({kinds})")
+        kinds = "  ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(phases_by_kind(phases).items()))
+        lines.append(f"{v:14s} {seconds * 1e3:6.2f} ms / {ideal * 1e3:5.2f} ms = {seconds / ideal:4.2f}x   ({kinds})")
     # the lookups' FLOP count above is the PyTorch path's, which makes products the kernel
     # does not (a row per id): the contraction phases against the kernel's own FLOPs
-    print("\nthe kernel's contraction phases against their own FLOPs (the kernel's count, at the sgemm rate above):")
-    for v in phase_times:
-        if phase_times[v] and contraction_flops[v] > 0:
-            seconds = phases_by_kind(phase_times[v]).get("contraction", 0.0)
-            ideal = contraction_flops[v] / rate
-            print(
-                f"{v:14s} {seconds * 1e3:6.2f} ms for {contraction_flops[v] / 1e9:.3f} GFLOP "
+    shown = [v for v, (phases, _) in measured.items() if phases]
+    if not shown:
+        return lines
+    lines.append("")
+    lines.append(
+        "the kernel's contraction phases against their own FLOPs (the kernel's count, at the sgemm rate above):"
+    )
+    for v in shown:
+        phases, contraction_flops = measured[v]
+        if contraction_flops > 0:
+            seconds, ideal = phases_by_kind(phases).get("contraction", 0.0), contraction_flops / rate
+            lines.append(
+                f"{v:14s} {seconds * 1e3:6.2f} ms for {contraction_flops / 1e9:.3f} GFLOP "
                 f"({ideal * 1e3:5.2f} ms) = {seconds / ideal:4.2f}x"
             )
-    shown = [v for v in phase_times if phase_times[v]]
-    if shown:
-        print("\nthe kernel's phases (ms per step):")
-        print(f"{'phase':40s}" + "".join(f"{v:>12s}" for v in shown))
-        for name in [*TTM_LOOKUP_PHASES, "calls"]:
-            if any(name in phase_times[v] for v in shown):
-                row = "".join(f"{phase_times[v].get(name, 0.0) * 1e3:12.3f}" for v in shown)
-                print(f"{name:40s}{row}")
+    lines.append("")
+    lines.append("the kernel's phases (ms per step):")
+    lines.append(f"{'phase':40s}" + "".join(f"{v:>12s}" for v in shown))
+    for name in [*TTM_LOOKUP_PHASES, "calls"]:
+        if any(name in measured[v][0] for v in shown):
+            row = "".join(f"{measured[v][0].get(name, 0.0) * 1e3:12.3f}" for v in shown)
+            lines.append(f"{name:40s}{row}")
+    return lines
 
 
 OP_WARMUP_STEPS = 3  # op_self_times' calls of `step` before the profiled ones

@@ -182,3 +182,33 @@ def test_the_lookup_with_a_middle_controller_profiles_its_controller_phases() ->
 
     times = bench_parts.op_self_times(step, torch.get_num_threads(), steps=2)
     assert {"ttm_lookup: controller", "ttm_lookup backward: controller"} <= set(times), sorted(times)
+
+
+def test_the_lookup_kernel_report_sets_each_variant_against_its_flops() -> None:
+    phases = {
+        "ttm_lookup: contractions": 0.002,
+        "ttm_lookup: pooling": 0.0005,
+        "ttm_lookup backward: core gradients": 0.001,
+        "ttm_lookup backward: core layouts": 0.0002,
+        "calls": 0.0003,
+    }
+    measured = {"tt": (phases, 1e8), "tt_torch": ({}, 0.0)}
+    lines = bench_parts.lookup_kernel_report(measured, {"tt": 4e8, "tt_torch": 4e8}, rate=1e11)
+    text = "\n".join(lines)
+    # 4.0 ms in all against 4e8 FLOP at 1e11 FLOP/s (4 ms); by kind: contraction 3 ms, per id
+    # 0.5, pass 0.2, calls 0.3
+    assert "tt               4.00 ms /  4.00 ms = 1.00x" in text
+    assert "(calls 0.30  contraction 3.00  pass 0.20  per id 0.50)" in text
+    assert "tt_torch       the fused CPU lookup not used" in text
+    # the contraction phases: 3 ms for 1e8 FLOP (1 ms at the rate)
+    assert "tt               3.00 ms for 0.100 GFLOP ( 1.00 ms) = 3.00x" in text
+    rows = {line.split("  ")[0]: line.split()[-1] for line in lines if line.startswith(("ttm_lookup", "calls"))}
+    assert rows == {
+        "ttm_lookup: contractions": "2.000",
+        "ttm_lookup: pooling": "0.500",
+        "ttm_lookup backward: core layouts": "0.200",
+        "ttm_lookup backward: core gradients": "1.000",
+        "calls": "0.300",
+    }
+    # no variant on the kernel: the first part only
+    assert len(bench_parts.lookup_kernel_report({"tt": ({}, 0.0)}, {"tt": 4e8}, rate=1e11)) == 2
