@@ -124,19 +124,26 @@ def test_upstream_gradient_is_made_once_per_shape_and_kept() -> None:
     assert as_double.dtype == torch.float64 and kept[(4, 3)] is as_double
 
 
+ROWS = (6, 5, 4, 7)  # a 4-core table of 840 rows, columns (2, 2, 2, 2), ranks (1, 4, 4, 4, 1)
+
+
+def small_lookup(g: torch.Generator) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """``(cores, ids, offsets)``: 16 bags of 4 ids over a table of ``ROWS``."""
+    cols, ranks = (2, 2, 2, 2), (1, 4, 4, 4, 1)
+    cores = [torch.randn(1, ranks[k], ROWS[k], cols[k], ranks[k + 1], generator=g) for k in range(4)]
+    return cores, torch.randint(0, 6 * 5 * 4 * 7, (64,), generator=g), torch.arange(0, 65, 4)
+
+
 @pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
 def test_lookup_kernel_seconds_finds_the_fused_lookup_in_the_profile() -> None:
     from comera_rec.tensor import kernels
     from comera_rec.tensor.contract import ttm_embedding_bag
 
-    g = torch.Generator().manual_seed(0)
-    rows, cols, ranks = (6, 5, 4, 7), (2, 2, 2, 2), (1, 4, 4, 4, 1)
-    cores = [torch.randn(1, ranks[k], rows[k], cols[k], ranks[k + 1], generator=g).requires_grad_() for k in range(4)]
-    ids = torch.randint(0, 6 * 5 * 4 * 7, (64,), generator=g)
-    offsets = torch.arange(0, 65, 4)
+    cores, ids, offsets = small_lookup(torch.Generator().manual_seed(0))
+    cores = [c.requires_grad_() for c in cores]
 
     def step() -> None:
-        ttm_embedding_bag(cores, rows, 16, ids, offsets, "sum", None, torch.zeros_like(ids)).sum().backward()
+        ttm_embedding_bag(cores, ROWS, 16, ids, offsets, "sum", None, torch.zeros_like(ids)).sum().backward()
 
     # at the current thread count; the kernels_on fixture switches the kernels back on
     times = bench_parts.op_self_times(step, torch.get_num_threads(), steps=3)
@@ -167,10 +174,8 @@ def test_the_lookup_with_a_middle_controller_profiles_its_controller_phases() ->
     from comera_rec.tensor.kernels.ttm_cpu import extension
 
     g = torch.Generator().manual_seed(0)
-    rows, cols, ranks = (6, 5, 4, 7), (2, 2, 2, 2), (1, 4, 4, 4, 1)
-    cores = [torch.randn(1, ranks[k], rows[k], cols[k], ranks[k + 1], generator=g) for k in range(4)]
+    cores, ids, offsets = small_lookup(g)
     middle = torch.rand(1, 4, generator=g)
-    ids, offsets = torch.randint(0, 6 * 5 * 4 * 7, (64,), generator=g), torch.arange(0, 65, 4)
     empty = torch.empty(0, dtype=torch.long)
 
     def step() -> None:
