@@ -3,14 +3,16 @@
 //
 // As tensor ops this is a concatenation, a batched GEMM over (B, n, n) grids, a gather of
 // the upper triangle and another concatenation, each a pass over memory; backward a
-// zero-padded gather into the grid and a second batched GEMM. Here each sample is done
-// in one go while its n rows are in cache: forward, the rows are transposed into a
-// (D, n) block so that one multiply-add gives a vector of dot products (n = 27, D = 16:
-// 16 multiply-adds per 16 pairs), in register tiles of rows x column vectors (3 x 4 with 16
-// registers: each step 3 broadcasts and 4 loads for 12 multiply-adds), the dots kept in a
-// small grid and packed into the output by whole vectors (below); backward, grad e_i =
-// sum_{j != i} g_ij e_j in tiles of rows x vectors over D (6 x 2 with 16 registers). Samples
-// are independent: the result does not depend on the number of threads.
+// zero-padded gather into the grid and a second batched GEMM. Here the batch is done in one
+// pass while each sample's n rows are in cache. Forward, W samples at a time (one sample a
+// lane of a W-lane vector, the batch's last B % W zero-padded to W): their rows are
+// transposed in registers into vectors over the samples, so that each multiply-add is a step
+// of W dot products and none is spent on the (i, j >= i) half of the grid (forward_lanes).
+// Backward, per sample, grad e_i = sum_{j != i} g_ij e_j in tiles of rows x vectors over D
+// (6 x 2 with 16 registers), g read where the packed gradient holds it: there each
+// multiply-add is already a whole vector. Samples are independent and every sample's sums
+// are made alike: the result depends neither on the number of threads nor on a sample's
+// place in the batch.
 
 #include "aten_ops.h"
 #ifndef COMERA_OPERATOR_LIBRARY  // the operator library binds no Python module
@@ -19,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -33,112 +36,185 @@ inline const T* row_of(const T* dense, const T* sparse, int64_t b, int64_t i, in
   return i == 0 ? dense + b * D : sparse + (b * F + (i - 1)) * D;
 }
 
-// dots of rows i0 .. i0 + R - 1 with the CB column vectors from j0 of the transposed block:
-// R x CB sums in registers over d, each step R broadcasts and CB loads of the block for
-// R * CB multiply-adds (R = 3, CB = 4 with 16 registers: 12 sums)
-template <typename T, int R, int CB>
-inline void dot_tile(const T* et, int64_t np, int64_t D, int64_t i0, int64_t j0, T* grid) {
+// ---- Forward, W samples at a time, one sample per vector lane ----------------------------
+// One sample at a time, with its rows transposed into a (D, n) block, a multiply-add gives a
+// vector of that sample's dots with W rows, but about half of them lie in the grid's
+// (i, j >= i) half, and a broadcast feeds each few. With the lanes over W samples, each
+// multiply-add is a step of W dot products, all of them needed: the samples' rows are
+// transposed in registers into (row, d) vectors over the samples (rows_by_lane), the dots
+// summed in register tiles of such vectors and transposed back into the samples' rows (2.0x
+// the one-sample forward at Kaggle shapes, docs/performance.md).
+
+// v[r][c] <- v[c][r] for a W x W block in registers: at each scale s = 1, 2, .., W / 2 the
+// off-diagonal s x s blocks of every 2s x 2s block swap (log2 W stages of W shuffles)
+template <int64_t W, int64_t s, bool upper, typename V, int... c>
+inline V swap_lanes(V lower_row, V upper_row, std::integer_sequence<int, c...>) {
+  // the lower row (bit s of its index 0) takes the upper row's lanes c - s where bit s of c is
+  // set; the upper row takes the lower row's lanes c + s where it is not
+  if constexpr (!upper)
+    return __builtin_shufflevector(lower_row, upper_row, ((c & s) ? int(W + c - s) : c)...);
+  else
+    return __builtin_shufflevector(lower_row, upper_row, ((c & s) ? int(W + c) : int(c + s))...);
+}
+
+template <typename T, int64_t s = 1>
+inline void transpose_block(vec_t<T> (&v)[kLanes<T>]) {
   constexpr int64_t W = kLanes<T>;
-  vec_t<T> a[R][CB];
-  for (int u = 0; u < R; ++u)
-    for (int c = 0; c < CB; ++c) a[u][c] = vzero<T>();
-  for (int64_t d = 0; d < D; ++d) {
-    const T* row = et + d * np;
-    vec_t<T> v[CB];
-    for (int c = 0; c < CB; ++c) v[c] = vload(row + j0 + c * W);
-    for (int u = 0; u < R; ++u) {
-      const T s = row[i0 + u];
-      for (int c = 0; c < CB; ++c) a[u][c] += s * v[c];
+  if constexpr (s < W) {
+    using lanes = std::make_integer_sequence<int, int(W)>;
+    for (int64_t r = 0; r < W; ++r) {
+      if (r & s) continue;
+      const vec_t<T> lo = v[r], hi = v[r + s];
+      v[r] = swap_lanes<W, s, false>(lo, hi, lanes{});
+      v[r + s] = swap_lanes<W, s, true>(lo, hi, lanes{});
+    }
+    transpose_block<T, 2 * s>(v);
+  }
+}
+
+// x[(i D + d) W + l] = row i of sample b0 + l at d: the W samples' n rows as (row, d) vectors
+// over the samples (W x W blocks transposed in registers, the tail of D lane by lane)
+template <typename T>
+void rows_by_lane(const T* dense, const T* sparse, int64_t b0, int64_t n, int64_t F, int64_t D, T* x) {
+  constexpr int64_t W = kLanes<T>;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t d0 = 0;
+    for (; d0 + W <= D; d0 += W) {
+      vec_t<T> v[W];
+      for (int64_t l = 0; l < W; ++l) v[l] = vload(row_of(dense, sparse, b0 + l, i, F, D) + d0);
+      transpose_block<T>(v);
+      for (int64_t k = 0; k < W; ++k) vstore(x + (i * D + d0 + k) * W, v[k]);
+    }
+    for (int64_t d = d0; d < D; ++d)
+      for (int64_t l = 0; l < W; ++l) x[(i * D + d) * W + l] = row_of(dense, sparse, b0 + l, i, F, D)[d];
+  }
+}
+
+// forward_lanes' register tiles: R rows x C columns of accumulators, each step R + C loads
+// for R C multiply-adds: 4 x 4 with 32 registers, 3 x 3 with 16
+constexpr int64_t kLaneTile = kVectorRegisters >= 32 ? 4 : 3;
+
+// the position of pair (i, j), i < j, in row-major order over n rows
+inline int64_t pair_index(int64_t i, int64_t j, int64_t n) { return i * (2 * n - i - 1) / 2 + (j - i - 1); }
+
+// Forward for samples b0 .. b0 + W - 1. x: rows_by_lane's layout with kLaneTile zero rows
+// after the n; dots: (P + W) x W, its last W rows zero
+template <typename T>
+void forward_lanes(const T* dense, const T* sparse, T* out, int64_t b0, int64_t F, int64_t D, T* x, T* dots) {
+  constexpr int64_t W = kLanes<T>, R = kLaneTile, C = kLaneTile;
+  const int64_t n = F + 1, P = n * (n - 1) / 2, width = D + P;
+  rows_by_lane(dense, sparse, b0, n, F, D, x);
+  for (int64_t i0 = 0; i0 + 1 < n; i0 += R) {
+    for (int64_t j0 = i0 + 1; j0 < n; j0 += C) {
+      vec_t<T> acc[R][C];
+      for (int64_t u = 0; u < R; ++u)
+        for (int64_t c = 0; c < C; ++c) acc[u][c] = vzero<T>();
+      for (int64_t d = 0; d < D; ++d) {
+        vec_t<T> a[R], b[C];
+        for (int64_t u = 0; u < R; ++u) a[u] = vload(x + ((i0 + u) * D + d) * W);
+        for (int64_t c = 0; c < C; ++c) b[c] = vload(x + ((j0 + c) * D + d) * W);
+        for (int64_t u = 0; u < R; ++u)
+          for (int64_t c = 0; c < C; ++c) acc[u][c] += a[u] * b[c];
+      }
+      for (int64_t u = 0; u < R; ++u)
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t i = i0 + u, j = j0 + c;
+          if (i < j && j < n) vstore(dots + pair_index(i, j, n) * W, acc[u][c]);
+        }
     }
   }
-  for (int u = 0; u < R; ++u)
-    for (int c = 0; c < CB; ++c) vstore(grid + (i0 + u) * np + j0 + c * W, a[u][c]);
-}
-
-template <typename T, int R>
-inline void dot_rows(const T* et, int64_t np, int64_t D, int64_t i0, T* grid) {
-  constexpr int64_t W = kLanes<T>;
-  const int64_t j0 = (i0 + 1) / W * W;  // the first vector block holding a pair (i0, j > i0)
-  int64_t j = j0;
-  for (; j + 4 * W <= np; j += 4 * W) dot_tile<T, R, 4>(et, np, D, i0, j, grid);
-  switch ((np - j) / W) {
-    case 3: dot_tile<T, R, 3>(et, np, D, i0, j, grid); break;
-    case 2: dot_tile<T, R, 2>(et, np, D, i0, j, grid); break;
-    case 1: dot_tile<T, R, 1>(et, np, D, i0, j, grid); break;
-    default: break;
+  for (int64_t l = 0; l < W; ++l) std::copy(dense + (b0 + l) * D, dense + (b0 + l + 1) * D, out + (b0 + l) * width);
+  // W pairs at a time back into the samples' rows; the last (< W) pairs lane by lane
+  for (int64_t p0 = 0; p0 < P; p0 += W) {
+    vec_t<T> v[W];
+    for (int64_t k = 0; k < W; ++k) v[k] = vload(dots + (p0 + k) * W);
+    transpose_block<T>(v);
+    const int64_t m = std::min(W, P - p0);
+    for (int64_t l = 0; l < W; ++l) {
+      T* dst = out + (b0 + l) * width + D + p0;
+      if (m == W) {
+        vstore(dst, v[l]);
+      } else {
+        for (int64_t k = 0; k < m; ++k) dst[k] = v[l][k];
+      }
+    }
   }
-}
-
-// dot_rows with the block's row count a compile-time constant (the last block has fewer)
-template <typename T, int R>
-inline void dot_rows_upto(const T* et, int64_t np, int64_t D, int64_t i0, int64_t rows_here, T* grid) {
-  if constexpr (R > 1) {
-    if (rows_here < R) return dot_rows_upto<T, R - 1>(et, np, D, i0, rows_here, grid);
-  }
-  dot_rows<T, R>(et, np, D, i0, grid);
 }
 
 template <typename T>
 void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F, int64_t D) {
-  // rows whose dot products share every load of the transposed block: with 16 registers 3 x 4
-  // vectors of sums, with 32 (64-byte vectors: at most 2 column vectors) 6 x 2
-  constexpr int64_t kRows = kVectorRegisters >= 32 ? 6 : 3;
   constexpr int64_t W = kLanes<T>;
-  const int64_t n = F + 1, np = padded(n, W), width = D + n * (n - 1) / 2;
-  at::parallel_for(0, B, 64, [&](int64_t lo, int64_t hi) {
-    std::vector<T> et(D * np, T(0));  // (D, np): the sample's rows transposed, zero past n
-    // (n + 1, np): the sample's dots by whole vectors of columns, before they are packed;
-    // one spare row for the packing's last loads
-    std::vector<T> grid((n + 1) * np, T(0));
-    for (int64_t b = lo; b < hi; ++b) {
-      // the next sample's rows, ahead of the transposition that reads them
-      if (b + 1 < hi) {
-        const char* next = reinterpret_cast<const char*>(sparse + (b + 1) * F * D);
-        for (int64_t k = 0; k < F * D * int64_t(sizeof(T)); k += 64) __builtin_prefetch(next + k);
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        const T* e = row_of(dense, sparse, b, i, F, D);
-        for (int64_t d = 0; d < D; ++d) et[d * np + i] = e[d];
-      }
-      T* o = out + b * width;
-      std::copy(dense + b * D, dense + (b + 1) * D, o);
-      for (int64_t i0 = 0; i0 < n - 1; i0 += kRows)
-        dot_rows_upto<T, kRows>(et.data(), np, D, i0, std::min<int64_t>(kRows, n - 1 - i0), grid.data());
-      // row i's pairs (i, i + 1 .. n - 1) follow row i - 1's in the output: copied by whole
-      // vectors, each row's last one spilling into the next row's place (written next),
-      // where a masked store per (row, vector) cost a third of the pass (AMD Zen 3); lanes
-      // past the sample's end go one by one
-      T* const end = o + width;
-      T* dst = o + D;
-      for (int64_t i = 0; i + 1 < n; ++i) {
-        const T* src = &grid[i * np + i + 1];
-        const int64_t m = n - 1 - i;
-        int64_t k = 0;
-        for (; k < m && dst + k + W <= end; k += W) vstore(dst + k, vload(src + k));
-        for (; k < m; ++k) dst[k] = src[k];
-        dst += m;
-      }
+  const int64_t n = F + 1, P = n * (n - 1) / 2, width = D + P, blocks = B / W;
+  auto buffers = [&] {  // forward_lanes' own: x zero past row n, dots' last W rows zero
+    return std::make_pair(std::vector<T>(((n + kLaneTile) * D + kLaneTile) * W, T(0)), std::vector<T>((P + W) * W, T(0)));
+  };
+  at::parallel_for(0, blocks, std::max<int64_t>(1, 64 / W), [&](int64_t lo, int64_t hi) {
+    auto [x, dots] = buffers();
+    for (int64_t blk = lo; blk < hi; ++blk) {
+      // the next block's rows, ahead of the transpositions that read them
+      if (blk + 1 < hi) prefetch_range(sparse + (blk + 1) * W * F * D, W * F * D * int64_t(sizeof(T)));
+      forward_lanes(dense, sparse, out, blk * W, F, D, x.data(), dots.data());
     }
   });
+  const int64_t rest = B - blocks * W;
+  if (rest > 0) {  // the last (< W) samples as a block of their own, zero-padded: the same sums
+    auto [x, dots] = buffers();
+    std::vector<T> block_dense(W * D, T(0)), block_sparse(W * F * D, T(0)), block_out(W * width);
+    const int64_t b0 = blocks * W;
+    std::copy(dense + b0 * D, dense + B * D, block_dense.begin());
+    std::copy(sparse + b0 * F * D, sparse + B * F * D, block_sparse.begin());
+    forward_lanes(block_dense.data(), block_sparse.data(), block_out.data(), 0, F, D, x.data(), dots.data());
+    std::copy(block_out.begin(), block_out.begin() + rest * width, out + b0 * width);
+  }
+}
+
+// The gradient of pair (i, j) of a sample from its packed pair gradients gp (row i's pairs
+// (i, i + 1 .. n - 1) at row_start(i)): symmetric, zero on the diagonal
+inline int64_t row_start(int64_t i, int64_t n) { return i * (2 * n - i - 1) / 2; }
+template <typename T>
+inline T pair_grad(const T* gp, int64_t n, int64_t i, int64_t j) {
+  if (i == j) return T(0);
+  if (i > j) std::swap(i, j);
+  return gp[row_start(i, n) + j - i - 1];
 }
 
 // out_i[d .. d + CV W) = sum_j g_ij e_j[..] (+ grad[b][..] for i = 0, the dense features' own
 // gradient) for the R rows i0 ..: R x CV sums in registers over j, each step CV loads of
-// e_j and R broadcasts of g for R * CV multiply-adds
+// e_j and R broadcasts of g for R * CV multiply-adds. g is read where the packed gradient
+// holds it, no (n, n) grid is made (its lower half, n (n - 1) / 2 scattered stores a sample,
+// was a fifth of the pass): for j < i0 the R rows' g_ij are consecutive in row j's pairs,
+// for j >= i0 + R each row's are consecutive in its own, and the R x R block between has
+// the diagonal
 template <typename T, int R, int CV, typename OutRow>
-inline void grad_tile(const T* g, int64_t n, const T* const* rows, const T* gb, int64_t i0, int64_t d,
+inline void grad_tile(const T* gp, int64_t n, const T* const* rows, const T* gb, int64_t i0, int64_t d,
                       OutRow out_row) {
   constexpr int64_t W = kLanes<T>;
   vec_t<T> acc[R][CV];
   for (int u = 0; u < R; ++u)
     for (int c = 0; c < CV; ++c) acc[u][c] = i0 + u == 0 ? vload(gb + d + c * W) : vzero<T>();
-  for (int64_t j = 0; j < n; ++j) {
+  auto add = [&](int64_t j, const T* s) {  // s[u] = g_{i0 + u, j}
     vec_t<T> e[CV];
     for (int c = 0; c < CV; ++c) e[c] = vload(rows[j] + d + c * W);
-    for (int u = 0; u < R; ++u) {
-      const T s = g[(i0 + u) * n + j];
-      for (int c = 0; c < CV; ++c) acc[u][c] += s * e[c];
-    }
+    for (int u = 0; u < R; ++u)
+      for (int c = 0; c < CV; ++c) acc[u][c] += s[u] * e[c];
+  };
+  const T* below = gp + i0 - 1;  // j = 0: g_{i0 + u, 0} = gp[row_start(0) + i0 + u - 1]
+  for (int64_t j = 0; j < i0; ++j) {
+    add(j, below);
+    below += n - 2 - j;  // row_start(j + 1) - row_start(j) - 1
+  }
+  const int64_t block_end = std::min(i0 + R, n);
+  for (int64_t j = i0; j < block_end; ++j) {
+    T s[R];
+    for (int u = 0; u < R; ++u) s[u] = pair_grad(gp, n, i0 + u, j);
+    add(j, s);
+  }
+  const T* own[R];  // own[u][j] = g_{i0 + u, j} for j > i0 + u
+  for (int u = 0; u < R; ++u) own[u] = gp + row_start(i0 + u, n) - (i0 + u) - 1;
+  for (int64_t j = block_end; j < n; ++j) {
+    T s[R];
+    for (int u = 0; u < R; ++u) s[u] = own[u][j];
+    add(j, s);
   }
   for (int u = 0; u < R; ++u)
     for (int c = 0; c < CV; ++c) vstore(out_row(i0 + u) + d + c * W, acc[u][c]);
@@ -146,12 +222,12 @@ inline void grad_tile(const T* g, int64_t n, const T* const* rows, const T* gb, 
 
 // grad_tile with the block's row count as a compile-time constant (the last block has fewer)
 template <typename T, int R, int CV, typename OutRow>
-inline void grad_rows(const T* g, int64_t n, const T* const* rows, const T* gb, int64_t i0, int64_t rows_here,
+inline void grad_rows(const T* gp, int64_t n, const T* const* rows, const T* gb, int64_t i0, int64_t rows_here,
                       int64_t d, OutRow out_row) {
   if constexpr (R > 1) {
-    if (rows_here < R) return grad_rows<T, R - 1, CV>(g, n, rows, gb, i0, rows_here, d, out_row);
+    if (rows_here < R) return grad_rows<T, R - 1, CV>(gp, n, rows, gb, i0, rows_here, d, out_row);
   }
-  grad_tile<T, R, CV>(g, n, rows, gb, i0, d, out_row);
+  grad_tile<T, R, CV>(gp, n, rows, gb, i0, d, out_row);
 }
 
 template <typename T>
@@ -163,32 +239,24 @@ void backward_rows(const T* grad, const T* dense, const T* sparse, T* grad_dense
   constexpr int64_t kRows = kVectorRegisters >= 32 ? 8 : 6;
   const int64_t n = F + 1, width = D + n * (n - 1) / 2;
   at::parallel_for(0, B, 64, [&](int64_t lo, int64_t hi) {
-    std::vector<T> g(n * n);  // the sample's symmetric grid of pair gradients, zero diagonal
     std::vector<const T*> rows(n);
     for (int64_t b = lo; b < hi; ++b) {
       const T* gb = grad + b * width;
-      const T* gp = gb + D;
-      for (int64_t i = 0; i < n; ++i) {  // row i's upper part is contiguous in the packed gradient
-        g[i * n + i] = T(0);
-        std::copy(gp, gp + (n - 1 - i), &g[i * n + i + 1]);
-        for (int64_t j = i + 1; j < n; ++j) g[j * n + i] = gp[j - i - 1];
-        gp += n - 1 - i;
-        rows[i] = row_of(dense, sparse, b, i, F, D);
-      }
+      const T* gp = gb + D;  // the packed pair gradients
+      for (int64_t i = 0; i < n; ++i) rows[i] = row_of(dense, sparse, b, i, F, D);
       auto out_row = [&](int64_t i) { return i == 0 ? grad_dense + b * D : grad_sparse + (b * F + (i - 1)) * D; };
       // out_i = sum_j g_ij e_j (+ the dense features' own gradient for i = 0): kRows rows x
       // up to 2 vectors over D at a time (grad_tile), the tail of D by scalars
       for (int64_t i0 = 0; i0 < n; i0 += kRows) {
         const int64_t rows_here = std::min(kRows, n - i0);
         int64_t d = 0;
-        for (; d + 2 * W <= D; d += 2 * W)
-          grad_rows<T, kRows, 2>(g.data(), n, rows.data(), gb, i0, rows_here, d, out_row);
-        for (; d + W <= D; d += W) grad_rows<T, kRows, 1>(g.data(), n, rows.data(), gb, i0, rows_here, d, out_row);
+        for (; d + 2 * W <= D; d += 2 * W) grad_rows<T, kRows, 2>(gp, n, rows.data(), gb, i0, rows_here, d, out_row);
+        for (; d + W <= D; d += W) grad_rows<T, kRows, 1>(gp, n, rows.data(), gb, i0, rows_here, d, out_row);
         for (; d < D; ++d)
           for (int64_t u = 0; u < rows_here; ++u) {
             const int64_t i = i0 + u;
             T s = i == 0 ? gb[d] : T(0);
-            for (int64_t j = 0; j < n; ++j) s += g[i * n + j] * rows[j][d];
+            for (int64_t j = 0; j < n; ++j) s += pair_grad(gp, n, i, j) * rows[j][d];
             out_row(i)[d] = s;
           }
       }

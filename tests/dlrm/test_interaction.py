@@ -78,6 +78,25 @@ def test_kernel_in_float32_and_across_thread_counts() -> None:
     assert_bit_identical(results)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_gives_a_sample_the_same_bits_anywhere_in_the_batch(dtype: torch.dtype) -> None:
+    # the forward takes a vector's width of samples at once (one a lane) and the batch's last
+    # few one by one: 2 x 16 + 5 samples are blocks and a tail at every width and dtype here;
+    # each sample alone is a tail of one
+    g = torch.Generator().manual_seed(2)
+    batch, features, dim = 37, 7, 19  # 19: whole vectors of d and a tail
+    dense = torch.randn(batch, dim, generator=g, dtype=dtype)
+    sparse = torch.randn(batch, features, dim, generator=g, dtype=dtype)
+    together = pairwise_dots_cpu(dense, sparse)
+    alone = torch.cat([pairwise_dots_cpu(dense[b : b + 1], sparse[b : b + 1]) for b in range(batch)])
+    assert torch.equal(together, alone)
+    rows = torch.cat([dense[:, None], sparse], dim=1).double()
+    i, j = torch.triu_indices(features + 1, features + 1, offset=1)
+    want = torch.cat([dense.double(), (rows[:, i] * rows[:, j]).sum(-1)], dim=1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(together.double(), want, rtol=tol, atol=tol)
+
+
 def _two_table_ebc() -> EmbeddingBagCollection:
     return EmbeddingBagCollection(
         [
