@@ -5,7 +5,7 @@
 // the upper triangle and another concatenation, each a pass over memory; backward a
 // zero-padded gather into the grid and a second batched GEMM. Here the batch is done in one
 // pass while each sample's n rows are in cache. Forward, W samples at a time (one sample a
-// lane of a W-lane vector, the batch's last B % W zero-padded to W): their rows are
+// lane of a W-lane vector, the batch's last B % W with lanes of zeros): their rows are
 // transposed in registers into vectors over the samples, so that each multiply-add is a step
 // of W dot products and none is spent on the (i, j >= i) half of the grid (forward_lanes).
 // Backward, per sample, grad e_i = sum_{j != i} g_ij e_j in tiles of rows x vectors over D
@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -73,20 +74,24 @@ inline void transpose_block(vec_t<T> (&v)[kLanes<T>]) {
 }
 
 // x[(i D + d) W + l] = row i of sample b0 + l at d: the W samples' n rows as (row, d) vectors
-// over the samples (W x W blocks transposed in registers, the tail of D lane by lane)
+// over the samples (W x W blocks transposed in registers, the tail of D lane by lane); lanes
+// from `valid` on (past the batch's end) read `zeros` (D zeros)
 template <typename T>
-void rows_by_lane(const T* dense, const T* sparse, int64_t b0, int64_t n, int64_t F, int64_t D, T* x) {
+void rows_by_lane(const T* dense, const T* sparse, int64_t b0, int64_t valid, int64_t n, int64_t F, int64_t D,
+                  const T* zeros, T* x) {
   constexpr int64_t W = kLanes<T>;
   for (int64_t i = 0; i < n; ++i) {
+    const T* row[W];
+    for (int64_t l = 0; l < W; ++l) row[l] = l < valid ? row_of(dense, sparse, b0 + l, i, F, D) : zeros;
     int64_t d0 = 0;
     for (; d0 + W <= D; d0 += W) {
       vec_t<T> v[W];
-      for (int64_t l = 0; l < W; ++l) v[l] = vload(row_of(dense, sparse, b0 + l, i, F, D) + d0);
+      for (int64_t l = 0; l < W; ++l) v[l] = vload(row[l] + d0);
       transpose_block<T>(v);
       for (int64_t k = 0; k < W; ++k) vstore(x + (i * D + d0 + k) * W, v[k]);
     }
     for (int64_t d = d0; d < D; ++d)
-      for (int64_t l = 0; l < W; ++l) x[(i * D + d) * W + l] = row_of(dense, sparse, b0 + l, i, F, D)[d];
+      for (int64_t l = 0; l < W; ++l) x[(i * D + d) * W + l] = row[l][d];
   }
 }
 
@@ -97,13 +102,15 @@ constexpr int64_t kLaneTile = kVectorRegisters >= 32 ? 4 : 3;
 // the position of pair (i, j), i < j, in row-major order over n rows
 inline int64_t pair_index(int64_t i, int64_t j, int64_t n) { return i * (2 * n - i - 1) / 2 + (j - i - 1); }
 
-// Forward for samples b0 .. b0 + W - 1. x: rows_by_lane's layout with kLaneTile zero rows
-// after the n; dots: (P + W) x W, its last W rows zero
+// Forward for samples b0 .. b0 + valid - 1 (valid <= W; the other lanes compute zeros and
+// write nothing). x: rows_by_lane's layout with kLaneTile zero rows after the n; dots:
+// (P + W) x W, its last W rows zero; zeros: D zeros
 template <typename T>
-void forward_lanes(const T* dense, const T* sparse, T* out, int64_t b0, int64_t F, int64_t D, T* x, T* dots) {
+void forward_lanes(const T* dense, const T* sparse, T* out, int64_t b0, int64_t valid, int64_t F, int64_t D,
+                   const T* zeros, T* x, T* dots) {
   constexpr int64_t W = kLanes<T>, R = kLaneTile, C = kLaneTile;
   const int64_t n = F + 1, P = n * (n - 1) / 2, width = D + P;
-  rows_by_lane(dense, sparse, b0, n, F, D, x);
+  rows_by_lane(dense, sparse, b0, valid, n, F, D, zeros, x);
   for (int64_t i0 = 0; i0 + 1 < n; i0 += R) {
     for (int64_t j0 = i0 + 1; j0 < n; j0 += C) {
       vec_t<T> acc[R][C];
@@ -123,14 +130,14 @@ void forward_lanes(const T* dense, const T* sparse, T* out, int64_t b0, int64_t 
         }
     }
   }
-  for (int64_t l = 0; l < W; ++l) std::copy(dense + (b0 + l) * D, dense + (b0 + l + 1) * D, out + (b0 + l) * width);
+  for (int64_t l = 0; l < valid; ++l) std::copy(dense + (b0 + l) * D, dense + (b0 + l + 1) * D, out + (b0 + l) * width);
   // W pairs at a time back into the samples' rows; the last (< W) pairs lane by lane
   for (int64_t p0 = 0; p0 < P; p0 += W) {
     vec_t<T> v[W];
     for (int64_t k = 0; k < W; ++k) v[k] = vload(dots + (p0 + k) * W);
     transpose_block<T>(v);
     const int64_t m = std::min(W, P - p0);
-    for (int64_t l = 0; l < W; ++l) {
+    for (int64_t l = 0; l < valid; ++l) {
       T* dst = out + (b0 + l) * width + D + p0;
       if (m == W) {
         vstore(dst, v[l]);
@@ -144,28 +151,25 @@ void forward_lanes(const T* dense, const T* sparse, T* out, int64_t b0, int64_t 
 template <typename T>
 void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F, int64_t D) {
   constexpr int64_t W = kLanes<T>;
-  const int64_t n = F + 1, P = n * (n - 1) / 2, width = D + P, blocks = B / W;
-  auto buffers = [&] {  // forward_lanes' own: x zero past row n, dots' last W rows zero
-    return std::make_pair(std::vector<T>(((n + kLaneTile) * D + kLaneTile) * W, T(0)), std::vector<T>((P + W) * W, T(0)));
-  };
-  at::parallel_for(0, blocks, std::max<int64_t>(1, 64 / W), [&](int64_t lo, int64_t hi) {
-    auto [x, dots] = buffers();
+  const int64_t n = F + 1, P = n * (n - 1) / 2;
+  const std::vector<T> zeros(D, T(0));
+  // blocks of W samples; the batch's last B % W are a block whose other lanes read zeros
+  at::parallel_for(0, (B + W - 1) / W, std::max<int64_t>(1, 64 / W), [&](int64_t lo, int64_t hi) {
+    // every block writes x's first n rows and dots' first P: only what lies past them is zeroed
+    const int64_t x_rows = n * D * W, x_size = ((n + kLaneTile) * D + kLaneTile) * W;
+    std::unique_ptr<T[]> x(new T[x_size]), dots(new T[(P + W) * W]);
+    std::fill(x.get() + x_rows, x.get() + x_size, T(0));
+    std::fill(dots.get() + P * W, dots.get() + (P + W) * W, T(0));
     for (int64_t blk = lo; blk < hi; ++blk) {
       // the next block's rows, ahead of the transpositions that read them
-      if (blk + 1 < hi) prefetch_range(sparse + (blk + 1) * W * F * D, W * F * D * int64_t(sizeof(T)));
-      forward_lanes(dense, sparse, out, blk * W, F, D, x.data(), dots.data());
+      if (blk + 1 < hi) {
+        const int64_t next = (blk + 1) * W;
+        prefetch_range(sparse + next * F * D, std::min(W, B - next) * F * D * int64_t(sizeof(T)));
+      }
+      const int64_t b0 = blk * W;
+      forward_lanes(dense, sparse, out, b0, std::min(W, B - b0), F, D, zeros.data(), x.get(), dots.get());
     }
   });
-  const int64_t rest = B - blocks * W;
-  if (rest > 0) {  // the last (< W) samples as a block of their own, zero-padded: the same sums
-    auto [x, dots] = buffers();
-    std::vector<T> block_dense(W * D, T(0)), block_sparse(W * F * D, T(0)), block_out(W * width);
-    const int64_t b0 = blocks * W;
-    std::copy(dense + b0 * D, dense + B * D, block_dense.begin());
-    std::copy(sparse + b0 * F * D, sparse + B * F * D, block_sparse.begin());
-    forward_lanes(block_dense.data(), block_sparse.data(), block_out.data(), 0, F, D, x.data(), dots.data());
-    std::copy(block_out.begin(), block_out.begin() + rest * width, out + b0 * width);
-  }
 }
 
 // The gradient of pair (i, j) of a sample from its packed pair gradients gp (row i's pairs
