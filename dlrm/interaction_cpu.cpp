@@ -7,7 +7,8 @@
 // pass while each sample's n rows are in cache. Forward, W samples at a time (one sample a
 // lane of a W-lane vector, the batch's last B % W with lanes of zeros): their rows are
 // transposed in registers into vectors over the samples, so that each multiply-add is a step
-// of W dot products and none is spent on the (i, j >= i) half of the grid (forward_lanes).
+// of W dot products and only the tiles on the diagonal spend any on the grid's (i, j <= i)
+// half (forward_lanes).
 // Backward, per sample, grad e_i = sum_{j != i} g_ij e_j in tiles of rows x vectors over D
 // (6 x 2 with 16 registers), g read where the packed gradient holds it: there each
 // multiply-add is already a whole vector. Samples are independent and every sample's sums
@@ -38,13 +39,15 @@ inline const T* row_of(const T* dense, const T* sparse, int64_t b, int64_t i, in
 }
 
 // ---- Forward, W samples at a time, one sample per vector lane ----------------------------
-// One sample at a time, with its rows transposed into a (D, n) block, a multiply-add gives a
-// vector of that sample's dots with W rows, but about half of them lie in the grid's
-// (i, j >= i) half, and a broadcast feeds each few. With the lanes over W samples, each
-// multiply-add is a step of W dot products, all of them needed: the samples' rows are
-// transposed in registers into (row, d) vectors over the samples (rows_by_lane), the dots
-// summed in register tiles of such vectors and transposed back into the samples' rows (2.0x
-// the one-sample forward at Kaggle shapes, docs/performance.md).
+// One sample at a time, with its rows transposed into a (D, n) block, a multiply-add gives W
+// of that sample's dots (row i against W rows j), but about half of them lie in the grid's
+// (i, j <= i) half, and a broadcast feeds each few. With the lanes over W samples, each
+// multiply-add is a step of W dot products of one pair: the samples' rows are transposed in
+// registers into (row, d) vectors over the samples (rows_by_lane), the dots summed in
+// register tiles of such vectors and transposed back into the samples' rows. At Kaggle
+// shapes with AVX-512 that is 448 vector multiply-adds a sample against 704 (what is left of
+// the lower half is in the tiles on the diagonal), and about twice as fast as the one-sample
+// forward (docs/performance.md).
 
 // v[r][c] <- v[c][r] for a W x W block in registers: at each scale s = 1, 2, .., W / 2 the
 // off-diagonal s x s blocks of every 2s x 2s block swap (log2 W stages of W shuffles)
