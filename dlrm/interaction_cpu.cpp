@@ -102,8 +102,10 @@ void rows_by_lane(const T* dense, const T* sparse, int64_t b0, int64_t valid, in
 // for R C multiply-adds: 4 x 4 with 32 registers, 3 x 3 with 16
 constexpr int64_t kLaneTile = kVectorRegisters >= 32 ? 4 : 3;
 
-// the position of pair (i, j), i < j, in row-major order over n rows
-inline int64_t pair_index(int64_t i, int64_t j, int64_t n) { return i * (2 * n - i - 1) / 2 + (j - i - 1); }
+// where row i's pairs (i, i + 1 .. n - 1) start in row-major order over n rows, and the
+// position of pair (i, j), i < j
+inline int64_t row_start(int64_t i, int64_t n) { return i * (2 * n - i - 1) / 2; }
+inline int64_t pair_index(int64_t i, int64_t j, int64_t n) { return row_start(i, n) + (j - i - 1); }
 
 // Forward for samples b0 .. b0 + valid - 1 (valid <= W; the other lanes compute zeros and
 // write nothing). x: rows_by_lane's layout with kLaneTile zero rows after the n; dots:
@@ -175,14 +177,13 @@ void forward_rows(const T* dense, const T* sparse, T* out, int64_t B, int64_t F,
   });
 }
 
-// The gradient of pair (i, j) of a sample from its packed pair gradients gp (row i's pairs
-// (i, i + 1 .. n - 1) at row_start(i)): symmetric, zero on the diagonal
-inline int64_t row_start(int64_t i, int64_t n) { return i * (2 * n - i - 1) / 2; }
+// The gradient of pair (i, j) of a sample from its packed pair gradients gp (pair_index
+// order): symmetric, zero on the diagonal
 template <typename T>
 inline T pair_grad(const T* gp, int64_t n, int64_t i, int64_t j) {
   if (i == j) return T(0);
   if (i > j) std::swap(i, j);
-  return gp[row_start(i, n) + j - i - 1];
+  return gp[pair_index(i, j, n)];
 }
 
 // out_i[d .. d + CV W) = sum_j g_ij e_j[..] (+ grad[b][..] for i = 0, the dense features' own
