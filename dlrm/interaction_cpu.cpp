@@ -311,7 +311,7 @@ std::vector<at::Tensor> pairwise_dots_backward(at::Tensor grad, at::Tensor dense
 // core's build, simd.h from comera_rec/tensor/kernels on the include path).
 #ifndef COMERA_OPERATOR_LIBRARY  // the operator library (serving_ops_cpu.cpp) binds no Python module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pairwise_dots_forward", &pairwise_dots_forward, "fused pairwise-dot interaction: forward");
-  m.def("pairwise_dots_backward", &pairwise_dots_backward, "fused pairwise-dot interaction: backward");
+  m.def("pairwise_dots_forward", &pairwise_dots_forward, COMERA_RELEASE_GIL, "fused pairwise-dot interaction: forward");
+  m.def("pairwise_dots_backward", &pairwise_dots_backward, COMERA_RELEASE_GIL, "fused pairwise-dot interaction: backward");
 }
 #endif

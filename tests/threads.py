@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -26,3 +29,55 @@ def assert_bit_identical(results: list[list[torch.Tensor]]) -> None:
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
+
+
+def stamps_during_call(make_call: Callable[[int], Callable[[], object]], min_seconds: float = 0.05) -> int:
+    """How often another Python thread ran while a kernel call ran on this one.
+
+    ``make_call(rows)`` returns the call at a problem size: the bound kernel itself with its
+    arguments (``functools.partial``), so that no Python line runs between the call's start
+    and the kernel's, where the interpreter may hand the lock over. ``rows`` doubles from
+    1024 until one call (after a first, warm-up one) takes ``min_seconds`` on one intra-op
+    thread. That call then runs again, its result kept until the clock is read (freeing a
+    large tensor lets other threads in), while a second Python thread stamps the time in a
+    loop. Returns the stamps from 5 ms after the call began to 5 ms before it ended: none
+    while the call holds Python's global lock (the stamping thread cannot run a line until
+    it returns; with the switch interval at 1 ms here, it runs at most about that long just
+    before and just after the call), many when the call releases it and a core is free.
+    """
+    margin = 0.005
+    before_threads, before_switch = torch.get_num_threads(), sys.getswitchinterval()
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def stamp() -> None:
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    worker = threading.Thread(target=stamp, daemon=True)
+    torch.set_num_threads(1)
+    try:
+        rows = 1024
+        while True:
+            call = make_call(rows)
+            call()  # warm-up: the first call may build or load the extension
+            start = time.perf_counter()
+            call()
+            if time.perf_counter() - start >= min_seconds or rows >= 1 << 20:
+                break
+            rows *= 2
+        sys.setswitchinterval(0.001)
+        worker.start()
+        time.sleep(0.01)  # the stamping thread is running
+        start = time.perf_counter()
+        result = call()  # kept: freeing a large result may let the other thread in
+        end = time.perf_counter()
+        del result
+    finally:
+        stop.set()
+        if worker.is_alive():
+            worker.join()
+        torch.set_num_threads(before_threads)
+        sys.setswitchinterval(before_switch)
+    assert end - start > 3 * margin, f"the call took {end - start:.4f} s: too short to tell"
+    return sum(start + margin < s < end - margin for s in stamps)

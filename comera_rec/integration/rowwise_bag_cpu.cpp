@@ -243,7 +243,7 @@ void rowwise_bag_backward_adagrad(at::Tensor grad, at::Tensor buffer, at::Tensor
 // An extension of its own (built by comera_rec.integration.rowwise_bag_kernel with the
 // tensor core's build, simd.h from comera_rec/tensor/kernels on the include path).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rowwise_bag_forward", &rowwise_bag_forward, "pooled lookup of uncompressed tables");
-  m.def("rowwise_bag_backward_adagrad", &rowwise_bag_backward_adagrad,
+  m.def("rowwise_bag_forward", &rowwise_bag_forward, COMERA_RELEASE_GIL, "pooled lookup of uncompressed tables");
+  m.def("rowwise_bag_backward_adagrad", &rowwise_bag_backward_adagrad, COMERA_RELEASE_GIL,
         "row-wise Adagrad update of uncompressed tables from the pooled gradient");
 }

@@ -4,6 +4,8 @@ use in the DLRM builder."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,11 +15,11 @@ from torchrec.models.dlrm import InteractionArch, InteractionDCNArch, SparseArch
 
 from comera_rec.dlrm import DLRMConfig, build_dlrm, build_dlrm_train
 from comera_rec.dlrm.interaction import BlockDCNInteraction, FlatSparseArch, PairwiseDotInteraction
-from comera_rec.dlrm.interaction_kernel import pairwise_dots_cpu, pairwise_kernel_applies
+from comera_rec.dlrm.interaction_kernel import EXTENSION, pairwise_dots_cpu, pairwise_kernel_applies
 from comera_rec.integration.mlp import TTLowRankCrossNet
 from comera_rec.tensor import NarrowLinear, cached_weights
 from tests.dlrm.test_dlrm import _batch, _config
-from tests.threads import assert_bit_identical, at_thread_counts
+from tests.threads import assert_bit_identical, at_thread_counts, stamps_during_call
 
 
 # dims 3 / 19 / 33: not whole vectors (the kernel's tail), 16: one float32 vector
@@ -95,6 +97,14 @@ def test_kernel_gives_a_sample_the_same_bits_anywhere_in_the_batch(dtype: torch.
     want = torch.cat([dense.double(), (rows[:, i] * rows[:, j]).sum(-1)], dim=1)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(together.double(), want, rtol=tol, atol=tol)
+
+
+def test_kernel_lets_other_python_threads_run() -> None:
+    def make_call(rows: int):
+        dense, sparse = torch.randn(rows, 16), torch.randn(rows, 26, 16)
+        return functools.partial(EXTENSION.load().pairwise_dots_forward, dense, sparse)
+
+    assert stamps_during_call(make_call) > 0
 
 
 def _two_table_ebc() -> EmbeddingBagCollection:

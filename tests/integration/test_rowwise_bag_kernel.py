@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -10,9 +11,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from comera_rec.integration.rowwise_bag_kernel import RowwiseTables, rowwise_adagrad_bag, rowwise_bag_kernel_applies
+from comera_rec.integration.rowwise_bag_kernel import (
+    EXTENSION,
+    RowwiseTables,
+    rowwise_adagrad_bag,
+    rowwise_bag_kernel_applies,
+)
 from comera_rec.tensor import kernels
-from tests.threads import assert_bit_identical, at_thread_counts
+from tests.threads import assert_bit_identical, at_thread_counts, stamps_during_call
 
 pytestmark = pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
 
@@ -180,6 +186,16 @@ def test_same_result_for_any_thread_count() -> None:
     grad = torch.randn(70, 16 * 4 + 4)
     results = at_thread_counts(lambda: run(case, grad)[:3], [1, 2, 3])
     assert_bit_identical(results)
+
+
+def test_kernel_lets_other_python_threads_run() -> None:
+    def make_call(rows: int):
+        case = make_case([50_000, 3_000], [16, 16], [0, 1] * 13, rows, max_len=20)
+        layout, buffer, no_weights = case.layout(), case.buffer.detach(), torch.empty(0)
+        args = (buffer, layout.table_offset, layout.dim_offset, layout.rows, case.ids, case.offsets, no_weights, rows)
+        return functools.partial(EXTENSION.load().rowwise_bag_forward, *args)
+
+    assert stamps_during_call(make_call) > 0
 
 
 def test_id_outside_its_table_is_named() -> None:

@@ -1,5 +1,7 @@
 """The fused CPU TT linear (kernels/tt_linear_cpu.cpp) against a float64 reference and the BLAS path."""
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given
@@ -9,7 +11,8 @@ from comera_rec import TTLinear
 from comera_rec.integration.mlp import tt_mlp
 from comera_rec.tensor import kernels
 from comera_rec.tensor.contract import TTLinearFunction, tt_linear
-from tests.threads import assert_bit_identical, at_thread_counts
+from comera_rec.tensor.kernels.cpu_extension import extension
+from tests.threads import assert_bit_identical, at_thread_counts, stamps_during_call
 
 DT = torch.float64
 
@@ -446,3 +449,11 @@ def test_cross_bad_inputs_name_what_was_wrong() -> None:
         kernels.tt_cross_cpu([x0[:, :4], x0[:, 4:].float()], [(left, right, b)])
     with pytest.raises(RuntimeError, match="scoring only"):
         kernels.tt_cross_cpu(x0, [(left.requires_grad_(), right, b)])
+
+
+def test_kernel_lets_other_python_threads_run() -> None:
+    def make_call(rows: int):
+        x, left, right, b = (t.detach() for t in make(rows, 256, 256, 32, dtype=torch.float32))
+        return functools.partial(extension().tt_linear_forward, x, left, right, b, True)
+
+    assert stamps_during_call(make_call) > 0

@@ -9,3 +9,7 @@
 #else
 #include <torch/extension.h>
 #endif
+
+// A kernel runs without Python's global lock (it touches no Python object), so other
+// Python threads go on meanwhile: a data loader's, or another branch of the same model.
+#define COMERA_RELEASE_GIL pybind11::call_guard<pybind11::gil_scoped_release>()

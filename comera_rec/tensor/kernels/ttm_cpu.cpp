@@ -1342,24 +1342,24 @@ std::vector<int64_t> check_jagged(at::Tensor values, at::Tensor lengths, at::Ten
 #ifndef COMERA_OPERATOR_LIBRARY
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_bytes", [] { return comera::kVectorBytes; }, "the vector width this build's kernels use");
-  m.def("take_contraction_madds", &take_contraction_madds,
+  m.def("take_contraction_madds", &take_contraction_madds, COMERA_RELEASE_GIL,
         "the TTM lookup's contraction multiply-adds since the last call (and reset the count)");
-  m.def("ttm_bag_forward", &ttm_bag_forward, "fused de-duplicated TTM embedding-bag lookup (forward)");
-  m.def("ttm_halves", &ttm_halves, "both halves of a TTM train contracted over all their row indices");
-  m.def("ttm_bag_forward_halves", &ttm_bag_forward_halves, "the TTM embedding-bag lookup over whole halves (scoring)");
-  m.def("ttm_forward_layouts", &ttm_forward_layouts, "the lookup forward's permuted, padded core layouts");
-  m.def("ttm_bag_backward", &ttm_bag_backward, "fused de-duplicated TTM embedding-bag lookup (backward)");
-  m.def("gather_blocks", &gather_blocks, "column blocks of several matrices side by side");
-  m.def("scatter_blocks", &scatter_blocks, "the gradient of gather_blocks");
-  m.def("tt_linear_forward", &tt_linear_forward, "fused TT linear (+ ReLU): forward");
-  m.def("tt_linear_backward", &tt_linear_backward, "fused TT linear (+ ReLU): backward");
-  m.def("tt_linear_pack", &tt_linear_pack, "a TT linear's weights packed once for repeated scoring calls");
-  m.def("tt_linear_forward_packed", &tt_linear_forward_packed, "fused TT linear (+ ReLU) on packed weights, scoring");
-  m.def("tt_cross_forward", &tt_cross_forward, "a DCN cross net, each layer's projections one TT weight, then optionally TT linears (scoring)");
-  m.def("tt_chain_forward", &tt_chain_forward, "an MLP's consecutive fused TT linears (+ ReLU): forward, keeping each layer's t");
-  m.def("tt_chain_backward", &tt_chain_backward, "the backward of tt_chain_forward, the hidden outputs recomputed from t");
-  m.def("tt_chains_forward", &tt_chains_forward, "a TT weight's cores and controllers merged into its two chains");
-  m.def("tt_chains_backward", &tt_chains_backward, "the gradient of tt_chains_forward");
-  m.def("check_jagged", &check_jagged, "input checks of a jagged batch in one pass");
+  m.def("ttm_bag_forward", &ttm_bag_forward, COMERA_RELEASE_GIL, "fused de-duplicated TTM embedding-bag lookup (forward)");
+  m.def("ttm_halves", &ttm_halves, COMERA_RELEASE_GIL, "both halves of a TTM train contracted over all their row indices");
+  m.def("ttm_bag_forward_halves", &ttm_bag_forward_halves, COMERA_RELEASE_GIL, "the TTM embedding-bag lookup over whole halves (scoring)");
+  m.def("ttm_forward_layouts", &ttm_forward_layouts, COMERA_RELEASE_GIL, "the lookup forward's permuted, padded core layouts");
+  m.def("ttm_bag_backward", &ttm_bag_backward, COMERA_RELEASE_GIL, "fused de-duplicated TTM embedding-bag lookup (backward)");
+  m.def("gather_blocks", &gather_blocks, COMERA_RELEASE_GIL, "column blocks of several matrices side by side");
+  m.def("scatter_blocks", &scatter_blocks, COMERA_RELEASE_GIL, "the gradient of gather_blocks");
+  m.def("tt_linear_forward", &tt_linear_forward, COMERA_RELEASE_GIL, "fused TT linear (+ ReLU): forward");
+  m.def("tt_linear_backward", &tt_linear_backward, COMERA_RELEASE_GIL, "fused TT linear (+ ReLU): backward");
+  m.def("tt_linear_pack", &tt_linear_pack, COMERA_RELEASE_GIL, "a TT linear's weights packed once for repeated scoring calls");
+  m.def("tt_linear_forward_packed", &tt_linear_forward_packed, COMERA_RELEASE_GIL, "fused TT linear (+ ReLU) on packed weights, scoring");
+  m.def("tt_cross_forward", &tt_cross_forward, COMERA_RELEASE_GIL, "a DCN cross net, each layer's projections one TT weight, then optionally TT linears (scoring)");
+  m.def("tt_chain_forward", &tt_chain_forward, COMERA_RELEASE_GIL, "an MLP's consecutive fused TT linears (+ ReLU): forward, keeping each layer's t");
+  m.def("tt_chain_backward", &tt_chain_backward, COMERA_RELEASE_GIL, "the backward of tt_chain_forward, the hidden outputs recomputed from t");
+  m.def("tt_chains_forward", &tt_chains_forward, COMERA_RELEASE_GIL, "a TT weight's cores and controllers merged into its two chains");
+  m.def("tt_chains_backward", &tt_chains_backward, COMERA_RELEASE_GIL, "the gradient of tt_chains_forward");
+  m.def("check_jagged", &check_jagged, COMERA_RELEASE_GIL, "input checks of a jagged batch in one pass");
 }
 #endif
