@@ -37,7 +37,7 @@ def stamps_during_call(make_call: Callable[[int], Callable[[], object]], min_sec
     ``make_call(rows)`` returns the call at a problem size: the bound kernel itself with its
     arguments (``functools.partial``), so that no Python line runs between the call's start
     and the kernel's, where the interpreter may hand the lock over. ``rows`` doubles from
-    1024 until one call (after a first, warm-up one) takes ``min_seconds`` on one intra-op
+    1024 until one call (after a first, warm-up call at 1024) takes ``min_seconds`` on one intra-op
     thread. That call then runs again, its result kept until the clock is read (freeing a
     large tensor lets other threads in), while a second Python thread stamps the time in a
     loop. Returns the stamps from 5 ms after the call began to 5 ms before it ended: none
@@ -58,14 +58,15 @@ def stamps_during_call(make_call: Callable[[int], Callable[[], object]], min_sec
     torch.set_num_threads(1)
     try:
         rows = 1024
+        call = make_call(rows)
+        call()  # warm-up: the first call may build or load the extension
         while True:
-            call = make_call(rows)
-            call()  # warm-up: the first call may build or load the extension
             start = time.perf_counter()
             call()
             if time.perf_counter() - start >= min_seconds or rows >= 1 << 20:
                 break
             rows *= 2
+            call = make_call(rows)
         sys.setswitchinterval(0.001)
         worker.start()
         time.sleep(0.01)  # the stamping thread is running
