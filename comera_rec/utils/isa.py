@@ -41,6 +41,44 @@ def cpu_flags_line() -> str:
         return ""
 
 
+def cpu_model(cpuinfo: str | None = None) -> str:
+    r"""The CPU's name with its family and model numbers, from the first processor of
+    ``/proc/cpuinfo`` (or of the given text); ``""`` where it names none.
+
+    Cloud hosts often report only a brand (``AMD EPYC``) for CPUs of several generations
+    whose caches and vector units differ (AMD's family 25 model 1 is Zen 3, model 17 Zen 4),
+    so a benchmark's first line gives the numbers too.
+
+    Args:
+        cpuinfo: text in ``/proc/cpuinfo``'s format; ``None`` reads this host's.
+
+    Example::
+
+        >>> cpu_model("cpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n")
+        'AMD EPYC (family 25, model 17)'
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block only
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", "")
+    family, model = fields.get("cpu family", ""), fields.get("model", "")
+    if not (name and family.isdigit() and model.isdigit()):
+        return name
+    return f"{name} (family {family}, model {model})"
+
+
 def host_cpu_flags() -> set[str]:
     """This host's CPU flags from ``/proc/cpuinfo`` (empty where there is none)."""
     return set(cpu_flags_line().partition(":")[2].split())

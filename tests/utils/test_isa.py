@@ -12,6 +12,7 @@ import pytest
 from comera_rec.utils.isa import (
     ISA_CHOICES,
     check_host_runs,
+    cpu_model,
     environment_applies,
     host_cpu_flags,
     isa_environment,
@@ -80,3 +81,35 @@ def test_host_cpu_flags_reads_this_machine() -> None:
         assert "sse2" in flags
     else:
         assert isinstance(flags, set)
+
+
+ZEN4_TWO_CORES = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 avx512f
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: Another CPU
+"""
+
+
+def test_cpu_model_gives_the_family_and_model_numbers_of_the_first_processor() -> None:
+    assert cpu_model(ZEN4_TWO_CORES) == "AMD EPYC (family 25, model 17)"
+    intel = "cpu family\t: 6\nmodel\t\t: 207\nmodel name\t: Intel(R) Xeon(R) Platinum 8581C CPU @ 2.10GHz\n"
+    assert cpu_model(intel) == "Intel(R) Xeon(R) Platinum 8581C CPU @ 2.10GHz (family 6, model 207)"
+    # no numbers (an Arm host's cpuinfo has none of these fields), or no name
+    assert cpu_model("model name\t: Some CPU\n") == "Some CPU"
+    assert cpu_model("processor\t: 0\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n") == ""
+    assert cpu_model("") == ""
+
+
+def test_cpu_model_reads_this_machine() -> None:
+    model = cpu_model()
+    assert isinstance(model, str)
+    if Path("/proc/cpuinfo").exists() and platform.machine() in ("x86_64", "AMD64"):
+        assert "(family " in model and ", model " in model

@@ -48,7 +48,7 @@ from comera_rec.tensor.kernels.build_support import (  # the build's helpers (im
     exclusive_build,
     pinned_ninja_on_path,
 )
-from comera_rec.utils.isa import cpu_flags_line
+from comera_rec.utils.isa import cpu_flags_line, cpu_model
 
 logger = logging.getLogger(__name__)
 
@@ -454,19 +454,15 @@ def cpu_vector_bytes() -> int:
 
 def host_description() -> str:
     """One line saying where a figure was measured: the instruction set and vector width the
-    CPU kernels target, the CPU model and the cores this process may use.
+    CPU kernels target, the CPU model (:func:`~comera_rec.utils.isa.cpu_model`: its name, family
+    and model numbers) and the cores this process may use.
 
     Example::
 
         >>> host_description()  # doctest: +SKIP
-        'AVX2 (32-byte vectors); AMD EPYC 7B13; 2 cores'
+        'AVX2 (32-byte vectors); AMD EPYC 7B13 (family 25, model 1); 2 cores'
     """
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
+    model = cpu_model()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     parts = [_target_description(_forced_vector_bytes()), model or platform.processor() or platform.machine()]
     return "; ".join(p for p in parts if p) + f"; {cores} cores"
