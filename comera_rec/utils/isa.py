@@ -32,13 +32,18 @@ _AVX2 = {
 _FORCED = {"MKL_ENABLE_INSTRUCTIONS": "MKL", "FBGEMM_ENABLE_INSTRUCTIONS": "FBGEMM"}
 
 
-def cpu_flags_line() -> str:
-    """The ``flags`` line of ``/proc/cpuinfo`` (``""`` where there is none)."""
+def _cpuinfo() -> str:
+    """``/proc/cpuinfo``'s text (``""`` where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            return f.read()
     except OSError:
         return ""
+
+
+def cpu_flags_line() -> str:
+    """The ``flags`` line of ``/proc/cpuinfo`` (``""`` where there is none)."""
+    return next((line + "\n" for line in _cpuinfo().splitlines() if line.startswith("flags")), "")
 
 
 def cpu_model(cpuinfo: str | None = None) -> str:
@@ -58,11 +63,7 @@ def cpu_model(cpuinfo: str | None = None) -> str:
         'AMD EPYC (family 25, model 17)'
     """
     if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return ""
+        cpuinfo = _cpuinfo()
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():
