@@ -140,6 +140,29 @@ def test_tt_linear_takes_the_cpp_chains_and_matches_the_composed_path() -> None:
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("in_features,out_features,rank,shape", [CASES[1], CASES[-1], (512, 256, 32, ((8, 8, 8), (4, 8, 8)))])
+def test_float32_merges_match_the_float64_ones(in_features, out_features, rank, shape) -> None:
+    # float32 runs other vector tiles (twice the lanes) than the float64 tests above
+    layer = make_layer(in_features, out_features, rank, shape)
+    inputs, outputs, controllers = split(layer)
+    grad_w = torch.randn(in_features, out_features, generator=torch.Generator().manual_seed(2), dtype=DT)
+    params = list(layer.cores) + list(layer.controllers)
+
+    def product_and_grads(dtype):
+        ps = [p.detach().to(dtype).requires_grad_() for p in params]
+        d = len(inputs)
+        left, right = kernels.tt_chains_cpu(ps[:d], ps[d : 2 * d], ps[2 * d :], in_features, out_features)
+        product = left @ right
+        return product.double(), [g.double() for g in torch.autograd.grad((product * grad_w.to(dtype)).sum(), ps)]
+
+    product32, grads32 = product_and_grads(torch.float32)
+    product64, grads64 = product_and_grads(DT)
+    torch.testing.assert_close(product32, product64, rtol=1e-5, atol=1e-5)
+    for k, (a, b) in enumerate(zip(grads32, grads64)):
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * max(scale, 1.0), msg=lambda m, k=k: f"tensor {k}: {m}")
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     in_modes=st.lists(st.integers(1, 4), min_size=1, max_size=3),
@@ -157,37 +180,3 @@ def test_property_shapes_and_ranks(in_modes, out_seed, rank, data) -> None:
     left, right = kernels.tt_chains_cpu(inputs, outputs, controllers, in_features, out_features)
     assert left.shape[0] == in_features and right.shape[1] == out_features
     torch.testing.assert_close(left @ right, dense_reference(layer), rtol=1e-12, atol=1e-12)
-
-
-def _mkl_max_threads():
-    """MKL's thread count for this thread (its thread-local setting where one is made), or
-    ``None`` where torch's BLAS is not MKL."""
-    import ctypes
-    import os
-
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        return lib.MKL_Get_Max_Threads
-    except (OSError, AttributeError):
-        return None
-
-
-def test_the_merges_leave_mkl_threads_as_they_were() -> None:
-    """The merges run their small products in the calling thread alone (MKL's thread-local
-    count set to 1 for the call) and set MKL back: GEMMs after them get every thread."""
-    mkl_threads = _mkl_max_threads()
-    if mkl_threads is None:
-        pytest.skip("torch's BLAS here is not MKL")
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        was = mkl_threads()
-        assert was == 2
-        layer = make_layer(30, 20, 4, ((2, 3, 5), (4, 5, 1)))
-        inputs, outputs, controllers = split(layer)
-        left, right = kernels.tt_chains_cpu(inputs, outputs, controllers, 30, 20)
-        assert mkl_threads() == was
-        torch.autograd.grad(left.sum() + right.sum(), [*inputs, *outputs])
-        assert mkl_threads() == was
-    finally:
-        torch.set_num_threads(before)

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [
     "tests/tensor/test_tt_linear_kernel.py",
     "tests/tensor/test_tt_chain_kernel.py",
+    "tests/tensor/test_tt_chains.py",
     "tests/tensor/test_cpu_kernel.py",
     "tests/integration/test_rowwise_bag_kernel.py",
     "tests/dlrm/test_interaction.py",

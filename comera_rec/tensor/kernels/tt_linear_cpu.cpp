@@ -17,7 +17,6 @@
 // result is the same for any number of threads.
 
 #include "aten_ops.h"
-#include <c10/util/ParallelGuard.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -27,14 +26,6 @@
 #include <vector>
 
 #include "simd.h"
-
-// MKL's thread count for the calling thread only, where torch's BLAS is MKL (weak: other
-// builds have no such symbol, and the guard below then does nothing)
-#if defined(__linux__)
-extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
-#else
-static int (*const MKL_Set_Num_Threads_Local)(int) = nullptr;
-#endif
 
 namespace {
 
@@ -1154,7 +1145,10 @@ std::vector<at::Tensor> tt_chain_backward(at::Tensor grad_y, at::Tensor x, std::
 // G_{d+1} D_{d+1} ... D_{2d-1} G_{2d} as (r, N_out): each controller scales the running
 // product of its side (left's columns, right's rows), the same product as scaling a core.
 // Composed of torch operators with autograd, that is about 50 small operators a layer
-// forward and backward, whose dispatch cost more than their arithmetic (a few MFLOP).
+// forward and backward, whose dispatch cost more than their arithmetic (a few MFLOP); as
+// ATen calls from C++ (MKL's products, ATen's elementwise loops) still ~30 calls a layer,
+// 0.3 ms forward and backward for ~5 MFLOP. Here they are loops of our own in the calling
+// thread: the products are too small to share between threads.
 //
 // Forward returns {left (in_features rows), right (out_features columns), then per left
 // bond k the running product before and after its controller (P_k, Q_k), then per right
@@ -1169,61 +1163,132 @@ void check_chains(const std::vector<at::Tensor>& cores, const std::vector<at::Te
               " controllers for ", cores.size(), " cores (need one per bond)");
   for (size_t k = 0; k < cores.size(); ++k) {
     TORCH_CHECK(cores[k].dim() == 3, "tt_chains: core ", k, " must be (r, n, r'), got ", cores[k].sizes());
+    TORCH_CHECK(cores[k].scalar_type() == cores[0].scalar_type(), "tt_chains: core ", k, " is ",
+                cores[k].scalar_type(), ", core 0 ", cores[0].scalar_type());
     if (k + 1 < cores.size())
       TORCH_CHECK(controllers[k].dim() == 1 && controllers[k].size(0) == cores[k].size(2) &&
-                      cores[k + 1].size(0) == cores[k].size(2),
+                      cores[k + 1].size(0) == cores[k].size(2) &&
+                      controllers[k].scalar_type() == cores[0].scalar_type(),
                   "tt_chains: bond ", k, " has ranks ", cores[k].size(2), " / ", cores[k + 1].size(0),
-                  " and a controller of ", controllers[k].sizes());
+                  " and a controller of ", controllers[k].sizes(), " (", controllers[k].scalar_type(), ")");
   }
   TORCH_CHECK(cores.front().size(0) == 1 && cores.back().size(2) == 1, "tt_chains: the end ranks must be 1");
 }
 
-// The chain merges in the calling thread alone: their products are small (a few MFLOP a layer
-// in all), and a second thread for each cost more than it gave (the 2-core AVX2 host: MKL's
-// 32 x 64 x 256 product 23 us on one thread, 37 us on two).
-class SerialSection {
- public:
-  SerialSection() : parallel_(true), mkl_(MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0) {}
-  ~SerialSection() {
-    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(mkl_);
+std::vector<at::Tensor> contiguous_all(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.push_back(t.contiguous());
+  return out;
+}
+
+// out[i0 : i0 + RB][j : j + CB W] of small_gemm in registers: RB x CB independent sums
+// (enough of them that consecutive multiply-adds do not wait on each other), each stored once.
+template <int RB, int CB, typename T>
+inline void gemm_tile(T* out, int64_t ldo, int64_t i0, int64_t j, int64_t K, const T* a, int64_t a_row,
+                      int64_t a_col, const T* b, int64_t ldb) {
+  constexpr int64_t W = kLanes<T>;
+  vec_t<T> acc[RB][CB] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    vec_t<T> bv[CB];
+    for (int u = 0; u < CB; ++u) bv[u] = vload(b + k * ldb + j + u * W);
+    for (int r = 0; r < RB; ++r) {
+      const T av = a[(i0 + r) * a_row + k * a_col];
+      for (int u = 0; u < CB; ++u) acc[r][u] += av * bv[u];
+    }
   }
-  SerialSection(const SerialSection&) = delete;
-  SerialSection& operator=(const SerialSection&) = delete;
+  for (int r = 0; r < RB; ++r)
+    for (int u = 0; u < CB; ++u) vstore(out + (i0 + r) * ldo + j + u * W, acc[r][u]);
+}
 
- private:
-  c10::ParallelGuard parallel_;  // ATen's own loops see a parallel region and run serially
-  int mkl_;                      // the previous thread-local setting (0: the global one)
-};
+// out (rows, cols), rows ldo apart, = A @ B with A[i][k] = a[i * a_row + k * a_col] (so a
+// transposed A is a_row = 1) and B (K, cols) rows ldb apart, every sum in k order: tiles
+// of 2 rows x 4 vectors, narrow column rests in tiles of 8 rows x 1 vector (a rank of 32
+// is 2 float32 vectors with AVX-512), the last columns short of a vector as a vector padded with zeros.
+template <typename T>
+void small_gemm(T* out, int64_t ldo, int64_t rows, int64_t cols, int64_t K, const T* a, int64_t a_row,
+                int64_t a_col, const T* b, int64_t ldb) {
+  constexpr int64_t W = kLanes<T>;
+  int64_t j = 0;
+  for (; j + 4 * W <= cols; j += 4 * W) {
+    int64_t i = 0;
+    for (; i + 2 <= rows; i += 2) gemm_tile<2, 4>(out, ldo, i, j, K, a, a_row, a_col, b, ldb);
+    for (; i < rows; ++i) gemm_tile<1, 4>(out, ldo, i, j, K, a, a_row, a_col, b, ldb);
+  }
+  for (; j + W <= cols; j += W) {
+    int64_t i = 0;
+    for (; i + 8 <= rows; i += 8) gemm_tile<8, 1>(out, ldo, i, j, K, a, a_row, a_col, b, ldb);
+    for (; i < rows; ++i) gemm_tile<1, 1>(out, ldo, i, j, K, a, a_row, a_col, b, ldb);
+  }
+  if (j == cols) return;
+  // the last cols - j < W columns: B's as whole vectors padded with zeros, into a scratch
+  const int64_t rest = cols - j;
+  std::vector<T> bp(K * W, T(0)), op(rows * W);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t c = 0; c < rest; ++c) bp[k * W + c] = b[k * ldb + j + c];
+  int64_t i = 0;
+  for (; i + 8 <= rows; i += 8) gemm_tile<8, 1>(op.data(), W, i, 0, K, a, a_row, a_col, bp.data(), W);
+  for (; i < rows; ++i) gemm_tile<1, 1>(op.data(), W, i, 0, K, a, a_row, a_col, bp.data(), W);
+  for (i = 0; i < rows; ++i)
+    for (int64_t c = 0; c < rest; ++c) out[i * ldo + j + c] = op[i * W + c];
+}
 
-}  // namespace
+// (rows, cols) -> (cols, rows)
+template <typename T>
+std::vector<T> transposed(const T* m, int64_t rows, int64_t cols) {
+  std::vector<T> out(rows * cols);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = m[i * cols + j];
+  return out;
+}
 
-std::vector<at::Tensor> tt_chains_forward(std::vector<at::Tensor> cores, std::vector<at::Tensor> controllers,
-                                          int64_t d, int64_t in_features, int64_t out_features) {
-  check_chains(cores, controllers, d);
-  const SerialSection serial;
+template <typename T>
+std::vector<at::Tensor> chains_forward(const std::vector<at::Tensor>& cores, const std::vector<at::Tensor>& controllers,
+                                       int64_t d, int64_t in_features, int64_t out_features) {
+  const auto options = cores[0].options();
   std::vector<at::Tensor> saved;
   // left: P_0 = G_1 as (n_1, r_1); Q_k = P_k D_k; P_{k+1} = (Q_k @ G_{k+2}) as (N, r)
-  at::Tensor P = cores[0].reshape({cores[0].size(1), cores[0].size(2)});
+  int64_t N = cores[0].size(1), r = cores[0].size(2);
+  at::Tensor P = cores[0].view({N, r});
   at::Tensor Q;
   for (int64_t k = 0; k < d; ++k) {
-    Q = P.mul(controllers[k]);
+    Q = at::empty({N, r}, options);
+    const T* p = P.data_ptr<T>();
+    const T* dk = controllers[k].data_ptr<T>();
+    T* q = Q.data_ptr<T>();
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t c = 0; c < r; ++c) q[i * r + c] = p[i * r + c] * dk[c];
     saved.push_back(P);
     saved.push_back(Q);
     if (k + 1 < d) {
-      const auto& g = cores[k + 1];
-      P = at::mm(Q, g.reshape({g.size(0), -1})).reshape({-1, g.size(2)});
+      const auto& g = cores[k + 1];  // (r, n, r')
+      const int64_t n = g.size(1), r2 = g.size(2);
+      P = at::empty({N * n, r2}, options);
+      small_gemm(P.data_ptr<T>(), n * r2, N, n * r2, r, q, r, 1, g.data_ptr<T>(), n * r2);
+      N *= n;
+      r = r2;
     }
   }
-  // right: from the last core, R_k = the product of cores k + 1 .. 2d - 1 as (r_k, M);
+  // right, from the last core: R_k = the product of cores k + 1 .. 2d - 1 as (r_k, M);
   // S_k = D_k R_k; R_{k-1} = (G_k as (r_{k-1} n_k, r_k) @ S_k) as (r_{k-1}, n_k M)
   const auto& last = cores[2 * d - 1];
-  at::Tensor R = last.reshape({last.size(0), last.size(1)});
+  int64_t M = last.size(1);
+  at::Tensor R = last.view({last.size(0), M});
   for (int64_t k = 2 * d - 2; k >= d; --k) {
-    const auto S = R.mul(controllers[k].unsqueeze(1));
+    const int64_t rk = R.size(0);
+    at::Tensor S = at::empty({rk, M}, options);
+    const T* rp = R.data_ptr<T>();
+    const T* dk = controllers[k].data_ptr<T>();
+    T* s = S.data_ptr<T>();
+    for (int64_t b = 0; b < rk; ++b)
+      for (int64_t m = 0; m < M; ++m) s[b * M + m] = dk[b] * rp[b * M + m];
     saved.push_back(R);
     saved.push_back(S);
-    const auto& g = cores[k];
-    R = at::mm(g.reshape({-1, g.size(2)}), S).reshape({g.size(0), -1});
+    const auto& g = cores[k];  // (r_{k-1}, n_k, r_k)
+    const int64_t rows = g.size(0) * g.size(1);
+    R = at::empty({g.size(0), g.size(1) * M}, options);
+    small_gemm(R.data_ptr<T>(), M, rows, M, rk, g.data_ptr<T>(), rk, 1, s, M);
+    M *= g.size(1);
   }
   TORCH_CHECK(in_features >= 1 && in_features <= Q.size(0) && out_features >= 1 && out_features <= R.size(1),
               "tt_chains: ", in_features, " x ", out_features, " features from a ", Q.size(0), " x ", R.size(1),
@@ -1233,56 +1298,129 @@ std::vector<at::Tensor> tt_chains_forward(std::vector<at::Tensor> cores, std::ve
   return out;
 }
 
+// `full` (rows, cols) holds `part` (rows, part_cols) in its first columns and zeros after.
+template <typename T>
+at::Tensor zero_padded(const at::Tensor& part, int64_t rows, int64_t cols) {
+  at::Tensor full = at::empty({rows, cols}, part.options());
+  const int64_t pc = part.size(1), pr = part.size(0);
+  const T* src = part.data_ptr<T>();
+  T* dst = full.data_ptr<T>();
+  for (int64_t i = 0; i < pr; ++i) {
+    std::copy(src + i * pc, src + (i + 1) * pc, dst + i * cols);
+    std::fill(dst + i * cols + pc, dst + (i + 1) * cols, T(0));
+  }
+  std::fill(dst + pr * cols, dst + rows * cols, T(0));
+  return full;
+}
+
+template <typename T>
+std::vector<at::Tensor> chains_backward(const at::Tensor& grad_left, const at::Tensor& grad_right,
+                                        const std::vector<at::Tensor>& cores,
+                                        const std::vector<at::Tensor>& controllers,
+                                        const std::vector<at::Tensor>& saved, int64_t d) {
+  const auto options = cores[0].options();
+  std::vector<at::Tensor> grad_cores(2 * d), grad_controllers(2 * d - 1);
+  // left, from its last bond back; grad_left covers in_features of the N_in rows
+  const auto& Q_last = saved[2 * (d - 1) + 1];
+  at::Tensor gQ = zero_padded<T>(grad_left, Q_last.size(0), Q_last.size(1));
+  for (int64_t k = d - 1; k >= 0; --k) {
+    const auto& P = saved[2 * k];
+    const int64_t N = P.size(0), r = P.size(1);
+    T* gq = gQ.data_ptr<T>();
+    const T* p = P.data_ptr<T>();
+    const T* dk = controllers[k].data_ptr<T>();
+    // grad D_k = column sums of gQ * P; then gQ * D_k in place: gP
+    grad_controllers[k] = at::zeros({r}, options);
+    T* gd = grad_controllers[k].data_ptr<T>();
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t c = 0; c < r; ++c) {
+        gd[c] += gq[i * r + c] * p[i * r + c];
+        gq[i * r + c] *= dk[c];
+      }
+    if (k == 0) {
+      grad_cores[0] = gQ.view(cores[0].sizes());
+      break;
+    }
+    const auto& g = cores[k];  // (r_{k-1}, n, r)
+    const auto& Q_prev = saved[2 * (k - 1) + 1];  // (N_prev, r_{k-1})
+    const int64_t N_prev = Q_prev.size(0), r_prev = Q_prev.size(1), width = g.size(1) * r;
+    // gP as (N_prev, n r): grad G_k = Q_prev^T @ gP; grad Q_prev = gP @ G_k^T
+    grad_cores[k] = at::empty(g.sizes(), options);
+    small_gemm(grad_cores[k].data_ptr<T>(), width, r_prev, width, N_prev, Q_prev.data_ptr<T>(), 1, r_prev, gq, width);
+    const auto gT = transposed(g.data_ptr<T>(), r_prev, width);  // (n r, r_{k-1})
+    at::Tensor gQ_prev = at::empty({N_prev, r_prev}, options);
+    small_gemm(gQ_prev.data_ptr<T>(), r_prev, N_prev, r_prev, width, gq, width, 1, gT.data(), r_prev);
+    gQ = gQ_prev;
+  }
+  // right, from its first bond (d) on; grad_right covers out_features of the N_out columns
+  const int64_t base = 2 * d;  // saved[base + 2 j], saved[base + 2 j + 1]: R_k, S_k for k = 2d - 2 - j
+  int64_t n_out = 1;           // N_out: the output modes' product
+  for (int64_t k = d; k < 2 * d; ++k) n_out *= cores[k].size(1);
+  at::Tensor gR = zero_padded<T>(grad_right, cores[d].size(0), n_out);
+  for (int64_t k = d; k <= 2 * d - 2; ++k) {
+    const int64_t j = 2 * d - 2 - k;
+    const auto& R = saved[base + 2 * j];
+    const auto& S = saved[base + 2 * j + 1];
+    const auto& g = cores[k];  // (r_{k-1}, n_k, r_k)
+    const int64_t rk = S.size(0), M = S.size(1), rows = g.size(0) * g.size(1);
+    const T* G = gR.data_ptr<T>();  // (r_{k-1} n_k, M)
+    // grad G_k = G @ S^T; gS = G_k^T @ G, both over the (r_{k-1} n_k) rows
+    const auto sT = transposed(S.data_ptr<T>(), rk, M);  // (M, r_k)
+    grad_cores[k] = at::empty(g.sizes(), options);
+    small_gemm(grad_cores[k].data_ptr<T>(), rk, rows, rk, M, G, M, 1, sT.data(), rk);
+    at::Tensor gS = at::empty({rk, M}, options);
+    T* gs = gS.data_ptr<T>();
+    small_gemm(gs, M, rk, M, rows, g.data_ptr<T>(), 1, rk, G, M);
+    // grad D_k = row sums of gS * R; then D_k gS in place: the next gR
+    grad_controllers[k] = at::empty({rk}, options);
+    T* gd = grad_controllers[k].data_ptr<T>();
+    const T* rp = R.data_ptr<T>();
+    const T* dk = controllers[k].data_ptr<T>();
+    for (int64_t b = 0; b < rk; ++b) {
+      T sum = 0;
+      for (int64_t m = 0; m < M; ++m) {
+        sum += gs[b * M + m] * rp[b * M + m];
+        gs[b * M + m] *= dk[b];
+      }
+      gd[b] = sum;
+    }
+    gR = gS;
+  }
+  grad_cores[2 * d - 1] = gR.view(cores[2 * d - 1].sizes());
+  std::vector<at::Tensor> out = grad_cores;
+  out.insert(out.end(), grad_controllers.begin(), grad_controllers.end());
+  return out;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> tt_chains_forward(std::vector<at::Tensor> cores, std::vector<at::Tensor> controllers,
+                                          int64_t d, int64_t in_features, int64_t out_features) {
+  check_chains(cores, controllers, d);
+  cores = contiguous_all(cores);
+  controllers = contiguous_all(controllers);
+  std::vector<at::Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(cores[0].scalar_type(), "tt_chains_forward",
+                             [&] { out = chains_forward<scalar_t>(cores, controllers, d, in_features, out_features); });
+  return out;
+}
+
 // The gradients of the 2d cores, then of the 2d - 1 controllers.
 std::vector<at::Tensor> tt_chains_backward(at::Tensor grad_left, at::Tensor grad_right,
                                            std::vector<at::Tensor> cores,
                                            std::vector<at::Tensor> controllers, std::vector<at::Tensor> saved,
                                            int64_t d) {
   check_chains(cores, controllers, d);
-  const SerialSection serial;
   TORCH_CHECK(static_cast<int64_t>(saved.size()) == 2 * (2 * d - 1), "tt_chains: ", saved.size(),
               " saved products for ", 2 * d - 1, " bonds");
-  std::vector<at::Tensor> grad_cores(2 * d), grad_controllers(2 * d - 1);
-  // left, from its last bond back; grad_left covers in_features of the N_in rows
-  const auto& Q_last = saved[2 * (d - 1) + 1];
-  at::Tensor gQ = at::zeros_like(Q_last);
-  gQ.narrow(0, 0, grad_left.size(0)).copy_(grad_left);
-  for (int64_t k = d - 1; k >= 0; --k) {
-    const auto& P = saved[2 * k];
-    grad_controllers[k] = gQ.mul(P).sum(0);
-    const auto gP = gQ.mul(controllers[k]);
-    if (k == 0) {
-      grad_cores[0] = gP.reshape(cores[0].sizes());
-    } else {
-      const auto& g = cores[k];
-      const auto& Q_prev = saved[2 * (k - 1) + 1];
-      const auto gP2 = gP.reshape({Q_prev.size(0), -1});  // (N_prev, n_k r_k)
-      grad_cores[k] = at::mm(Q_prev.t(), gP2).reshape(g.sizes());
-      gQ = at::mm(gP2, g.reshape({g.size(0), -1}).t());
-    }
-  }
-  // right, from its first bond (d) on; grad_right covers out_features of the N_out columns
-  const int64_t base = 2 * d;  // saved[base + 2 j], saved[base + 2 j + 1]: R_k, S_k for k = 2d - 2 - j
-  at::Tensor gR;
-  {
-    int64_t n_out = 1;  // N_out: the output modes' product
-    for (int64_t k = d; k < 2 * d; ++k) n_out *= cores[k].size(1);
-    gR = at::zeros({cores[d].size(0), n_out}, grad_right.options());
-    gR.narrow(1, 0, grad_right.size(1)).copy_(grad_right);
-  }
-  for (int64_t k = d; k <= 2 * d - 2; ++k) {
-    const int64_t j = 2 * d - 2 - k;
-    const auto& R = saved[base + 2 * j];
-    const auto& S = saved[base + 2 * j + 1];
-    const auto& g = cores[k];
-    const auto G = gR.reshape({g.size(0) * g.size(1), -1});  // (r_{k-1} n_k, M)
-    grad_cores[k] = at::mm(G, S.t()).reshape(g.sizes());
-    const auto gS = at::mm(g.reshape({-1, g.size(2)}).t(), G);  // (r_k, M)
-    grad_controllers[k] = gS.mul(R).sum(1);
-    gR = gS.mul(controllers[k].unsqueeze(1));
-  }
-  grad_cores[2 * d - 1] = gR.reshape(cores[2 * d - 1].sizes());
-  std::vector<at::Tensor> out = grad_cores;
-  out.insert(out.end(), grad_controllers.begin(), grad_controllers.end());
+  cores = contiguous_all(cores);
+  controllers = contiguous_all(controllers);
+  saved = contiguous_all(saved);
+  grad_left = grad_left.contiguous();
+  grad_right = grad_right.contiguous();
+  std::vector<at::Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(cores[0].scalar_type(), "tt_chains_backward", [&] {
+    out = chains_backward<scalar_t>(grad_left, grad_right, cores, controllers, saved, d);
+  });
   return out;
 }
