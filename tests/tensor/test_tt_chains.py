@@ -140,7 +140,9 @@ def test_tt_linear_takes_the_cpp_chains_and_matches_the_composed_path() -> None:
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("in_features,out_features,rank,shape", [CASES[1], CASES[-1], (512, 256, 32, ((8, 8, 8), (4, 8, 8)))])
+@pytest.mark.parametrize(
+    "in_features,out_features,rank,shape", [CASES[1], CASES[-1], (512, 256, 32, ((8, 8, 8), (4, 8, 8)))]
+)
 def test_float32_merges_match_the_float64_ones(in_features, out_features, rank, shape) -> None:
     # float32 runs other vector tiles (twice the lanes) than the float64 tests above
     layer = make_layer(in_features, out_features, rank, shape)
