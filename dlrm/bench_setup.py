@@ -19,6 +19,7 @@ from comera_rec.integration.distributed import EmbeddingOptimizerSpec, replicate
 from comera_rec.integration.mlp import unchain_layers
 from comera_rec.tensor import kernels
 from comera_rec.tensor.train import tensor_train_modules
+from comera_rec.training.adamw import GroupStepAdamW
 from comera_rec.training.metrics import BinaryMetrics
 
 
@@ -110,10 +111,10 @@ EMBEDDING_LR = 0.05
 
 
 def adamw(groups: dict[str, list[nn.Parameter]]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
+    return GroupStepAdamW(
         [{"params": groups[k], "lr": LEARNING_RATES[k]} for k in LEARNING_RATES if groups[k]],
         weight_decay=0.0,
-        fused=True,  # torch's fused AdamW, for every variant alike
+        fused=True,  # torch's fused AdamW kernel, stepped per group as the trainer does, for every variant alike
     )
 
 

@@ -1,6 +1,7 @@
 """The training engine that knows nothing of the model's kind: loop, optimisers,
 metrics, checkpoints and reports."""
 
+from comera_rec.training.adamw import GroupStepAdamW
 from comera_rec.training.checkpoint import (
     CheckpointError,
     NonFiniteStateError,
@@ -18,6 +19,7 @@ from comera_rec.training.trainer_config import task_hook
 __all__ = [
     "BinaryMetrics",
     "CheckpointError",
+    "GroupStepAdamW",
     "IncompatibleCheckpointError",
     "JsonlLog",
     "NonFiniteStateError",

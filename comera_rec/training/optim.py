@@ -21,9 +21,10 @@ from torch import nn
 from comera_rec.rank.optim_state import sliced_state
 from comera_rec.rank.truncation import TruncationResult
 from comera_rec.tensor.train import parameter_groups
+from comera_rec.training.adamw import GroupStepAdamW
 
 OPTIMIZERS = {
-    "AdamW": torch.optim.AdamW,
+    "AdamW": GroupStepAdamW,  # torch's AdamW, its fused step per group (bit for bit the same)
     "Adam": torch.optim.Adam,
     "SGD": torch.optim.SGD,
     "Adagrad": torch.optim.Adagrad,
