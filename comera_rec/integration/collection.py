@@ -379,6 +379,91 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         if validate:
             check_jagged_batch(features, keys, values, lengths, bounds, self._bounds)
 
+    def _group_inputs(
+        self,
+        g: int,
+        stream: Callable[[str], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        weighted: bool,
+        batch: int,
+        ids_of_key: Callable[[str], int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """TTM group ``g``'s lookup inputs: ``(ids, lengths, offsets, trains, weights)``,
+        its streams' bags one after the other (``ids_of_key(f)``: feature ``f``'s id count,
+        from the host's lengths per key)."""
+        streams = self._group_streams[g]
+        parts = [stream(f) for f, _, _ in streams]
+        ids = torch.cat([p[0] for p in parts]).long()
+        lens = torch.cat([p[1] for p in parts]).long()
+        w = torch.cat([p[2] for p in parts]) if weighted else None  # type: ignore[misc]
+        stream_train, _ = self._stream_constants_on(g, ids.device)
+        # (N_g,): each id's table. A stream's ids are contiguous: on the host, its table
+        # repeats once per id of the stream (from the host lengths per key, one repeat
+        # per stream); static shapes / devices repeat per bag from device tensors (no
+        # tensor from Python data: capturable in a CUDA graph)
+        if ids.device.type == "cpu" and not self.static_shapes:
+            ids_per_stream = torch.tensor([ids_of_key(f) for f, _, _ in streams])
+            trains = torch.repeat_interleave(stream_train, ids_per_stream, output_size=ids.numel())
+        else:
+            trains = torch.repeat_interleave(
+                stream_train.unsqueeze(1).expand(-1, batch).reshape(-1), lens, output_size=ids.numel()
+            )
+        offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
+        return ids, lens, offsets, trains, w
+
+    def _lookups_write_in_place(self, values: torch.Tensor) -> bool:
+        """Whether every lookup can write its bags into the output itself (no gather after):
+        training on CPU through the fused kernels (float32 TTM cores, sum pooling), the
+        dense tables (if any) through their one table-batched lookup. Scoring keeps its
+        cached halves and the gather."""
+        if not torch.is_grad_enabled() or self.static_shapes or values.device.type != "cpu":
+            return False
+        if any(mean for streams in self._group_streams for _, _, mean in streams):
+            return False
+        if self.dense is not None and (
+            type(self.dense) is EmbeddingBagCollection or self._direct_dense_lookup() is None
+        ):
+            return False
+        return all(
+            group.cores[0].dtype == torch.float32 and kernels.cpu_kernel_applies(list(group.cores), values)
+            for group in self.groups
+        )
+
+    def _pool_in_place(
+        self,
+        stream: Callable[[str], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        weighted: bool,
+        batch: int,
+        ids_of_key: Callable[[str], int],
+    ) -> KeyedTensor:
+        """:meth:`_pool` with every lookup writing its bags into the ``(B, width)`` output at
+        their keys' columns (:meth:`_lookups_write_in_place`): the dense tables' lookup makes
+        the output, each TTM group writes its columns into it, and in backward each reads
+        its columns of the one gradient. The gather's pass over the output and its
+        gradient's pass back are not made."""
+        layout = self._layout
+        width = sum(layout.lengths_per_embedding)
+        dense_cols, group_cols = layout.stream_columns(len(self.groups))
+        if self.dense is not None:
+            parts = [stream(f) for f in self._dense_features]
+            ids = torch.cat([p[0] for p in parts])
+            w = torch.cat([p[2] for p in parts]) if weighted else None  # type: ignore[misc]
+            out = fused_tables_lookup(
+                self._direct_dense_lookup(),  # type: ignore[arg-type]
+                ids,
+                torch.cat([p[1] for p in parts]),
+                w,
+                batch,
+                out_columns=(width, dense_cols),
+            )
+        else:  # every column is a TTM group's
+            out = torch.empty(batch, width)
+        for g, group in enumerate(self.groups):
+            ids, _, offsets, trains, w = self._group_inputs(g, stream, weighted, batch, ids_of_key)
+            out = group.forward_into(out, group_cols[g], ids, offsets, trains, w, stream_batch=batch)
+        return KeyedTensor(
+            keys=list(layout.embedding_names), values=out, length_per_key=list(layout.lengths_per_embedding)
+        )
+
     def _pool(self, features: KeyedJaggedTensor, dense_out: object) -> KeyedTensor:
         """:meth:`forward` after the checks; ``dense_out`` is the sharded ``dense`` child's
         output for ``features`` (``None`` when ``dense`` is unsharded or absent)."""
@@ -409,30 +494,23 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
             return values[lo:hi], lengths[i * batch : (i + 1) * batch], w
 
         # On CPU with the fused kernel, every part comes as (B, streams * D) and one pass
-        # gathers the output's blocks from them (gather_column_blocks); otherwise the
-        # parts are split per stream and concatenated.
+        # gathers the output's blocks from them (gather_column_blocks), except in training,
+        # where the lookups write into the output themselves (_pool_in_place); otherwise
+        # the parts are split per stream and concatenated.
         layout = self._layout
         by_blocks = layout.uniform_dim and values.device.type == "cpu" and kernels.cpu_kernel_enabled()
+
+        def ids_of_key(feature: str) -> int:
+            return length_per_key[index[feature]]
+
+        if by_blocks and dense_out is None and self._lookups_write_in_place(values):
+            return self._pool_in_place(stream, weights is not None, batch, ids_of_key)
         pooled_tt: list[tuple[torch.Tensor, ...]] = []  # per group: F_g tensors (B, D)
         sources: list[torch.Tensor] = []  # by_blocks: dense values (if any), then each group's (B, F_g * D)
-        for g, (group, streams) in enumerate(zip(self.groups, self._group_streams)):
-            parts = [stream(f) for f, _, _ in streams]
-            ids = torch.cat([p[0] for p in parts]).long()
-            lens = torch.cat([p[1] for p in parts]).long()
-            w = torch.cat([p[2] for p in parts]) if weights is not None else None  # type: ignore[misc]
-            stream_train, stream_mean = self._stream_constants_on(g, ids.device)
-            # (N_g,): each id's table. A stream's ids are contiguous: on the host, its table
-            # repeats once per id of the stream (from the host lengths per key, one repeat
-            # per stream); static shapes / devices repeat per bag from device tensors (no
-            # tensor from Python data: capturable in a CUDA graph)
-            if ids.device.type == "cpu" and not self.static_shapes:
-                ids_per_stream = torch.tensor([length_per_key[index[f]] for f, _, _ in streams])
-                trains = torch.repeat_interleave(stream_train, ids_per_stream, output_size=ids.numel())
-            else:
-                trains = torch.repeat_interleave(
-                    stream_train.unsqueeze(1).expand(-1, batch).reshape(-1), lens, output_size=ids.numel()
-                )
-            offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
+        for g, group in enumerate(self.groups):
+            ids, lens, offsets, trains, w = self._group_inputs(g, stream, weights is not None, batch, ids_of_key)
+            _, stream_mean = self._stream_constants_on(g, ids.device)
+            streams = self._group_streams[g]
             out = group(ids, offsets, trains, w, stream_batch=batch if by_blocks else 0)
             if any(mean for _, _, mean in streams):
                 is_mean = stream_mean.unsqueeze(1).expand(-1, batch).reshape(-1)  # (F_g * B,)

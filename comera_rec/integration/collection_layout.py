@@ -105,6 +105,28 @@ class BagOutputLayout:
         first_group = 1 if has_dense else 0
         return [(first_group + a, b * dim) if kind == "tt" else (0, a * dim) for kind, a, b in self.slots]
 
+    def stream_columns(self, num_groups: int) -> tuple[list[int], list[list[int]]]:
+        """Where each lookup's bags go in the output (one width for all keys): ``(dense,
+        groups)``, ``dense[a]`` the first column of the dense child's feature ``a``,
+        ``groups[g][s]`` that of TTM group ``g``'s stream ``s``. For lookups that write
+        their bags into one output (no gather after).
+
+        Example::
+
+            >>> layout = BagOutputLayout(("a", "b", "c"), (4, 4, 4), (("tt", 0, 1), ("dense", 0, 0), ("tt", 0, 0)))
+            >>> layout.stream_columns(1)
+            ([4], [[8, 0]])
+        """
+        dim = self.lengths_per_embedding[0]
+        dense: dict[int, int] = {}
+        groups: list[dict[int, int]] = [{} for _ in range(num_groups)]
+        for k, (kind, a, b) in enumerate(self.slots):
+            if kind == "tt":
+                groups[a][b] = k * dim
+            else:
+                dense[a] = k * dim
+        return [dense[a] for a in range(len(dense))], [[g[s] for s in range(len(g))] for g in groups]
+
 
 def check_input_kind(features: object, dense: object) -> None:
     """The input is a ``KeyedJaggedTensor`` of one batch size for all features, and the

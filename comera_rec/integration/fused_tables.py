@@ -95,6 +95,7 @@ def fused_tables_lookup(
     lengths: torch.Tensor,
     weights: torch.Tensor | None,
     batch: int,
+    out_columns: tuple[int, Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Pooled ``(batch, total_dim)`` values of a fused collection's single lookup
     (:func:`single_lookup`), through the fused CPU kernel when it applies, else FBGEMM.
@@ -105,6 +106,10 @@ def fused_tables_lookup(
         lengths: ``(F * batch,)`` bag lengths.
         weights: per-id weights or ``None``.
         batch: samples per feature.
+        out_columns: ``(width, cols)``: the bags in a ``(batch, width)`` output instead,
+            feature ``f`` (of one dim ``D``) at columns ``cols[f] ...``; the other columns
+            are the caller's to write in place (the fused kernel leaves them unwritten,
+            FBGEMM's path zeros).
     """
     tbe = _plain_tbe(lookup) if rowwise_bag_kernel_enabled() else None
     if tbe is not None and rowwise_bag_kernel_applies(tbe.weights_host, tbe.momentum1_host, ids):
@@ -122,12 +127,19 @@ def fused_tables_lookup(
             batch,
             tbe.learning_rate_tensor,
             tbe.optimizer_args.eps,
+            out_columns=out_columns,
         )
         _count_step(tbe)
         return out
     # as FusedEmbeddingBagCollection.forward hands them on: int32 ids and offsets
     offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
-    return lookup(ids.int(), offsets.int(), weights)
+    out = lookup(ids.int(), offsets.int(), weights)
+    if out_columns is None:
+        return out
+    width, cols = out_columns
+    dim = out.shape[1] // len(cols)
+    index = torch.cat([torch.arange(c, c + dim) for c in cols]).to(out.device)
+    return out.new_zeros(batch, width).index_copy(1, index, out)
 
 
 def _count_step(tbe: nn.Module) -> None:

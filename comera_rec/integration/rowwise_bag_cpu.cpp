@@ -42,15 +42,20 @@ inline void axpy(float* __restrict dst, const float* __restrict src, float a, in
 
 struct Layout {
   int64_t F = 0, batch = 0, total_dim = 0;
+  int64_t row_stride = 0;                 // values between the output's rows (total_dim by default)
   const int64_t* table_offset = nullptr;  // (F,) first value of feature f's table in the buffer
-  const int64_t* dim_offset = nullptr;    // (F + 1,) output columns
+  const int64_t* dim_offset = nullptr;    // (F + 1,) feature f's D_f = dim_offset[f + 1] - dim_offset[f]
+  const int64_t* col = nullptr;           // (F,) feature f's first output column (dim_offset by default)
   const int64_t* rows = nullptr;          // (F,) rows of feature f's table
   const int64_t* off = nullptr;           // (F * batch + 1,) bag boundaries
   const float* w = nullptr;               // per-id weights or null
 };
 
+// out_cols empty: the output is (batch, total_dim), feature f at dim_offset[f]; else rows of
+// row_stride values, feature f at out_cols[f] (a caller's layout shared with other lookups).
 Layout layout_of(const at::Tensor& table_offset, const at::Tensor& dim_offset, const at::Tensor& rows,
-                 const at::Tensor& offsets, const at::Tensor& weights, int64_t batch) {
+                 const at::Tensor& offsets, const at::Tensor& weights, int64_t batch, int64_t row_stride,
+                 const std::vector<int64_t>& out_cols, const char* who) {
   Layout L;
   L.F = table_offset.numel();
   L.batch = batch;
@@ -58,6 +63,17 @@ Layout layout_of(const at::Tensor& table_offset, const at::Tensor& dim_offset, c
   L.dim_offset = dim_offset.data_ptr<int64_t>();
   L.rows = rows.data_ptr<int64_t>();
   L.total_dim = L.dim_offset[L.F];
+  L.row_stride = L.total_dim;
+  L.col = L.dim_offset;
+  if (!out_cols.empty()) {
+    TORCH_CHECK(static_cast<int64_t>(out_cols.size()) == L.F, who, ": ", out_cols.size(), " output columns for ", L.F,
+                " features");
+    for (int64_t f = 0; f < L.F; ++f)
+      TORCH_CHECK(out_cols[f] >= 0 && out_cols[f] + L.dim_offset[f + 1] - L.dim_offset[f] <= row_stride, who,
+                  ": feature ", f, "'s columns from ", out_cols[f], " outside rows of ", row_stride, " values");
+    L.row_stride = row_stride;
+    L.col = out_cols.data();
+  }
   L.off = offsets.data_ptr<int64_t>();
   L.w = weights.numel() ? weights.data_ptr<float>() : nullptr;
   return L;
@@ -112,16 +128,19 @@ struct RowSlots {
 
 }  // namespace
 
-// (batch, total_dim) pooled bags.
+// (batch, total_dim) pooled bags; with out_cols, (batch, out_width) with feature f at out_cols[f].
 at::Tensor rowwise_bag_forward(at::Tensor buffer, at::Tensor table_offset, at::Tensor dim_offset,
                                at::Tensor rows, at::Tensor ids, at::Tensor offsets, at::Tensor weights,
-                               int64_t batch) {
+                               int64_t batch, int64_t out_width, std::vector<int64_t> out_cols) {
   check_args(buffer, table_offset, dim_offset, rows, ids, offsets, weights, batch, "rowwise_bag_forward");
   offsets = offsets.to(at::kLong).contiguous();
   ids = ids.contiguous();
   if (weights.numel()) weights = weights.to(at::kFloat).contiguous();
-  const Layout L = layout_of(table_offset, dim_offset, rows, offsets, weights, batch);
-  auto out = at::empty({batch, L.total_dim}, buffer.options());  // each bag zeroed by the thread that pools it
+  const Layout L = layout_of(table_offset, dim_offset, rows, offsets, weights, batch, out_width, out_cols,
+                             "rowwise_bag_forward");
+  // each bag zeroed by the thread that pools it; with out_cols, the columns no feature
+  // names are left for the caller to write
+  auto out = at::empty({batch, L.row_stride}, buffer.options());
   const float* table = buffer.data_ptr<float>();
   float* o = out.data_ptr<float>();
   AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "rowwise_bag_forward", [&] {
@@ -131,7 +150,7 @@ at::Tensor rowwise_bag_forward(at::Tensor buffer, at::Tensor table_offset, at::T
       for (int64_t b = b0; b < b1; ++b)
         for (int64_t f = 0; f < L.F; ++f) {
           const int64_t D = L.dim_offset[f + 1] - L.dim_offset[f];
-          float* ob = o + b * L.total_dim + L.dim_offset[f];
+          float* ob = o + b * L.row_stride + L.col[f];
           const int64_t bag = f * batch + b;
           std::fill(ob, ob + D, 0.0f);
           if (b + 2 < b1)  // this feature's rows of two samples ahead
@@ -158,7 +177,8 @@ at::Tensor rowwise_bag_forward(at::Tensor buffer, at::Tensor table_offset, at::T
 void rowwise_bag_backward_adagrad(at::Tensor grad, at::Tensor buffer, at::Tensor momentum,
                                   at::Tensor table_offset, at::Tensor momentum_offset, at::Tensor dim_offset,
                                   at::Tensor rows, at::Tensor feature_table, at::Tensor ids,
-                                  at::Tensor offsets, at::Tensor weights, int64_t batch, double lr, double eps) {
+                                  at::Tensor offsets, at::Tensor weights, int64_t batch, double lr, double eps,
+                                  int64_t row_stride, std::vector<int64_t> out_cols) {
   check_args(buffer, table_offset, dim_offset, rows, ids, offsets, weights, batch, "rowwise_bag_backward_adagrad");
   TORCH_CHECK(momentum.scalar_type() == at::kFloat && momentum.is_contiguous(),
               "rowwise_bag_backward_adagrad: momentum must be contiguous float32");
@@ -166,9 +186,10 @@ void rowwise_bag_backward_adagrad(at::Tensor grad, at::Tensor buffer, at::Tensor
   offsets = offsets.to(at::kLong).contiguous();
   ids = ids.contiguous();
   if (weights.numel()) weights = weights.to(at::kFloat).contiguous();
-  const Layout L = layout_of(table_offset, dim_offset, rows, offsets, weights, batch);
-  TORCH_CHECK(grad.size(0) == batch && grad.size(1) == L.total_dim, "rowwise_bag_backward_adagrad: gradient of shape ",
-              grad.sizes(), " for (", batch, ", ", L.total_dim, ")");
+  const Layout L = layout_of(table_offset, dim_offset, rows, offsets, weights, batch, row_stride, out_cols,
+                             "rowwise_bag_backward_adagrad");
+  TORCH_CHECK(grad.size(0) == batch && grad.size(1) == L.row_stride, "rowwise_bag_backward_adagrad: gradient of shape ",
+              grad.sizes(), " for (", batch, ", ", L.row_stride, ")");
   const int64_t* mom_off = momentum_offset.data_ptr<int64_t>();
   const int64_t* ft = feature_table.data_ptr<int64_t>();
   // features grouped by table, tables in order of first use
@@ -207,7 +228,7 @@ void rowwise_bag_backward_adagrad(at::Tensor grad, at::Tensor buffer, at::Tensor
         acc.reserve(n * D);
         for (int64_t f : fs)
           for (int64_t b = 0; b < batch; ++b) {
-            const float* gb = g + b * L.total_dim + L.dim_offset[f];
+            const float* gb = g + b * L.row_stride + L.col[f];
             const int64_t bag = f * batch + b;
             for (int64_t i = L.off[bag]; i < L.off[bag + 1]; ++i) {
               const int64_t row = id[i];

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -79,7 +80,8 @@ def rowwise_bag_kernel_applies(weights: torch.Tensor, momentum: torch.Tensor, id
 
 class _RowwiseAdagradBag(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weights, momentum, tables, ids, offsets, per_sample_weights, batch, lr, eps):
+    def forward(ctx, weights, momentum, tables, ids, offsets, per_sample_weights, batch, lr, eps, out_columns):
+        width, cols = out_columns if out_columns is not None else (0, [])
         out = EXTENSION.load().rowwise_bag_forward(
             weights.detach(),
             tables.table_offset,
@@ -89,17 +91,19 @@ class _RowwiseAdagradBag(torch.autograd.Function):
             offsets,
             per_sample_weights,
             batch,
+            width,
+            cols,
         )
         # the buffers are updated in place in backward, not differentiated: kept as they are
         ctx.buffers = (weights.detach(), momentum)
-        ctx.args = (tables, ids, offsets, per_sample_weights, batch, lr, eps)
+        ctx.args = (tables, ids, offsets, per_sample_weights, batch, lr, eps, width, cols)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         weights, momentum = ctx.buffers
-        tables, ids, offsets, per_sample_weights, batch, lr, eps = ctx.args
+        tables, ids, offsets, per_sample_weights, batch, lr, eps, width, cols = ctx.args
         EXTENSION.load().rowwise_bag_backward_adagrad(
             grad,
             weights,
@@ -115,8 +119,10 @@ class _RowwiseAdagradBag(torch.autograd.Function):
             batch,
             float(lr),
             float(eps),
+            width,
+            cols,
         )
-        return (None,) * 9
+        return (None,) * 10
 
 
 def rowwise_adagrad_bag(
@@ -129,6 +135,7 @@ def rowwise_adagrad_bag(
     batch: int,
     lr: float | torch.Tensor,
     eps: float,
+    out_columns: tuple[int, Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Sum-pooled lookup whose backward applies exact row-wise Adagrad to the tables in place.
 
@@ -146,9 +153,13 @@ def rowwise_adagrad_bag(
         batch: samples per feature.
         lr: learning rate (a tensor is read when backward runs, as a scheduler may set it).
         eps: added to the root of the momentum.
+        out_columns: ``(width, cols)``: the bags laid out in a ``(batch, width)`` output,
+            feature ``f`` from column ``cols[f]`` (for a caller whose other lookups write
+            the other columns in place; those are left unwritten here).
 
     Returns:
-        ``(batch, total_dim)`` pooled bags, feature ``f`` in its ``dim_offset`` columns.
+        ``(batch, total_dim)`` pooled bags, feature ``f`` in its ``dim_offset`` columns
+        (with ``out_columns``, ``(batch, width)``).
 
     Example::
 
@@ -159,4 +170,5 @@ def rowwise_adagrad_bag(
         torch.Size([2, 2])
     """
     psw = per_sample_weights if per_sample_weights is not None else EMPTY.to(torch.float32)
-    return _RowwiseAdagradBag.apply(weights, momentum, tables, ids, offsets, psw, int(batch), lr, float(eps))
+    layout = None if out_columns is None else (int(out_columns[0]), [int(c) for c in out_columns[1]])
+    return _RowwiseAdagradBag.apply(weights, momentum, tables, ids, offsets, psw, int(batch), lr, float(eps), layout)

@@ -156,6 +156,50 @@ class StackedTTMTables(TensorTrainModule):
             cores, *batch, static_shapes=self.static_shapes, stream_batch=stream_batch, middle=middle
         )
 
+    def forward_into(
+        self,
+        out: torch.Tensor,
+        stream_cols: Sequence[int],
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        trains: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+        *,
+        stream_batch: int,
+    ) -> torch.Tensor:
+        """:meth:`forward`'s bags of ``stream_batch`` samples a stream, written into ``out``
+        (``(stream_batch, C)``) in place, stream ``f``'s at columns ``stream_cols[f] ...``:
+        for a caller that lays several lookups' bags side by side with no gather after. The
+        fused CPU lookup only (:func:`~comera_rec.tensor.kernels.cpu_kernel_applies`, the
+        caller checks), as in training (controllers applied as the kernel takes them).
+
+        Returns:
+            ``out``, whose gradient (in training) reaches whatever wrote it before whole:
+            that op must read only columns no stream here writes.
+
+        Example::
+
+            >>> tables = StackedTTMTables([10, 12], 4, rank=3, row_shape=(3, 4), col_shape=(2, 2))
+            >>> out = torch.zeros(2, 12)
+            >>> ids, offsets, trains = torch.tensor([1, 5, 7, 2]), torch.tensor([0, 1, 2, 3, 4]), torch.tensor([0, 0, 1, 1])
+            >>> tables.forward_into(out, [8, 0], ids, offsets, trains, stream_batch=2).shape
+            torch.Size([2, 12])
+        """
+        cores, middle = self.training_operands()
+        return kernels.ttm_embedding_bag_cpu(
+            cores,
+            self.row_shape,
+            self.embedding_dim,
+            ids,
+            offsets,
+            "sum",
+            per_sample_weights,
+            trains,
+            stream_batch=stream_batch,
+            middle=middle,
+            into=(out, stream_cols),
+        )
+
     def training_operands(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """``(cores, middle)``: the cores with every controller folded in but the one of the
         bond between the two halves (:func:`~comera_rec.tensor.halves.split_point`), and that

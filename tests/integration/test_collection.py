@@ -363,3 +363,81 @@ def test_stacked_dense_tables_take_an_empty_batch() -> None:
         assert ttm._merged_dense_tables() is not None
         out = ttm(empty)
     assert out.values().shape == (0, 32)
+
+
+def _mixed_pair(weighted: bool, dense: bool = True):
+    """Two alike collections of TTM groups and (with ``dense``) fused dense tables read by
+    one table-batched lookup, as the DLRM trains them."""
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from comera_rec.integration import TableOverride
+    from comera_rec.integration.distributed import EmbeddingOptimizerSpec, _fuse_dense_tables
+    from tests.integration.helpers import SHAPE
+
+    configs = [
+        EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=100, feature_names=["f0", "f1"]),
+        EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=90, feature_names=["f2"]),
+        EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=10, feature_names=["f0"]),
+        EmbeddingBagConfig(name="d", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
+    ]
+    pol = CompressionPolicy(
+        rank=4,
+        min_rows_to_compress=95 if dense else 0,
+        min_params_to_compress=0,
+        min_gain=0.0,
+        per_table={"a": TableOverride(shape=SHAPE)},
+    )
+    spec = EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": 0.1, "eps": 1e-8})
+    made = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        ttm = TTMEmbeddingBagCollection(configs, pol, is_weighted=weighted)
+        if dense:
+            _fuse_dense_tables(ttm, spec, torch.device("cpu"))
+        made.append(ttm)
+    return made
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dense", [True, False])
+def test_lookups_writing_into_the_output_equal_the_gathered_output(
+    weighted: bool, dense: bool, kernels_on, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # training on CPU, every lookup writes its bags into the output at its keys' columns
+    # (no gather): the same values, core and controller gradients and table updates as
+    # the lookups' own outputs gathered, bit for bit, over steps
+    in_place, gathered = _mixed_pair(weighted, dense)
+    assert (in_place.dense is not None) == dense and len(in_place.groups) >= 1
+    monkeypatch.setattr(gathered, "_lookups_write_in_place", lambda values: False)
+    calls = []
+    original = in_place._pool_in_place
+    monkeypatch.setattr(in_place, "_pool_in_place", lambda *a: calls.append(1) or original(*a))
+    for step in range(3):
+        batch = kjt(weighted=weighted, seed=step)
+        outs = [m(batch) for m in (in_place, gathered)]
+        assert outs[0].keys() == outs[1].keys() and outs[0].length_per_key() == outs[1].length_per_key()
+        assert torch.equal(outs[0].values(), outs[1].values())
+        grad = torch.randn(outs[0].values().shape, generator=torch.Generator().manual_seed(10 + step))
+        for out in outs:
+            out.values().backward(grad)
+        for a, b in zip(in_place.parameters(), gathered.parameters()):
+            assert torch.equal(a, b)
+            assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad))
+    assert len(calls) == 3
+    if dense:
+        for name in ("b", "c"):
+            assert torch.equal(in_place.table_weight(name), gathered.table_weight(name))
+
+
+def test_scoring_and_mean_pooling_keep_the_gather(kernels_on, monkeypatch: pytest.MonkeyPatch) -> None:
+    ttm, _ = _mixed_pair(weighted=False)
+    calls = []
+    original = ttm._pool_in_place
+    monkeypatch.setattr(ttm, "_pool_in_place", lambda *a: calls.append(1) or original(*a))
+    with torch.no_grad():
+        ttm(kjt())
+    assert calls == []  # scoring reads its kept halves, gathered after
+    mean = TTMEmbeddingBagCollection(tables(PoolingType.MEAN), policy())
+    monkeypatch.setattr(mean, "_pool_in_place", lambda *a: calls.append(1) or original(*a))
+    mean(kjt()).values().sum().backward()
+    assert calls == []  # mean bags are divided after the lookup

@@ -143,3 +143,29 @@ def test_id_outside_its_table_is_named_through_the_arch() -> None:
     )
     with pytest.raises(RuntimeError, match=r"id 300 of feature 3 out of range \[0, 300\)"):
         arch(kjt)
+
+
+@pytest.mark.parametrize("through", ["kernel", "fbgemm"])
+def test_bags_laid_out_for_the_caller_equal_the_packed_ones(through: str) -> None:
+    # out_columns: each feature's bags at the caller's columns of a wider output; the same
+    # values and (through the output's gradient at those columns) the same update
+    laid, packed = fused(dim_of_f2=16), fused(dim_of_f2=16)
+    ll, lp = single_lookup(laid, FEATURES), single_lookup(packed, FEATURES)
+    width, cols = 7 * 16, [96, 16, 48, 0, 64]
+    kernels.set_cpu_kernel_enabled(through == "kernel")
+    try:
+        for step in range(3):
+            kjt = batch(FEATURES, 20 + step)
+            got = fused_tables_lookup(ll, kjt.values(), kjt.lengths(), None, B, out_columns=(width, cols))
+            want = fused_tables_lookup(lp, kjt.values(), kjt.lengths(), None, B)
+            assert got.shape == (B, width)
+            g = torch.randn(want.shape, generator=torch.Generator().manual_seed(step))
+            laid_g = torch.zeros(B, width)
+            for f, c in enumerate(cols):
+                assert torch.equal(got[:, c : c + 16], want[:, 16 * f : 16 * (f + 1)])
+                laid_g[:, c : c + 16] = g[:, 16 * f : 16 * (f + 1)]
+            got.backward(laid_g)
+            want.backward(g)
+            assert torch.equal(state(laid)["weights"], state(packed)["weights"])
+    finally:
+        kernels.set_cpu_kernel_enabled(True)

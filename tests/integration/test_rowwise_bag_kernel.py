@@ -192,7 +192,18 @@ def test_kernel_lets_other_python_threads_run() -> None:
     def make_call(rows: int):
         case = make_case([50_000, 3_000], [16, 16], [0, 1] * 13, rows, max_len=20)
         layout, buffer, no_weights = case.layout(), case.buffer.detach(), torch.empty(0)
-        args = (buffer, layout.table_offset, layout.dim_offset, layout.rows, case.ids, case.offsets, no_weights, rows)
+        args = (
+            buffer,
+            layout.table_offset,
+            layout.dim_offset,
+            layout.rows,
+            case.ids,
+            case.offsets,
+            no_weights,
+            rows,
+            0,
+            [],
+        )
         return functools.partial(EXTENSION.load().rowwise_bag_forward, *args)
 
     assert stamps_during_call(make_call) > 0
@@ -240,3 +251,47 @@ def test_property_matches_the_reference(tables, extra, batch, weighted, seed) ->
     want_buffer, want_momentum = reference_update(case, grad)
     torch.testing.assert_close(buffer.double(), want_buffer, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(momentum.double(), want_momentum, rtol=1e-5, atol=1e-6)
+
+
+def test_bags_laid_out_in_a_wider_output_equal_the_packed_ones() -> None:
+    # the features' bags at columns of the caller's choosing in a wider output (whose other
+    # columns other lookups write), and the gradient read from there: the same values and
+    # the same update, bit for bit
+    case = make_case([40, 7, 300], [16, 5, 8], [0, 1, 0, 2], batch=9, weighted=True)
+    out, buffer, momentum, grad = run(case)
+    dims = case.layout().dim_offset.tolist()
+    width, cols = 60, [30, 3, 10, 46]  # feature f's D_f columns from cols[f], gaps between
+    laid_grad = torch.zeros(case.batch, width)
+    for f, c in enumerate(cols):
+        laid_grad[:, c : c + dims[f + 1] - dims[f]] = grad[:, dims[f] : dims[f + 1]]
+    laid_buffer = case.buffer.detach().clone().requires_grad_()
+    laid_momentum = case.momentum.clone()
+    laid = rowwise_adagrad_bag(
+        laid_buffer,
+        laid_momentum,
+        case.layout(),
+        case.ids,
+        case.offsets,
+        case.weights,
+        case.batch,
+        LR,
+        EPS,
+        out_columns=(width, cols),
+    )
+    assert laid.shape == (case.batch, width)
+    for f, c in enumerate(cols):
+        assert torch.equal(laid[:, c : c + dims[f + 1] - dims[f]].detach(), out[:, dims[f] : dims[f + 1]])
+    laid.backward(laid_grad)
+    assert torch.equal(laid_buffer.detach(), buffer) and torch.equal(laid_momentum, momentum)
+
+
+def test_a_bad_output_layout_is_named() -> None:
+    case = make_case([40, 7], [16, 5], [0, 1], batch=3)
+    with pytest.raises(RuntimeError, match="1 output columns for 2 features"):
+        rowwise_adagrad_bag(
+            case.buffer, case.momentum, case.layout(), case.ids, case.offsets, None, 3, LR, EPS, (40, [0])
+        )
+    with pytest.raises(RuntimeError, match="feature 1's columns from 30 outside rows of 32 values"):
+        rowwise_adagrad_bag(
+            case.buffer, case.momentum, case.layout(), case.ids, case.offsets, None, 3, LR, EPS, (32, [0, 30])
+        )

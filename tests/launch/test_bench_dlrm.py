@@ -179,10 +179,27 @@ def test_the_lookup_with_a_middle_controller_profiles_its_controller_phases() ->
     empty = torch.empty(0, dtype=torch.long)
 
     def step() -> None:
-        out, *saved = extension().ttm_bag_forward(cores, ids, empty, offsets, empty, 16, 0, [], middle)
+        out, *saved = extension().ttm_bag_forward(
+            cores, ids, empty, offsets, empty, 16, 0, [], middle, torch.empty(0), 0, []
+        )
         pslot, sslot, pkeys, skeys, ptab, stab = saved
         extension().ttm_bag_backward(
-            torch.ones_like(out), cores, offsets, empty, pslot, sslot, pkeys, skeys, ptab, stab, False, 16, 0, middle
+            torch.ones_like(out),
+            cores,
+            offsets,
+            empty,
+            pslot,
+            sslot,
+            pkeys,
+            skeys,
+            ptab,
+            stab,
+            False,
+            16,
+            0,
+            middle,
+            0,
+            [],
         )
 
     times = bench_parts.op_self_times(step, torch.get_num_threads(), steps=2)

@@ -505,3 +505,99 @@ def test_middle_controller_in_float32_equals_float64_folded(rows, cols, ranks) -
         [middle64],
     )
     torch.testing.assert_close(grad_middle.double(), want_middle, rtol=1e-4, atol=1e-4)
+
+
+def streams_batch(streams, batch, num_rows, tables, seed=0):
+    """A key-major jagged batch of ``streams * batch`` bags (bag ``f * batch + b``)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (streams * batch,), generator=g)
+    n = int(lengths.sum())
+    ids = torch.randint(0, num_rows, (n,), generator=g)
+    trains = torch.randint(0, tables, (n,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
+    weights = torch.rand(n, generator=g, dtype=DT).requires_grad_()
+    return ids, trains, offsets, weights
+
+
+@pytest.mark.parametrize("rows, cols, ranks", SHAPES[1:])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_bags_written_into_a_shared_output_equal_the_gathered_lookups(rows, cols, ranks, weighted) -> None:
+    # two lookups (3 and 2 streams of 5 bags) write into one (5, 7 D) output at scattered
+    # columns, after a first writer filled columns 1 and 5 (the output's whole gradient
+    # reaches it, and it reads its own columns); values and every gradient against the
+    # lookups' own outputs put side by side by torch
+    batch, dim = 5, math.prod(cols)
+    first_cores, second_cores = make_cores(2, rows, cols, ranks, seed=1), make_cores(3, rows, cols, ranks, seed=2)
+    middles = [
+        (
+            torch.rand(t, ranks[(len(rows) + 1) // 2 - 1], dtype=DT, generator=torch.Generator().manual_seed(t)) + 0.5
+        ).requires_grad_()
+        for t in (2, 3)
+    ]
+    batches = [streams_batch(3, batch, math.prod(rows), 2, seed=3), streams_batch(2, batch, math.prod(rows), 3, seed=4)]
+    cols_of = [[4 * dim, 0, 2 * dim], [6 * dim, 3 * dim]]  # the columns of each lookup's streams
+    base = torch.randn(batch, 2 * dim, dtype=DT, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    base_cols = torch.cat([torch.arange(dim, 2 * dim), torch.arange(5 * dim, 6 * dim)])
+    upstream = torch.randn(batch, 7 * dim, dtype=DT, generator=torch.Generator().manual_seed(6))
+    weights = [b[3] if weighted else None for b in batches]
+
+    def lookups(into: bool):
+        out = torch.zeros(batch, 7 * dim, dtype=DT).index_copy(1, base_cols, base * 2)
+        parts = []
+        for cores, middle, (ids, trains, offsets, _), w, cols in zip(
+            (first_cores, second_cores), middles, batches, weights, cols_of
+        ):
+            args = (cores, rows, dim, ids, offsets, "sum", w, trains)
+            if into:
+                out = kernels.ttm_embedding_bag_cpu(*args, stream_batch=batch, middle=middle, into=(out, cols))
+            else:
+                parts.append((kernels.ttm_embedding_bag_cpu(*args, stream_batch=batch, middle=middle), cols))
+        if into:
+            return out
+        full = out.clone()
+        for bags, cols in parts:
+            for f, c in enumerate(cols):
+                full[:, c : c + dim] = bags[:, f * dim : (f + 1) * dim]
+        return full
+
+    inputs = [base, *first_cores, *second_cores, *middles] + ([w for w in weights] if weighted else [])
+    got, want = lookups(into=True), lookups(into=False)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad(got, inputs, upstream), torch.autograd.grad(want, inputs, upstream)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_bags_written_into_an_output_without_gradients() -> None:
+    rows, cols, ranks = SHAPES[2]
+    dim, batch = math.prod(cols), 4
+    cores = [c.detach() for c in make_cores(2, rows, cols, ranks)]
+    ids, trains, offsets, _ = streams_batch(2, batch, math.prod(rows), 2)
+    out = torch.full((batch, 3 * dim), 7.0, dtype=DT)
+    args = (cores, rows, dim, ids, offsets, "sum", None, trains)
+    got = kernels.ttm_embedding_bag_cpu(
+        *args, stream_batch=batch, middle=torch.ones(2, ranks[1], dtype=DT), into=(out, [2 * dim, 0])
+    )
+    want = kernels.ttm_embedding_bag_cpu(*args, stream_batch=batch)
+    assert got is out
+    torch.testing.assert_close(out[:, 2 * dim :], want[:, :dim], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[:, :dim], want[:, dim:], rtol=1e-12, atol=1e-12)
+    assert torch.all(out[:, dim : 2 * dim] == 7.0)  # a column no stream names keeps its values
+
+
+def test_a_bad_output_layout_is_named() -> None:
+    rows, cols, ranks = SHAPES[2]
+    dim, batch = math.prod(cols), 4
+    cores = [c.detach() for c in make_cores(2, rows, cols, ranks)]
+    ids, trains, offsets, _ = streams_batch(2, batch, math.prod(rows), 2)
+    args = (cores, rows, dim, ids, offsets, "sum", None, trains)
+    out = torch.zeros(batch, 2 * dim, dtype=DT)
+    with pytest.raises(RuntimeError, match="columns"):  # the second stream would overrun a row
+        kernels.ttm_embedding_bag_cpu(
+            *args, stream_batch=batch, middle=torch.ones(2, ranks[1], dtype=DT), into=(out, [0, dim + 1])
+        )
+    with pytest.raises(RuntimeError, match="column offsets for 2 streams"):
+        kernels.ttm_embedding_bag_cpu(
+            *args, stream_batch=batch, middle=torch.ones(2, ranks[1], dtype=DT), into=(out, [0])
+        )
+    with pytest.raises(ValueError, match="stream_batch > 0"):
+        kernels.ttm_embedding_bag_cpu(*args, into=(out, [0, dim]))

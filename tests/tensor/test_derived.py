@@ -261,8 +261,14 @@ def test_kept_layouts_must_match_the_cores():
         wrong = extension().ttm_forward_layouts(list(a.scaled_cores()))
         cores = list(b.scaled_cores())
         with pytest.raises(RuntimeError, match="kept left layout does not match"):
-            extension().ttm_bag_forward(cores, ids, trains, offsets, torch.empty(0), 8, 0, wrong, torch.empty(0))
+            extension().ttm_bag_forward(
+                cores, ids, trains, offsets, torch.empty(0), 8, 0, wrong, torch.empty(0), torch.empty(0), 0, []
+            )
         right = extension().ttm_forward_layouts(cores)
-        out = extension().ttm_bag_forward(cores, ids, trains, offsets, torch.empty(0), 8, 0, right, torch.empty(0))[0]
-        ref = extension().ttm_bag_forward(cores, ids, trains, offsets, torch.empty(0), 8, 0, [], torch.empty(0))[0]
+        out = extension().ttm_bag_forward(
+            cores, ids, trains, offsets, torch.empty(0), 8, 0, right, torch.empty(0), torch.empty(0), 0, []
+        )[0]
+        ref = extension().ttm_bag_forward(
+            cores, ids, trains, offsets, torch.empty(0), 8, 0, [], torch.empty(0), torch.empty(0), 0, []
+        )[0]
     torch.testing.assert_close(out, ref, rtol=0, atol=0)

@@ -716,6 +716,20 @@ BagInputs bag_inputs(const char* who, at::Tensor ids, at::Tensor trains, at::Ten
   return in;
 }
 
+// Checks an output the caller lays the bags out in: bag (stream f, sample b) at
+// out + b * row_stride + stream_cols[f], inside a contiguous `out` of dtype `dtype`.
+void check_output_layout(const at::Tensor& out, at::ScalarType dtype, const BagInputs& in, int64_t dim,
+                         int64_t batch, int64_t row_stride, const std::vector<int64_t>& stream_cols, const char* who) {
+  TORCH_CHECK(batch > 0 && static_cast<int64_t>(stream_cols.size()) == in.streams && out.is_contiguous() &&
+                  out.scalar_type() == dtype,
+              who, ": ", stream_cols.size(), " column offsets for ", in.streams,
+              " streams, or an output not contiguous of the cores' dtype");
+  for (const int64_t col : stream_cols)
+    TORCH_CHECK(col >= 0 && col + dim <= row_stride && (batch - 1) * row_stride + col + dim <= out.numel(), who,
+                ": a stream's columns [", col, ", ", col + dim, ") outside rows of ", row_stride,
+                " values, or the output");
+}
+
 at::Tensor bag_output(const BagInputs& in, int64_t dim, int64_t batch, const at::TensorOptions& fopt) {
   // each bag's dim values are zeroed by the thread that pools it (the bags tile the output)
   return batch > 0 ? at::empty({batch, in.streams * dim}, fopt) : at::empty({in.B, dim}, fopt);
@@ -792,10 +806,13 @@ at::Tensor middle_gradient(T_* dP, const T_* P, const int64_t* keys, int64_t U, 
 }  // namespace
 
 // Forward. Returns {out (B, D), prefix slot (N,), suffix slot (N,), distinct prefix keys,
-// distinct suffix keys, P table (U_l, M_l, rp), S table (U_r, M_r, rp)}.
+// distinct suffix keys, P table (U_l, M_l, rp), S table (U_r, M_r, rp)}. With `into`
+// not empty (batch > 0), the bags go there instead, as ttm_bag_forward_halves_into lays
+// them (row_stride, stream_cols), and out is `into`.
 std::vector<at::Tensor> ttm_bag_forward(
     std::vector<at::Tensor> cores, at::Tensor ids, at::Tensor trains, at::Tensor offsets,
-    at::Tensor weights, int64_t dim, int64_t batch, std::vector<at::Tensor> layouts, at::Tensor middle) {
+    at::Tensor weights, int64_t dim, int64_t batch, std::vector<at::Tensor> layouts, at::Tensor middle,
+    at::Tensor into, int64_t row_stride, std::vector<int64_t> stream_cols) {
   ProfiledPhases phase;
   phase.start("ttm_lookup: core layouts");
   const Train tr = describe(cores, "ttm_bag_forward", true, layouts);
@@ -829,8 +846,16 @@ std::vector<at::Tensor> ttm_bag_forward(
   // every value of P and S is written below; only rank padding (rp > r) needs zeros
   auto table = [&](int64_t U, int64_t M) { return rp == r ? at::empty({U, M, rp}, fopt) : at::zeros({U, M, rp}, fopt); };
   auto ptab = table(Ul, Ml), stab = table(Ur, Mr);
-  auto out = bag_output(in, dim, batch, fopt);
-  const PoolShape sh{Ml, Mr, rp, dim, batch, in.streams};
+  PoolShape sh{Ml, Mr, rp, dim, batch, in.streams};
+  at::Tensor out;
+  if (into.defined() && into.numel() > 0) {
+    check_output_layout(into, cores[0].scalar_type(), in, dim, batch, row_stride, stream_cols, "ttm_bag_forward");
+    out = into;
+    sh.row_stride = row_stride;
+    sh.stream_cols = stream_cols.data();
+  } else {
+    out = bag_output(in, dim, batch, fopt);
+  }
 
   AT_DISPATCH_FLOATING_TYPES(cores[0].scalar_type(), "ttm_bag_forward", [&] {
     using T_ = scalar_t;
@@ -928,14 +953,7 @@ void ttm_bag_forward_halves_into(at::Tensor ptab, at::Tensor stab, at::Tensor id
                                  int64_t Nr, at::Tensor out, int64_t row_stride,
                                  const std::vector<int64_t>& stream_cols) {
   const BagInputs in = bag_inputs("ttm_bag_forward_halves", ids, trains, offsets, weights, ptab.scalar_type(), batch);
-  TORCH_CHECK(batch > 0 && static_cast<int64_t>(stream_cols.size()) == in.streams && out.is_contiguous() &&
-                  out.scalar_type() == ptab.scalar_type(),
-              "ttm_bag_forward_halves: ", stream_cols.size(), " column offsets for ", in.streams,
-              " streams, or an output not contiguous of the halves' dtype");
-  for (const int64_t col : stream_cols)
-    TORCH_CHECK(col >= 0 && col + dim <= row_stride && (batch - 1) * row_stride + col + dim <= out.numel(),
-                "ttm_bag_forward_halves: a stream's columns [", col, ", ", col + dim, ") outside rows of ", row_stride,
-                " values, or the output");
+  check_output_layout(out, ptab.scalar_type(), in, dim, batch, row_stride, stream_cols, "ttm_bag_forward_halves");
   pool_over_halves(ptab, stab, in, dim, batch, T, Nr, row_stride, stream_cols.data(), out);
 }
 
@@ -944,7 +962,8 @@ void ttm_bag_forward_halves_into(at::Tensor ptab, at::Tensor stab, at::Tensor id
 std::vector<at::Tensor> ttm_bag_backward(
     at::Tensor grad_out, std::vector<at::Tensor> cores, at::Tensor offsets, at::Tensor weights,
     at::Tensor pslot, at::Tensor sslot, at::Tensor pkeys, at::Tensor skeys, at::Tensor ptab,
-    at::Tensor stab, bool weights_need_grad, int64_t dim, int64_t batch, at::Tensor middle) {
+    at::Tensor stab, bool weights_need_grad, int64_t dim, int64_t batch, at::Tensor middle, int64_t row_stride,
+    std::vector<int64_t> stream_cols) {
   ProfiledPhases phase;
   phase.start("ttm_lookup backward: grouping");
   const Train tr = describe(cores, "ttm_bag_backward", false);
@@ -958,6 +977,15 @@ std::vector<at::Tensor> ttm_bag_backward(
   if (weighted) weights = weights.to(cores[0].scalar_type()).contiguous();
   const int64_t B = offsets.numel() - 1, N = pslot.numel(), streams = batch > 0 ? B / batch : 1;
   const int64_t Ul = pkeys.numel(), Ur = skeys.numel();
+  // where each bag's gradient row is: the forward's layout (its `into`'s, or bag_offset's)
+  const bool laid_out = !stream_cols.empty();
+  TORCH_CHECK(!laid_out || (batch > 0 && static_cast<int64_t>(stream_cols.size()) == streams &&
+                            grad_out.numel() >= batch * row_stride),
+              "ttm_bag_backward: ", stream_cols.size(), " column offsets for ", streams, " streams, or a gradient of ",
+              grad_out.numel(), " values for rows of ", row_stride);
+  const auto grad_row = [&](int64_t bag) {
+    return laid_out ? (bag % batch) * row_stride + stream_cols[bag / batch] : bag_offset(bag, dim, batch, streams);
+  };
   g_contraction_madds += 2 * contraction_madds(tr, Ul, Ur);  // two products per slot, each the forward's size
 
   auto dptab = at::empty_like(ptab), dstab = at::empty_like(stab);  // every row written once
@@ -1014,7 +1042,7 @@ std::vector<at::Tensor> ttm_bag_backward(
     T_* dw = weights_need_grad ? dweights.data_ptr<T_>() : nullptr;
     at::parallel_for(0, B, 128, [&](int64_t b, int64_t e) {
       for (int64_t bag = b; bag < e; ++bag) {
-        const int64_t row = bag_offset(bag, dim, batch, streams);
+        const int64_t row = grad_row(bag);
         const T_* gb = g + row;
         for (int64_t i = off[bag]; i < off[bag + 1]; ++i) {
           if (direct) {

@@ -80,20 +80,41 @@ def cpu_kernel_applies(cores: Sequence[torch.Tensor], ids: torch.Tensor) -> bool
 
 
 EMPTY = torch.empty(0, dtype=torch.long)  # an absent optional tensor argument (``.to(dtype)`` for floats)
+_EMPTY_FLOAT = torch.empty(0)  # no output given to write into
 
 
 class _FusedTTMBag(torch.autograd.Function):
-    """``(ids, offsets, trains, weights, dim, batch, middle, *cores) -> (B, dim)`` summed bags,
-    or ``(batch, B / batch * dim)`` with ``batch > 0`` (bag ``f * batch + b`` in row ``b``);
-    ``middle``: the middle bond's controller ``(T, r)`` not folded into the cores, or empty."""
+    """``(ids, offsets, trains, weights, dim, batch, middle, into, stream_cols, *cores) -> (B,
+    dim)`` summed bags, or ``(batch, B / batch * dim)`` with ``batch > 0`` (bag ``f * batch +
+    b`` in row ``b``); ``middle``: the middle bond's controller ``(T, r)`` not folded into the
+    cores, or empty. With ``into`` (a ``(batch, C)`` tensor, ``batch > 0``) the bags are
+    written into it in place, stream ``f``'s at columns ``stream_cols[f] ...``, and ``into``
+    is the output: its other columns keep their values, and its gradient passes on whole to
+    whatever wrote them."""
 
     @staticmethod
-    def forward(ctx, ids, offsets, trains, weights, dim, batch, middle, *cores):
+    def forward(ctx, ids, offsets, trains, weights, dim, batch, middle, into, stream_cols, *cores):
+        target, row_stride = (into, into.shape[1]) if into is not None else (_EMPTY_FLOAT, 0)
         out, pslot, sslot, pkeys, skeys, ptab, stab = extension().ttm_bag_forward(
-            list(cores), ids, trains, offsets, weights, dim, batch, _forward_layouts(cores), middle
+            list(cores),
+            ids,
+            trains,
+            offsets,
+            weights,
+            dim,
+            batch,
+            _forward_layouts(cores),
+            middle,
+            target,
+            row_stride,
+            list(stream_cols),
         )
         ctx.save_for_backward(offsets, weights, middle, pslot, sslot, pkeys, skeys, ptab, stab, *cores)
-        ctx.layout = (dim, batch)
+        ctx.layout = (dim, batch, row_stride, list(stream_cols))
+        ctx.into = into is not None
+        if into is not None:
+            ctx.mark_dirty(into)
+            return into
         return out
 
     @staticmethod
@@ -101,6 +122,7 @@ class _FusedTTMBag(torch.autograd.Function):
     def backward(ctx, grad_out):
         offsets, weights, middle, pslot, sslot, pkeys, skeys, ptab, stab, *cores = ctx.saved_tensors
         weights_need_grad = bool(ctx.needs_input_grad[3]) and weights.numel() > 0
+        dim, batch, row_stride, stream_cols = ctx.layout
         *grad_cores, grad_weights, grad_middle = extension().ttm_bag_backward(
             grad_out,
             cores,
@@ -113,8 +135,11 @@ class _FusedTTMBag(torch.autograd.Function):
             ptab,
             stab,
             weights_need_grad,
-            *ctx.layout,
+            dim,
+            batch,
             middle,
+            row_stride,
+            stream_cols,
         )
         middle_need_grad = bool(ctx.needs_input_grad[6]) and middle.numel() > 0
         return (
@@ -125,6 +150,8 @@ class _FusedTTMBag(torch.autograd.Function):
             None,
             None,
             grad_middle if middle_need_grad else None,
+            grad_out if ctx.into else None,  # the other columns' writers read theirs from it
+            None,
             *grad_cores,
         )
 
@@ -332,6 +359,7 @@ def ttm_embedding_bag_cpu(
     stream_batch: int = 0,
     halves: tuple[torch.Tensor, torch.Tensor] | None = None,
     middle: torch.Tensor | None = None,
+    into: tuple[torch.Tensor, Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """The fused CPU lookup with the signature of ``contract.ttm_embedding_bag``.
 
@@ -342,11 +370,16 @@ def ttm_embedding_bag_cpu(
     ``middle``: the controller ``(T, r)`` of the bond between the two halves, left out of
     ``cores``: the kernel scales the distinct prefixes by it (and works out its gradient
     from theirs), where folding it into a core would cost passes over that whole core.
+    ``into``: ``(out, stream_cols)``, with ``stream_batch > 0``, sum pooling and no kept
+    halves: the bags are written into the ``(stream_batch, C)`` tensor ``out`` in place,
+    stream ``f``'s at columns ``stream_cols[f] ...`` (a caller that lays several lookups'
+    bags side by side, with no gather after), and ``out`` is returned; in training its
+    gradient passes on whole to the op that made ``out`` (each writer reads its columns).
 
     Returns:
         ``(B, embedding_dim)`` pooled embeddings, or with ``stream_batch > 0`` the bags
         as ``(stream_batch, B / stream_batch * embedding_dim)`` (stream ``f``'s bags in
-        columns ``f * embedding_dim ...``), written so by the kernel.
+        columns ``f * embedding_dim ...``), written so by the kernel; with ``into``, its ``out``.
     """
     cores = list(cores)
     shape = tuple(int(c.shape[2]) for c in cores)
@@ -357,9 +390,12 @@ def ttm_embedding_bag_cpu(
     trains = trains if trains is not None else EMPTY
     if middle is not None and halves is not None:
         raise ValueError("ttm_embedding_bag_cpu: kept halves are made from folded cores; pass no middle controller")
-    if halves is None and middle is None:
+    if into is not None and (halves is not None or mode != "sum" or batch <= 0):
+        raise ValueError("ttm_embedding_bag_cpu: into= needs stream_batch > 0, sum pooling and no kept halves")
+    if halves is None and middle is None and into is None:
         halves = _whole_halves(cores)
     middle_arg = middle if middle is not None else EMPTY.to(cores[0].dtype)
+    target, stream_cols = into if into is not None else (None, ())
     if halves is not None:  # scoring: two rows of the kept halves per id, nothing contracted
         prefixes, suffixes = halves
         suffix_rows = math.prod(int(n) for n in row_shape[split_point(len(cores)) :])
@@ -375,12 +411,26 @@ def ttm_embedding_bag_cpu(
             int(cores[0].shape[0]),
             suffix_rows,
         )
-    elif not records_grad(weights, middle, *cores):
+    elif not records_grad(weights, middle, target, *cores):
         out = extension().ttm_bag_forward(
-            list(cores), ids, trains, offsets, weights, int(embedding_dim), batch, _forward_layouts(cores), middle_arg
+            list(cores),
+            ids,
+            trains,
+            offsets,
+            weights,
+            int(embedding_dim),
+            batch,
+            _forward_layouts(cores),
+            middle_arg,
+            target if target is not None else _EMPTY_FLOAT,
+            int(target.shape[1]) if target is not None else 0,
+            [int(c) for c in stream_cols],
         )[0]
     else:
-        out = _FusedTTMBag.apply(ids, offsets, trains, weights, int(embedding_dim), batch, middle_arg, *cores)
+        cols = tuple(int(c) for c in stream_cols)
+        out = _FusedTTMBag.apply(
+            ids, offsets, trains, weights, int(embedding_dim), batch, middle_arg, target, cols, *cores
+        )
     # out: (B, D), or (batch, streams * D)
     if mode == "mean":
         out = divide_bags(out, (offsets[1:] - offsets[:-1]).clamp_min(1), batch)
