@@ -198,12 +198,9 @@ def test_bad_configs() -> None:
         TTMEmbeddingBagCollection(tables(), CompressionPolicy(per_table={"a": "zip"}))
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-def test_dense_tables_called_directly_equal_the_fused_collection(weighted: bool, lookup_path: str) -> None:
-    # b and c stay dense (below 95 rows) in one FBGEMM lookup; the collection hands it the
-    # ids itself instead of calling FusedEmbeddingBagCollection.forward: same values, same
-    # update (bit for bit through FBGEMM; to float rounding through the fused CPU kernel,
-    # which sums the rows in another order)
+def _mixed_pair(weighted: bool, dense: bool = True):
+    """Two alike collections of TTM groups and (with ``dense``) fused dense tables read by
+    one table-batched lookup, as the DLRM trains them."""
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from comera_rec.integration import TableOverride
@@ -218,7 +215,7 @@ def test_dense_tables_called_directly_equal_the_fused_collection(weighted: bool,
     ]
     pol = CompressionPolicy(
         rank=4,
-        min_rows_to_compress=95,
+        min_rows_to_compress=95 if dense else 0,
         min_params_to_compress=0,
         min_gain=0.0,
         per_table={"a": TableOverride(shape=SHAPE)},
@@ -228,8 +225,19 @@ def test_dense_tables_called_directly_equal_the_fused_collection(weighted: bool,
     for _ in range(2):
         torch.manual_seed(0)
         ttm = TTMEmbeddingBagCollection(configs, pol, is_weighted=weighted)
-        _fuse_dense_tables(ttm, spec, torch.device("cpu"))
+        if dense:
+            _fuse_dense_tables(ttm, spec, torch.device("cpu"))
         made.append(ttm)
+    return made
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_dense_tables_called_directly_equal_the_fused_collection(weighted: bool, lookup_path: str) -> None:
+    # b and c stay dense (below 95 rows) in one FBGEMM lookup; the collection hands it the
+    # ids itself instead of calling FusedEmbeddingBagCollection.forward: same values, same
+    # update (bit for bit through FBGEMM; to float rounding through the fused CPU kernel,
+    # which sums the rows in another order)
+    made = _mixed_pair(weighted)
     direct, wrapped = made
     assert direct._direct_dense_lookup() is not None
     wrapped._direct_dense_lookup = lambda: None  # FusedEmbeddingBagCollection.forward, as TorchRec calls it
@@ -363,39 +371,6 @@ def test_stacked_dense_tables_take_an_empty_batch() -> None:
         assert ttm._merged_dense_tables() is not None
         out = ttm(empty)
     assert out.values().shape == (0, 32)
-
-
-def _mixed_pair(weighted: bool, dense: bool = True):
-    """Two alike collections of TTM groups and (with ``dense``) fused dense tables read by
-    one table-batched lookup, as the DLRM trains them."""
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-    from comera_rec.integration import TableOverride
-    from comera_rec.integration.distributed import EmbeddingOptimizerSpec, _fuse_dense_tables
-    from tests.integration.helpers import SHAPE
-
-    configs = [
-        EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=100, feature_names=["f0", "f1"]),
-        EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=90, feature_names=["f2"]),
-        EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=10, feature_names=["f0"]),
-        EmbeddingBagConfig(name="d", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
-    ]
-    pol = CompressionPolicy(
-        rank=4,
-        min_rows_to_compress=95 if dense else 0,
-        min_params_to_compress=0,
-        min_gain=0.0,
-        per_table={"a": TableOverride(shape=SHAPE)},
-    )
-    spec = EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": 0.1, "eps": 1e-8})
-    made = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        ttm = TTMEmbeddingBagCollection(configs, pol, is_weighted=weighted)
-        if dense:
-            _fuse_dense_tables(ttm, spec, torch.device("cpu"))
-        made.append(ttm)
-    return made
 
 
 @pytest.mark.parametrize("weighted", [False, True])

@@ -83,6 +83,25 @@ EMPTY = torch.empty(0, dtype=torch.long)  # an absent optional tensor argument (
 _EMPTY_FLOAT = torch.empty(0)  # no output given to write into
 
 
+def _kernel_forward(cores, ids, trains, offsets, weights, dim, batch, middle, into, stream_cols) -> list[torch.Tensor]:
+    """The kernel's forward (``ttm_bag_forward``): the bags, then what its backward reads;
+    with ``into`` (a ``(batch, C)`` tensor) the bags written there at ``stream_cols``."""
+    return extension().ttm_bag_forward(
+        list(cores),
+        ids,
+        trains,
+        offsets,
+        weights,
+        int(dim),
+        int(batch),
+        _forward_layouts(cores),
+        middle,
+        into if into is not None else _EMPTY_FLOAT,
+        int(into.shape[1]) if into is not None else 0,
+        [int(c) for c in stream_cols],
+    )
+
+
 class _FusedTTMBag(torch.autograd.Function):
     """``(ids, offsets, trains, weights, dim, batch, middle, into, stream_cols, *cores) -> (B,
     dim)`` summed bags, or ``(batch, B / batch * dim)`` with ``batch > 0`` (bag ``f * batch +
@@ -94,23 +113,11 @@ class _FusedTTMBag(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, offsets, trains, weights, dim, batch, middle, into, stream_cols, *cores):
-        target, row_stride = (into, into.shape[1]) if into is not None else (_EMPTY_FLOAT, 0)
-        out, pslot, sslot, pkeys, skeys, ptab, stab = extension().ttm_bag_forward(
-            list(cores),
-            ids,
-            trains,
-            offsets,
-            weights,
-            dim,
-            batch,
-            _forward_layouts(cores),
-            middle,
-            target,
-            row_stride,
-            list(stream_cols),
+        out, pslot, sslot, pkeys, skeys, ptab, stab = _kernel_forward(
+            cores, ids, trains, offsets, weights, dim, batch, middle, into, stream_cols
         )
         ctx.save_for_backward(offsets, weights, middle, pslot, sslot, pkeys, skeys, ptab, stab, *cores)
-        ctx.layout = (dim, batch, row_stride, list(stream_cols))
+        ctx.layout = (dim, batch, into.shape[1] if into is not None else 0, list(stream_cols))
         ctx.into = into is not None
         if into is not None:
             ctx.mark_dirty(into)
@@ -412,19 +419,8 @@ def ttm_embedding_bag_cpu(
             suffix_rows,
         )
     elif not records_grad(weights, middle, target, *cores):
-        out = extension().ttm_bag_forward(
-            list(cores),
-            ids,
-            trains,
-            offsets,
-            weights,
-            int(embedding_dim),
-            batch,
-            _forward_layouts(cores),
-            middle_arg,
-            target if target is not None else _EMPTY_FLOAT,
-            int(target.shape[1]) if target is not None else 0,
-            [int(c) for c in stream_cols],
+        out = _kernel_forward(
+            cores, ids, trains, offsets, weights, embedding_dim, batch, middle_arg, target, stream_cols
         )[0]
     else:
         cols = tuple(int(c) for c in stream_cols)
