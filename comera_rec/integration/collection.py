@@ -410,23 +410,36 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
         return ids, lens, offsets, trains, w
 
-    def _lookups_write_in_place(self, values: torch.Tensor) -> bool:
+    def _lookups_write_in_place(self, values: torch.Tensor, dense_lookup: nn.Module | None) -> bool:
         """Whether every lookup can write its bags into the output itself (no gather after):
         training on CPU through the fused kernels (float32 TTM cores, sum pooling), the
-        dense tables (if any) through their one table-batched lookup. Scoring keeps its
-        cached halves and the gather."""
+        dense tables (if any) through their one table-batched lookup ``dense_lookup``
+        (:meth:`_direct_dense_lookup`). Scoring keeps its cached halves and the gather."""
         if not torch.is_grad_enabled() or self.static_shapes or values.device.type != "cpu":
             return False
         if any(mean for streams in self._group_streams for _, _, mean in streams):
             return False
-        if self.dense is not None and (
-            type(self.dense) is EmbeddingBagCollection or self._direct_dense_lookup() is None
-        ):
+        if self.dense is not None and dense_lookup is None:
             return False
         return all(
             group.cores[0].dtype == torch.float32 and kernels.cpu_kernel_applies(list(group.cores), values)
             for group in self.groups
         )
+
+    def _direct_dense_values(
+        self,
+        lookup: nn.Module,
+        stream: Callable[[str], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        weighted: bool,
+        batch: int,
+        out_columns: tuple[int, list[int]] | None = None,
+    ) -> torch.Tensor:
+        """The dense tables' pooled values through their one table-batched ``lookup``
+        (:meth:`_direct_dense_lookup`), the ids handed over as this collection has them."""
+        parts = [stream(f) for f in self._dense_features]
+        ids = torch.cat([p[0] for p in parts])
+        w = torch.cat([p[2] for p in parts]) if weighted else None  # type: ignore[misc]
+        return fused_tables_lookup(lookup, ids, torch.cat([p[1] for p in parts]), w, batch, out_columns=out_columns)
 
     def _pool_in_place(
         self,
@@ -434,6 +447,7 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         weighted: bool,
         batch: int,
         ids_of_key: Callable[[str], int],
+        dense_lookup: nn.Module | None,
     ) -> KeyedTensor:
         """:meth:`_pool` with every lookup writing its bags into the ``(B, width)`` output at
         their keys' columns (:meth:`_lookups_write_in_place`): the dense tables' lookup makes
@@ -443,18 +457,8 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         layout = self._layout
         width = sum(layout.lengths_per_embedding)
         dense_cols, group_cols = layout.stream_columns(len(self.groups))
-        if self.dense is not None:
-            parts = [stream(f) for f in self._dense_features]
-            ids = torch.cat([p[0] for p in parts])
-            w = torch.cat([p[2] for p in parts]) if weighted else None  # type: ignore[misc]
-            out = fused_tables_lookup(
-                self._direct_dense_lookup(),  # type: ignore[arg-type]
-                ids,
-                torch.cat([p[1] for p in parts]),
-                w,
-                batch,
-                out_columns=(width, dense_cols),
-            )
+        if dense_lookup is not None:
+            out = self._direct_dense_values(dense_lookup, stream, weighted, batch, out_columns=(width, dense_cols))
         else:  # every column is a TTM group's
             out = torch.empty(batch, width)
         for g, group in enumerate(self.groups):
@@ -503,8 +507,10 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         def ids_of_key(feature: str) -> int:
             return length_per_key[index[feature]]
 
-        if by_blocks and dense_out is None and self._lookups_write_in_place(values):
-            return self._pool_in_place(stream, weights is not None, batch, ids_of_key)
+        # the dense tables' one table-batched lookup, when they are unsharded and fused
+        dense_lookup = self._direct_dense_lookup() if self.dense is not None and dense_out is None else None
+        if by_blocks and dense_out is None and self._lookups_write_in_place(values, dense_lookup):
+            return self._pool_in_place(stream, weights is not None, batch, ids_of_key, dense_lookup)
         pooled_tt: list[tuple[torch.Tensor, ...]] = []  # per group: F_g tensors (B, D)
         sources: list[torch.Tensor] = []  # by_blocks: dense values (if any), then each group's (B, F_g * D)
         for g, group in enumerate(self.groups):
@@ -535,13 +541,10 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
             # (B, D) output a source of the gather below (no KJT split, no concatenation)
             dense_pieces = self._plain_dense_pooled(stream)
         elif self.dense is not None:
-            parts = [stream(f) for f in self._dense_features]
-            lookup = self._direct_dense_lookup()
-            if lookup is not None:
-                ids = torch.cat([p[0] for p in parts])
-                w = torch.cat([p[2] for p in parts]) if weights is not None else None  # type: ignore[misc]
-                dense_values = fused_tables_lookup(lookup, ids, torch.cat([p[1] for p in parts]), w, batch)
+            if dense_lookup is not None:
+                dense_values = self._direct_dense_values(dense_lookup, stream, weights is not None, batch)
             else:
+                parts = [stream(f) for f in self._dense_features]
                 # hand the (host) lengths per key on, or TorchRec computes them again (a sync on GPU)
                 sub = KeyedJaggedTensor(
                     keys=self._dense_features,

@@ -383,7 +383,7 @@ def test_lookups_writing_into_the_output_equal_the_gathered_output(
     # the lookups' own outputs gathered, bit for bit, over steps
     in_place, gathered = _mixed_pair(weighted, dense)
     assert (in_place.dense is not None) == dense and len(in_place.groups) >= 1
-    monkeypatch.setattr(gathered, "_lookups_write_in_place", lambda values: False)
+    monkeypatch.setattr(gathered, "_lookups_write_in_place", lambda *args: False)
     calls = []
     original = in_place._pool_in_place
     monkeypatch.setattr(in_place, "_pool_in_place", lambda *a: calls.append(1) or original(*a))

@@ -117,8 +117,8 @@ class _FusedTTMBag(torch.autograd.Function):
             cores, ids, trains, offsets, weights, dim, batch, middle, into, stream_cols
         )
         ctx.save_for_backward(offsets, weights, middle, pslot, sslot, pkeys, skeys, ptab, stab, *cores)
+        # row_stride 0: the kernel's own layout, no output given
         ctx.layout = (dim, batch, into.shape[1] if into is not None else 0, list(stream_cols))
-        ctx.into = into is not None
         if into is not None:
             ctx.mark_dirty(into)
             return into
@@ -157,7 +157,7 @@ class _FusedTTMBag(torch.autograd.Function):
             None,
             None,
             grad_middle if middle_need_grad else None,
-            grad_out if ctx.into else None,  # the other columns' writers read theirs from it
+            grad_out if row_stride else None,  # the other columns' writers read theirs from it
             None,
             *grad_cores,
         )
