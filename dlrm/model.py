@@ -132,15 +132,15 @@ def make_dlrm(
     rank = policy.mlp_rank
     if policy.compress_mlps:
         model.dense_arch.model = tt_mlp(
-            dense_in_features, bottom_mlp, rank=rank, min_gain=policy.min_gain, device=device
+            dense_in_features, bottom_mlp, rank=rank, min_gain=policy.mlp_min_gain, device=device
         )
         over_in = perceptron_linear(perceptrons(model.over_arch.model[0])[0]).in_features
-        model.over_arch.model[0] = tt_mlp(over_in, top_mlp[:-1], rank=rank, min_gain=policy.min_gain, device=device)
+        model.over_arch.model[0] = tt_mlp(over_in, top_mlp[:-1], rank=rank, min_gain=policy.mlp_min_gain, device=device)
     fuse_narrow_layers(model.dense_arch.model)
     if interaction == "dcn" and policy.compress_crossnet:
         n = (len(tables_features(tables)) + 1) * dim
         crossnet = TTLowRankCrossNet(
-            n, dcn_num_layers, dcn_low_rank, tt_rank=rank, min_gain=policy.min_gain, device=device
+            n, dcn_num_layers, dcn_low_rank, tt_rank=rank, min_gain=policy.mlp_min_gain, device=device
         )
         # no copies of the pooled embeddings between the lookups and the cross net: the
         # sparse arch hands on the collection's values as they are, the cross net reads

@@ -153,10 +153,10 @@ def compress(model: nn.Module, policy: CompressionPolicy | None = None) -> Compr
         elif type(module) is EmbeddingCollection:
             replacement = TTMEmbeddingCollection.from_embedding_collection(module, policy)
         elif isinstance(module, LowRankCrossNet) and policy.compress_crossnet:
-            replacement = TTLowRankCrossNet.from_crossnet(module, policy.mlp_rank, min_gain=policy.min_gain)
+            replacement = TTLowRankCrossNet.from_crossnet(module, policy.mlp_rank, min_gain=policy.mlp_min_gain)
         elif type(module) is nn.Linear and policy.compress_mlps:
             if linear_pays(
-                module.in_features, module.out_features, policy.mlp_rank, policy.min_gain, module.bias is not None
+                module.in_features, module.out_features, policy.mlp_rank, policy.mlp_min_gain, module.bias is not None
             ):
                 replacement = TTLinear.from_linear(module, policy.mlp_rank)
         try:
@@ -210,7 +210,7 @@ def _left_dense_reason(module: nn.Module, policy: CompressionPolicy) -> str | No
             return "policy.compress_mlps is False"
         return (
             f"{module.in_features}->{module.out_features}: TT at rank {policy.mlp_rank} would not be "
-            f"min_gain={policy.min_gain}x smaller with no more multiply-adds"
+            f"{policy.mlp_min_gain}x smaller (linear_min_gain, else min_gain) with no more multiply-adds"
         )
     return None
 

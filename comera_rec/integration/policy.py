@@ -62,6 +62,11 @@ class CompressionPolicy:
     """Overrides by table name: a :class:`TableOverride`, ``"dense"``, ``"compress"`` or an int rank."""
     linear_rank: int | None = None
     """TT rank of MLP and cross-net layers (``rank`` when ``None``)."""
+    linear_min_gain: float | None = None
+    """Dense / TT parameters an MLP or cross-net layer needs to be compressed (``min_gain``
+    when ``None``). A layer must also need no more multiply-adds than the dense one, so a
+    lower value than the tables' lets through layers that are both smaller and cheaper, but
+    by less than ``min_gain`` (DLRM's 256 -> 64 bottom layer at rank 32: 1.55x)."""
     compress_mlps: bool = True
     """Replace MLP linear layers by ``TTLinear`` where it pays."""
     compress_crossnet: bool = True
@@ -96,6 +101,8 @@ class CompressionPolicy:
         whole("min_params_to_compress", 0)
         for name in ("min_gain", "two_cores_within", "share_shapes_within"):
             factor(name)
+        if self.linear_min_gain is not None:
+            factor("linear_min_gain")
         if not isinstance(self.per_table, Mapping):
             raise ValueError(
                 f"CompressionPolicy.per_table: expected a mapping of table name to rule, "
@@ -132,6 +139,11 @@ class CompressionPolicy:
     @property
     def mlp_rank(self) -> int:
         return self.linear_rank if self.linear_rank is not None else self.rank
+
+    @property
+    def mlp_min_gain(self) -> float:
+        """The parameter ratio MLP and cross-net layers need: ``linear_min_gain``, else ``min_gain``."""
+        return self.linear_min_gain if self.linear_min_gain is not None else self.min_gain
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,18 @@ def test_kaggle_compressed_size_on_meta() -> None:
     assert dense.num_parameters == size.dense_num_parameters
 
 
+def test_kaggle_bottom_mlp_is_tt_down_to_64() -> None:
+    # mlp_min_gain=1.5 lets through the 256 -> 64 layer (1.55x smaller at rank 32), not 64 -> 16
+    def kinds(cfg: DLRMConfig) -> list[str]:
+        mlp = build_dlrm(cfg, device="meta").dense_arch.model
+        return [type(p._linear).__name__ for p in mlp._mlp]
+
+    assert DLRMConfig.kaggle().policy().mlp_min_gain == 1.5
+    assert kinds(DLRMConfig.kaggle()) == ["NarrowLinear", "TTLinear", "TTLinear", "Linear"]
+    assert kinds(DLRMConfig.kaggle(mlp_min_gain=None)) == ["NarrowLinear", "TTLinear", "Linear", "Linear"]
+    assert DLRMConfig.kaggle(mlp_min_gain=None).policy().mlp_min_gain == 2.0
+
+
 def test_mismatched_embedding_dims() -> None:
     tables = [
         EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=10, feature_names=["a"]),

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from comera_rec.config import ConfigError
+from comera_rec.dlrm.config import DLRMConfig
 from comera_rec.dlrm.task import load_run_config
 from launch.train_dlrm import main
 from tests.dlrm.tiny import TINY
@@ -85,6 +86,10 @@ def test_every_config_file_loads(name: str) -> None:
     cfg = load_run_config(str(ROOT / "configs" / name))
     assert cfg.model.bottom_mlp[-1] == cfg.model.embedding_dim
     assert cfg.model.compressed == (not name.endswith("_dense.yaml"))
+    if name == "dlrm_criteo_kaggle.yaml":  # the file and DLRMConfig.kaggle() build one model
+        assert (
+            cfg.model.policy() == DLRMConfig.kaggle(**{k: getattr(cfg.model, k) for k in ("rank", "mlp_rank")}).policy()
+        )
 
 
 @pytest.mark.slow

@@ -25,6 +25,22 @@ def test_tt_mlp_mirrors_torchrec_mlp() -> None:
     assert out.shape == (4, 16) and bool((out >= 0).all())  # relu on the last layer, like MLP
 
 
+def test_linear_min_gain_sets_the_layers_bar_apart_from_the_tables() -> None:
+    # 256 -> 64 at rank 32: 1.55x fewer parameters than dense and fewer multiply-adds per row
+    model = nn.Sequential(nn.Linear(256, 64), nn.ReLU())
+    report = compress(model, CompressionPolicy(rank=32, min_gain=2.0))
+    assert type(model[0]) is nn.Linear
+    assert "256->64: TT at rank 32 would not be 2.0x smaller" in report.kept[0].reason
+    policy = CompressionPolicy(rank=32, min_gain=2.0, linear_min_gain=1.5)
+    assert policy.mlp_min_gain == 1.5 and CompressionPolicy(min_gain=3.0).mlp_min_gain == 3.0
+    torch.manual_seed(0)
+    dense = nn.Linear(256, 64)
+    model = nn.Sequential(dense)
+    compress(model, policy)
+    assert isinstance(model[0], TTLinear) and max(model[0].ranks) == 32
+    assert 1.5 <= (256 * 64 + 64) / sum(p.numel() for p in model[0].parameters()) < 2.0
+
+
 def test_tt_crossnet_from_crossnet_is_exact_at_full_rank() -> None:
     net = LowRankCrossNet(in_features=24, num_layers=2, low_rank=12)
     with torch.no_grad():
@@ -132,7 +148,7 @@ def test_compress_reports_every_module_it_leaves_dense_and_why() -> None:
     assert "already fused" in kept["fused"].reason
     # DLRM's 6->32 bottom layer stays dense: TT would not pay at rank 4
     small = [k for k in report.kept if k.kind == "Linear" and "6->32" in k.reason]
-    assert small and "min_gain=2.0x" in small[0].reason
+    assert small and "2.0x smaller (linear_min_gain, else min_gain)" in small[0].reason
     assert not any(k.name.startswith(("sequence.", "fused.")) for k in report.kept)  # no children listed
     text = str(report)
     assert "left dense:" in text and "plain (EmbeddingBag, 400 parameters)" in text

@@ -131,6 +131,7 @@ def test_a_shared_shape_holds_the_rows_and_costs_at_most_the_factor(sizes: list[
         ("min_rows_to_compress", -5, "min_rows_to_compress: expected an integer >= 0"),
         ("min_params_to_compress", True, "min_params_to_compress: expected an integer >= 0"),
         ("min_gain", -1.0, "min_gain: expected a finite number >= 0"),
+        ("linear_min_gain", math.nan, "linear_min_gain: expected a finite number >= 0"),
         ("two_cores_within", math.inf, "two_cores_within: expected a finite number >= 0"),
         ("share_shapes_within", "2", "share_shapes_within: expected a finite number >= 0"),
         ("per_table", {"t_a": 0}, r"per_table\['t_a'\]: rank must be an integer >= 1, got 0"),
