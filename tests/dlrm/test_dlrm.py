@@ -87,7 +87,7 @@ def test_kaggle_compressed_size_on_meta() -> None:
 
 
 def test_kaggle_bottom_mlp_is_tt_down_to_64() -> None:
-    # mlp_min_gain=1.5 lets through the 256 -> 64 layer (1.55x smaller at rank 32), not 64 -> 16
+    # mlp_min_gain=1.5 lets through the 256 -> 64 layer (1.54x smaller at rank 32), not 64 -> 16
     def kinds(cfg: DLRMConfig) -> list[str]:
         mlp = build_dlrm(cfg, device="meta").dense_arch.model
         return [type(p._linear).__name__ for p in mlp._mlp]
