@@ -171,36 +171,15 @@ def test_lookup_kernel_seconds_finds_the_fused_lookup_in_the_profile() -> None:
 
 @pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
 def test_the_lookup_with_a_middle_controller_profiles_its_controller_phases() -> None:
-    from comera_rec.tensor.kernels.ttm_cpu import extension
+    from comera_rec.tensor import kernels
 
     g = torch.Generator().manual_seed(0)
     cores, ids, offsets = small_lookup(g)
-    middle = torch.rand(1, 4, generator=g)
-    empty = torch.empty(0, dtype=torch.long)
+    cores = [c.requires_grad_() for c in cores]
+    middle = torch.rand(1, 4, generator=g).requires_grad_()
 
     def step() -> None:
-        out, *saved = extension().ttm_bag_forward(
-            cores, ids, empty, offsets, empty, 16, 0, [], middle, torch.empty(0), 0, []
-        )
-        pslot, sslot, pkeys, skeys, ptab, stab = saved
-        extension().ttm_bag_backward(
-            torch.ones_like(out),
-            cores,
-            offsets,
-            empty,
-            pslot,
-            sslot,
-            pkeys,
-            skeys,
-            ptab,
-            stab,
-            False,
-            16,
-            0,
-            middle,
-            0,
-            [],
-        )
+        kernels.ttm_embedding_bag_cpu(cores, ROWS, 16, ids, offsets, middle=middle).sum().backward()
 
     times = bench_parts.op_self_times(step, torch.get_num_threads(), steps=2)
     assert {"ttm_lookup: controller", "ttm_lookup backward: controller"} <= set(times), sorted(times)

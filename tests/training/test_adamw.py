@@ -35,6 +35,15 @@ def set_grads(params, step: int, skip=()) -> None:
         p.grad = None if i in skip else grad
 
 
+def step_alike(a_params, a_opt, b_params, b_opt, steps) -> None:
+    """The same gradients for both parameter sets at each of ``steps``, then a step of each."""
+    for step in steps:
+        set_grads(a_params, step)
+        set_grads(b_params, step)
+        a_opt.step()
+        b_opt.step()
+
+
 def assert_same(a_params, b_params, a_opt, b_opt) -> None:
     for i, (a, b) in enumerate(zip(a_params, b_params)):
         assert torch.equal(a, b), f"parameter {i}"
@@ -101,11 +110,7 @@ def test_state_dict_round_trips_with_torch(direction) -> None:
     # copies: torch's load keeps the given tensors where dtype and device fit (no copy)
     a.load_state_dict(copy.deepcopy(saved))
     b.load_state_dict(copy.deepcopy(saved))
-    for step in range(3, 6):
-        set_grads(a_params, step)
-        set_grads(b_params, step)
-        a.step()
-        b.step()
+    step_alike(a_params, a, b_params, b, range(3, 6))
     assert_same(a_params, b_params, a, b)
 
 
@@ -130,11 +135,7 @@ def test_other_settings_step_as_torch(options) -> None:
     ours_p, torch_p = make_params(), make_params()
     ours = GroupStepAdamW(groups(ours_p), **options)
     ref = torch.optim.AdamW(groups(torch_p), **options)
-    for step in range(3):
-        set_grads(ours_p, step)
-        set_grads(torch_p, step)
-        ours.step()
-        ref.step()
+    step_alike(ours_p, ours, torch_p, ref, range(3))
     assert_same(ours_p, torch_p, ours, ref)
 
 
