@@ -27,6 +27,8 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
                                          # them, credits what they, the fused row-wise
                                          # Adagrad lookup and the fused narrow first layer
                                          # give a dense model)
+    comera-bench --batch-sizes 64,256,1024,2048  # every variant's step at each batch size, in one
+                                  # process: below which per-process batch compression stops paying
     comera-bench --rounds 5       # more fresh processes per variant for the step time
     comera-bench --lookup-paths   # adds tt_torch / tt_half_torch: the same models with the
                                   # fused CPU kernels off (TTM lookup, TT linear, interaction)
@@ -38,7 +40,8 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
 
 # The docstring above is the command's --help, so the layout is said here: the variants,
 # their models and batches are in bench_setup.py, the fresh processes in bench_process.py,
-# --parts and --ops in bench_parts.py, --fixed-costs in bench_fixed.py; this module runs them
+# --parts and --ops in bench_parts.py, --fixed-costs in bench_fixed.py, --batch-sizes in
+# bench_batch.py; this module runs them
 # and prints the tables.
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from typing import NoReturn
 
 import torch
 
+from comera_rec.dlrm.bench_batch import batch_sizes, parse_sizes
 from comera_rec.dlrm.bench_fixed import fixed_costs
 from comera_rec.dlrm.bench_parts import ops, part_times, parts, sgemm_flops_per_second  # noqa: F401  (re-exported)
 from comera_rec.dlrm.bench_process import (  # noqa: F401  (re-exported: importable from here as before the split)
@@ -219,6 +223,12 @@ def main(argv: list[str] | None = None) -> None:
         help="VARIANT's step against copies of its model without the TT layers' chain merges, the TTM tables' "
         "controller folds or the optimizer step, in one process: a bound on what each is worth",
     )
+    parser.add_argument(
+        "--batch-sizes",
+        metavar="SIZES",
+        help="comma-separated batch sizes: every variant's step at each, all in one process, steps "
+        "interleaved, against dense TorchRec's at the same size",
+    )
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
     parser.add_argument("--steps", type=int, default=None, help="training steps per variant")
     parser.add_argument("--batch-size", type=int, default=2048)
@@ -260,6 +270,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     try:
+        sizes = parse_sizes(args.batch_sizes) if args.batch_sizes is not None else None
+    except ValueError as exc:
+        parser.error(f"--batch-sizes: {exc}")
+    try:
         check_host_runs(args.isa)
     except ValueError as exc:
         parser.error(f"--isa {args.isa}: {exc}")
@@ -285,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
         ops(setup, args.ops, steps=3 if args.quick else 15)
     elif args.fixed_costs:
         fixed_costs(setup, args.fixed_costs, **({"steps": 3, "warmup": 1} if args.quick else {}))
+    elif sizes is not None:
+        batch_sizes(setup, sizes, **({"steps": 3, "warmup": 1} if args.quick else {}))
     elif args.parts:
         parts(setup)
     else:
