@@ -85,6 +85,24 @@ def batch_size_table(times: dict[int, dict[str, float]], baseline: str = "dense"
     return lines
 
 
+def faster_from(times: dict[int, dict[str, float]], baseline: str = "dense") -> dict[str, int | None]:
+    """Per variant but ``baseline``, the smallest of the sizes from which on (that size and
+    every larger one measured) its step is faster than ``baseline``'s; ``None`` where the
+    largest size's is not."""
+    sizes = sorted(times)
+    out: dict[str, int | None] = {}
+    for name in next(iter(times.values())):
+        if name == baseline:
+            continue
+        first = None
+        for size in reversed(sizes):
+            if times[size][name] >= times[size][baseline]:
+                break
+            first = size
+        out[name] = first
+    return out
+
+
 def batch_sizes(setup: Setup, sizes: Sequence[int], steps: int = 40, warmup: int = 15) -> dict[int, dict[str, float]]:
     """Print :func:`batch_size_times` as a table, each variant against dense TorchRec at the
     same size. Returns the times."""
@@ -96,6 +114,12 @@ def batch_sizes(setup: Setup, sizes: Sequence[int], steps: int = 40, warmup: int
     )
     for line in batch_size_table(times):
         print(line)
+    print(
+        "faster than dense from batch: "
+        + ", ".join(
+            f"{name} {size if size is not None else 'none of these'}" for name, size in faster_from(times).items()
+        )
+    )
     return times
 
 

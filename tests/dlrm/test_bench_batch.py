@@ -40,6 +40,16 @@ def test_table_gives_each_variant_against_the_baseline() -> None:
         bench_batch.batch_size_table(times, baseline="dense_fi")
 
 
+def test_faster_from_is_the_size_from_which_every_larger_one_is_faster() -> None:
+    times = {
+        64: {"dense": 5.0, "tt": 7.0, "tt_half": 4.0, "slow": 9.0},
+        256: {"dense": 10.0, "tt": 9.0, "tt_half": 11.0, "slow": 12.0},  # tt_half slower again here
+        2048: {"dense": 60.0, "tt": 25.0, "tt_half": 20.0, "slow": 70.0},
+    }
+    assert bench_batch.faster_from(times) == {"tt": 256, "tt_half": 2048, "slow": None}
+    assert bench_batch.faster_from(times, baseline="tt") == {"dense": None, "tt_half": 2048, "slow": None}
+
+
 def test_times_every_variant_at_every_size() -> None:
     setup = replace(Setup(), batch_size=2048)  # the sweep's sizes, not the setup's, are used
     times = bench_batch.batch_size_times(setup, [8, 32], names=["tt", "tt_half"], steps=2, warmup=1)
