@@ -42,8 +42,7 @@ def batch_size_times(
         steps: timed steps per size, each on a batch of its own.
         warmup: untimed steps per size and variant first.
     """
-    if not sizes or any(size < 1 for size in sizes):
-        raise ValueError(f"batch sizes must be at least 1, got {list(sizes)}")
+    check_sizes(sizes)
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup >= 0, got {steps} and {warmup}")
     names = list(variants(setup) if names is None else names)
@@ -129,6 +128,11 @@ def parse_sizes(text: str) -> list[int]:
         sizes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise ValueError(f"batch sizes must be integers separated by commas, got {text!r}") from None
-    if not sizes or any(size < 1 for size in sizes):
-        raise ValueError(f"batch sizes must be at least 1, got {text!r}")
+    check_sizes(sizes)
     return sizes
+
+
+def check_sizes(sizes: Sequence[int]) -> None:
+    """Raise, naming them, unless ``sizes`` holds at least one size and every one is >= 1."""
+    if not sizes or any(size < 1 for size in sizes):
+        raise ValueError(f"batch sizes must be at least 1, got {list(sizes)}")
