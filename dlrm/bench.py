@@ -273,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
         sizes = parse_sizes(args.batch_sizes) if args.batch_sizes is not None else None
     except ValueError as exc:
         parser.error(f"--batch-sizes: {exc}")
+    if sizes is not None and args.mlperf:
+        parser.error("--batch-sizes runs the Kaggle shapes against dense TorchRec; --mlperf has no dense model")
     try:
         check_host_runs(args.isa)
     except ValueError as exc:

@@ -28,6 +28,9 @@ def test_command_line_rejects_bad_sizes(capsys) -> None:
         bench.main(["--batch-sizes", "0,64"])
     assert exc.value.code == 2
     assert "--batch-sizes: batch sizes must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--batch-sizes", "64", "--mlperf"])
+    assert "--mlperf has no dense model" in capsys.readouterr().err
 
 
 def test_table_gives_each_variant_against_the_baseline() -> None:
