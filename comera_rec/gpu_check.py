@@ -8,8 +8,11 @@ On a machine without CUDA it says so in one line and exits 0. On a CUDA machine 
 (b) runs the tests that exercise the GPU paths with pytest (``tests/gpu``, which skips
 without CUDA, and the CPU-checked Triton / static-lookup / CUDA-graph files, now against a
 CUDA torch), (c) runs ``comera_rec.dlrm.bench_device`` at Kaggle shapes (dense TorchRec with FBGEMM's
-CUDA TBE vs compressed) and prints one summary table. It installs nothing: when the GPU
-set is missing (triton, a CUDA fbgemm-gpu) it prints the install command (docs/gpu.md).
+CUDA TBE vs compressed) and prints one summary table. With TorchRec over the CPU
+fbgemm-gpu (no CUDA kernels of FBGEMM) the TorchRec tests still run, and the benchmark runs
+``--plain``: the compressed step as one CUDA graph against the dense model with sparse
+table updates, neither through FBGEMM. It installs nothing: when the GPU set is missing
+(triton, a CUDA fbgemm-gpu) it prints the install command (docs/gpu.md).
 Exit status: 0 when everything that ran passed, 1 otherwise.
 """
 
@@ -125,6 +128,30 @@ def bench_step(python: str, steps: int = 50, batch_size: int = 2048, rank: int =
     return Step(f"DLRM Kaggle step, batch {batch_size}, rank {rank}", argv)
 
 
+def plain_bench_steps(python: str, steps: int = 30, batch_size: int = 2048, rank: int = 32) -> list[Step]:
+    """The benchmark without FBGEMM's CUDA kernels, as data: the compressed step as one CUDA
+    graph, then the dense model with sparse table updates (eager: sparse updates are not
+    captured). Not the FBGEMM baseline; the names say so."""
+    base = [
+        python,
+        "-m",
+        "comera_rec.dlrm.bench_device",
+        "--device",
+        "cuda",
+        "--plain",
+        "--batch-size",
+        str(batch_size),
+    ]
+    base += ["--steps", str(steps), "--rank", str(rank)]
+    return [
+        Step(f"DLRM Kaggle step, TT graphed, no FBGEMM, batch {batch_size}", base + ["--graphed", "--variants", "tt"]),
+        Step(
+            f"DLRM Kaggle step, dense sparse tables, no FBGEMM, batch {batch_size}",
+            base + ["--sparse-tables", "--variants", "dense"],
+        ),
+    ]
+
+
 def tensor_bench_step(python: str, repeats: int = 30) -> Step:
     """The tensor-core benchmark (``launch/bench_gpu.py``, no TorchRec): TTM lookup steps
     (Triton, PyTorch path, one CUDA graph) and TT layers against dense torch modules."""
@@ -205,14 +232,19 @@ def main(argv: list[str] | None = None, cuda: bool | None = None) -> int:
     missing = missing_gpu_packages(found)
     if missing:
         print(f"missing from the GPU set: {', '.join(missing)}. Install it with: {INSTALL_HINT}")
-    torchrec = found["torchrec"] != "-" and "fbgemm-gpu (CUDA)" not in missing
+    torchrec = found["torchrec"] != "-"
+    fbgemm_cuda = "fbgemm-gpu (CUDA)" not in missing
     if not torchrec:
-        print("TorchRec or the CUDA fbgemm-gpu is missing: the tensor core alone is checked")
+        print("TorchRec is missing: the tensor core alone is checked")
+    elif not fbgemm_cuda:
+        print("FBGEMM's CUDA kernels are missing: the DLRM runs without them (--plain), not against FBGEMM")
     steps = pytest_steps(sys.executable, len(devices), torchrec)
     if not args.no_bench:
         steps.append(tensor_bench_step(sys.executable))
-        if torchrec:
+        if torchrec and fbgemm_cuda:
             steps.append(bench_step(sys.executable, args.bench_steps))
+        elif torchrec:
+            steps += plain_bench_steps(sys.executable)
     if args.dry_run:
         for s in steps:
             print(" ".join(s.argv))

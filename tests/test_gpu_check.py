@@ -142,3 +142,18 @@ def test_bench_figures_reads_both_benchmarks() -> None:
     ]
     figures = gpu_check.bench_figures("\n".join(lines))
     assert figures == "lookup B=2048 tt_triton 1.500 ms (x2.0 dense, 1.00 GiB peak); dense 3.00 ms (1,000 samples/s)"
+
+
+def test_torchrec_without_cuda_fbgemm_runs_the_plain_benchmark(capsys, monkeypatch) -> None:
+    """TorchRec over the CPU fbgemm-gpu: the TorchRec test files run, and the DLRM benchmark
+    runs without FBGEMM (graphed TT, dense with sparse tables), said so, never the FBGEMM one."""
+    monkeypatch.setattr(gpu_check, "gpus", lambda: ["cuda:0 Fake, 80 GiB, sm_90"])
+    cpu_fbgemm = {**FULL_GPU_SET, "fbgemm-gpu": "-", "fbgemm-gpu-cpu": "1.6.0"}
+    monkeypatch.setattr(gpu_check, "versions", lambda: cpu_fbgemm)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    assert gpu_check.main(["--dry-run"], cuda=True) == 0
+    out = capsys.readouterr().out
+    assert "FBGEMM's CUDA kernels are missing" in out and "test_cuda_graph.py" in out
+    bench = [line for line in out.splitlines() if "comera_rec.dlrm.bench_device" in line]
+    assert len(bench) == 2 and all("--plain" in line for line in bench)
+    assert "--graphed --variants tt" in bench[0] and "--sparse-tables --variants dense" in bench[1]

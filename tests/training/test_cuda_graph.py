@@ -305,6 +305,7 @@ def _run(tmp_path, graphed: bool, sched: dict, task_kw: dict, capture: EagerCapt
             progress=False,
             plots=False,
             seed=1,
+            device="cpu",  # EagerCapture's buffers are on CPU; a CUDA machine would pick cuda
             cuda_graphs=graphed,
         ),
         RankScheduleConfig(**{"mode": "threshold", "threshold": 0.999, "truncate_every": 3, **sched}),
