@@ -28,6 +28,7 @@ from comera_rec.integration.distributed import (
 )
 from comera_rec.rank import RankScheduleConfig
 from comera_rec.training import OptimConfig, Task, TrainerConfig
+from comera_rec.training.cuda_graph import capturing
 
 
 @dataclass
@@ -228,9 +229,15 @@ class DLRMTask(Task):
         return self._val
 
     # ------------------------------------------------------------------ loss
-    def step_loss(self, wrapped: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def check_batch(self, batch: Batch) -> None:
+        """:func:`check_batch` of a training batch, unless ``model.validate_inputs`` is off
+        (the graphed step calls this on the host before each replay)."""
         if self.config.model.validate_inputs:
             check_batch(batch, self.config.model.dense_in_features)
+
+    def step_loss(self, wrapped: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not capturing():  # inside a capture the engine has checked the batch already
+            self.check_batch(batch)
         loss, (_, logits, labels) = wrapped(batch.to(self.device))
         return loss, logits, labels
 

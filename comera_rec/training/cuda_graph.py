@@ -22,10 +22,11 @@ Pieces:
 * :func:`capturable_objective`: the rank schedule's early-stage objective with the
   live-rank count kept on the device.
 * :func:`forbid_host_syncs`: raises on operations that synchronise with the host or
-  have data-dependent shapes, as far as the dispatched operators show it on a CPU.
+  have data-dependent shapes, as far as the dispatched operators show it on a CPU;
+  :func:`capturing` says whether code runs inside a capture (or that check).
 
-Status: the CUDA backend has never run (no GPU was available); everything else is
-tested on CPU (``tests/training/test_cuda_graph.py``).
+Status: the CUDA backend ran on an H200 (docs/gpu.md); everything is also tested on CPU
+with the eager stand-in (``tests/training/test_cuda_graph.py``).
 
 Example::
 
@@ -75,7 +76,7 @@ from comera_rec.training.graph_capture import (  # noqa: F401
     EagerRecorded,
     GraphedTrainStep,
 )
-from comera_rec.training.host_sync import SYNC_OPS, ForbidHostSyncs, HostSyncError, forbid_host_syncs  # noqa: F401
+from comera_rec.training.host_sync import SYNC_OPS, ForbidHostSyncs, HostSyncError, capturing, forbid_host_syncs  # noqa: F401
 from comera_rec.training.step_graphs import StepGraphs, capturable_objective, logger, takes_tensor_lr  # noqa: F401
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "HostSyncError",
     "StepGraphs",
     "capturable_objective",
+    "capturing",
     "copy_into",
     "forbid_host_syncs",
     "make_static",

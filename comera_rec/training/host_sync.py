@@ -33,6 +33,9 @@ SYNC_OPS = {
 }
 
 
+_forbidding = 0  # depth of forbid_host_syncs blocks (the stand-in for a capture)
+
+
 class ForbidHostSyncs(TorchDispatchMode):
     """The dispatch mode behind :func:`forbid_host_syncs`: raises HostSyncError on a host sync."""
 
@@ -72,5 +75,29 @@ def forbid_host_syncs() -> Iterator[None]:
         ...
         comera_rec.training.cuda_graph.HostSyncError: aten._local_scalar_dense.default: reads a value ...
     """
-    with ForbidHostSyncs():
-        yield
+    global _forbidding
+    _forbidding += 1
+    try:
+        with ForbidHostSyncs():
+            yield
+    finally:
+        _forbidding -= 1
+
+
+def capturing() -> bool:
+    """Whether the code running now is being captured: inside a CUDA graph capture on the
+    current stream, or inside :func:`forbid_host_syncs` (the CPU stand-in's replays). Code
+    that reads tensors on the host to check them (input validation) skips that here; the
+    engine checks each batch on the host before a captured step runs it.
+
+    Example::
+
+        >>> capturing()
+        False
+        >>> with forbid_host_syncs():
+        ...     capturing()
+        True
+    """
+    if _forbidding:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -22,6 +22,7 @@ from torch import nn
 
 from comera_rec.rank.schedule import ObjectiveTerms
 from comera_rec.training.optim import OptimConfig, lr_factor, set_lr_factor
+from comera_rec.training.trainer_config import task_hook
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> None:
@@ -116,6 +117,7 @@ class GraphedStep:
         self._surrogate: Optional[torch.Tensor] = None
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        task_hook(self.trainer.task, "check_batch")(batch)  # on the host: the replay checks nothing
         loss, labels, self._objective, self._surrogate = self.trainer._graphs.forward_backward(batch)
         return loss, labels
 

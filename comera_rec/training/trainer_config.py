@@ -30,6 +30,7 @@ class TaskMetrics(Protocol):
 REQUIRED_HOOKS: tuple[str, ...] = ("build_model", "wrap", "train_batches", "val_batches", "step_loss")
 """The hooks every task must define."""
 OPTIONAL_HOOKS: tuple[str, ...] = (
+    "check_batch",
     "optimizer_parameters",
     "extra_optimizers",
     "metrics",
@@ -68,6 +69,10 @@ class Task(metaclass=ABCMeta):
 
     Optional hooks (defaults below):
 
+    * ``check_batch(batch)``: check a training batch on the host (raise on bad input);
+      called by the graphed step before each batch goes into the captured step, where
+      ``step_loss`` must not read the batch on the host (skip such checks when
+      :func:`~comera_rec.training.cuda_graph.capturing`).
     * ``optimizer_parameters(wrapped)``: the parameters the engine's torch optimiser
       updates, or ``None`` for all of the model's; called when that optimiser is built.
     * ``extra_optimizers(wrapped) -> list``: further optimisers the engine steps, zeroes
@@ -146,6 +151,19 @@ class Task(metaclass=ABCMeta):
         raise NotImplementedError(_missing(self, "step_loss"))
 
     # ------------------------------------------------------------------ optional
+    def check_batch(self, batch: Any) -> None:
+        """Check a training batch on the host; raise on bad input. Nothing by default.
+
+        The graphed step (``TrainerConfig.cuda_graphs``) calls it on every batch before
+        copying it into the captured step's buffers: inside the capture ``step_loss`` runs
+        once and is then replayed, so checks there would read only the first batch, and a
+        host read would break the capture. A task whose ``step_loss`` validates its input
+        skips that inside a capture and does the same checks here.
+
+        Args:
+            batch: one item of :meth:`train_batches`.
+        """
+
     def optimizer_parameters(self, wrapped: nn.Module) -> Optional[Iterable[nn.Parameter]]:
         """The parameters the engine's torch optimiser updates.
 

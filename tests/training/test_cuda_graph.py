@@ -349,3 +349,38 @@ def test_engine_refuses_cuda_graphs_on_cpu(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"cuda_graphs=True needs a CUDA device, but the device is cpu"):
         trainer.fit()
     assert not (tmp_path / "checkpoints").exists() and TrainerConfig().cuda_graphs is False
+
+
+class CheckedToyTask(StaticToyTask):
+    """Counts the batches the engine hands to ``check_batch``; refuses the fifth."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.checked = 0
+
+    def check_batch(self, batch) -> None:
+        self.checked += 1
+        if self.checked == 5:
+            raise ValueError("batch 5 is bad")
+
+
+def test_graphed_loop_checks_every_batch_on_the_host(tmp_path) -> None:
+    """Replays run no Python of the step, so the graphed loop calls the task's
+    ``check_batch`` on each batch before copying it in; its error stops the run."""
+    task = CheckedToyTask(batches_per_epoch=4, batch=16, val_batches=1)
+    trainer = Trainer(
+        task,
+        TrainerConfig(
+            run_dir=str(tmp_path),
+            max_steps=8,
+            progress=False,
+            plots=False,
+            checkpoint_at_end=False,
+            device="cpu",
+            cuda_graphs=True,
+        ),
+        graph_capture=EagerCapture(warmup_steps=1),
+    )
+    with pytest.raises(ValueError, match="batch 5 is bad"):
+        trainer.fit()
+    assert task.checked == 5 and len(trainer.losses) == 4
