@@ -107,6 +107,7 @@ def test_defaults_equal_the_former_fallbacks() -> None:
         metrics = task_hook(t, "metrics")(torch.device("cpu"))
         assert type(metrics) is BinaryMetrics and metrics.device == torch.device("cpu")
         assert tuple(task_hook(t, "checkpoint_config_keys")()) == ()
+        assert task_hook(t, "check_batch")(object()) is None  # checks nothing
     # the subclass inherits them as methods; the plain object gets them bound to itself
     assert task.extra_optimizers(None) == [] and task.checkpoint_config_keys() == ()
     assert task_hook(plain, "metrics").__self__ is plain
@@ -125,6 +126,7 @@ def test_required_hooks_raise_and_unknown_hooks_are_refused() -> None:
     with pytest.raises(AttributeError, match="no Task hook"):
         task_hook(Empty(), "optimiser_parameters")
     assert set(OPTIONAL_HOOKS) == {
+        "check_batch",
         "optimizer_parameters",
         "extra_optimizers",
         "metrics",
