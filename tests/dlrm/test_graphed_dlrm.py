@@ -13,12 +13,9 @@ from comera_rec.dlrm.task import DLRMTask, load_run_config
 from comera_rec.tensor import set_static_shapes
 from comera_rec.training import Trainer
 from comera_rec.training.cuda_graph import EagerCapture, forbid_host_syncs, make_static
-from tests.dlrm.tiny import TINY
+from tests.dlrm.tiny import ALL_TT, TINY, TWO_CUTS
 
 DEMO = str(Path(__file__).resolve().parents[2] / "configs/dlrm_demo.yaml")
-# every table large enough to compress: no dense TorchRec table, whose FBGEMM kernels the
-# trainer would fuse (not a concern of the capture)
-ALL_TT = [f"model.table_sizes=[{','.join(['20000'] * 2 + ['1000'] * 24)}]", "model.min_rows_to_compress=1"]
 
 
 def _run(tmp_path: Path, graphed: bool) -> dict:
@@ -27,12 +24,7 @@ def _run(tmp_path: Path, graphed: bool) -> dict:
         [
             *TINY,
             *ALL_TT,
-            "schedule.mode=threshold",
-            "schedule.threshold=0.999",
-            "schedule.truncate_every=8",
-            "trainer.max_steps=20",
-            "trainer.plots=false",
-            "trainer.checkpoint_at_end=false",
+            *TWO_CUTS,
             f"trainer.run_dir={tmp_path / str(graphed)}",
             f"trainer.cuda_graphs={str(graphed).lower()}",
         ],

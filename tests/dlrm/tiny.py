@@ -44,3 +44,15 @@ TINY = [
     "trainer.progress=false",
     "trainer.log_every=1",
 ]
+# Every table large enough to compress: no dense TorchRec table is left for FBGEMM's kernels
+# (whose CUDA build a GPU machine may lack).
+ALL_TT = [f"model.table_sizes=[{','.join(['20000'] * 2 + ['1000'] * 24)}]", "model.min_rows_to_compress=1"]
+# 20 steps through two rank cuts, no plots, no final checkpoint: the graphed-loop tests' run.
+TWO_CUTS = [
+    "schedule.mode=threshold",
+    "schedule.threshold=0.999",
+    "schedule.truncate_every=8",
+    "trainer.max_steps=20",
+    "trainer.plots=false",
+    "trainer.checkpoint_at_end=false",
+]

@@ -90,21 +90,15 @@ def _trainer_run(tmp_path, graphed: bool):
 
     from comera_rec.dlrm.task import DLRMTask, load_run_config
     from comera_rec.training import Trainer
-    from tests.dlrm.tiny import TINY
+    from tests.dlrm.tiny import ALL_TT, TINY, TWO_CUTS
 
     demo = str(Path(__file__).resolve().parents[2] / "configs/dlrm_demo.yaml")
     config = load_run_config(
         demo,
         [
             *TINY,
-            f"model.table_sizes=[{','.join(['20000'] * 2 + ['1000'] * 24)}]",
-            "model.min_rows_to_compress=1",
-            "schedule.mode=threshold",
-            "schedule.threshold=0.999",
-            "schedule.truncate_every=8",
-            "trainer.max_steps=20",
-            "trainer.plots=false",
-            "trainer.checkpoint_at_end=false",
+            *ALL_TT,
+            *TWO_CUTS,
             "trainer.device=cuda",
             f"trainer.cuda_graphs={str(graphed).lower()}",
             f"trainer.run_dir={tmp_path / str(graphed)}",
