@@ -65,7 +65,8 @@ def plain_optimizers(model: torch.nn.Module, sparse_tables: bool, capturable: bo
         if isinstance(m, torch.nn.EmbeddingBag):
             m.sparse = sparse_tables
             tables += [m.weight] if sparse_tables else []
-    rest = [p for p in model.parameters() if all(p is not t for t in tables)]
+    table_ids = {id(t) for t in tables}
+    rest = [p for p in model.parameters() if id(p) not in table_ids]
     optims: list[torch.optim.Optimizer] = [torch.optim.AdamW(rest, lr=1e-3, capturable=capturable)]
     if tables:
         optims.append(torch.optim.Adagrad(tables, lr=0.05))
@@ -163,7 +164,7 @@ def run_variant(
         if i >= warmup:
             times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    step = statistics.median(times)
+    median_step = statistics.median(times)
     return {
         "variant": variant
         + ("_plain" if plain else "")
@@ -172,8 +173,8 @@ def run_variant(
         "device": str(device),
         "batch_size": batch_size,
         "steps": steps,
-        "step_ms": round(step * 1e3, 3),
-        "samples_per_s": round(batch_size / step),
+        "step_ms": round(median_step * 1e3, 3),
+        "samples_per_s": round(batch_size / median_step),
         "peak_device_bytes": peak,
         "loss": round(float(loss.detach()), 5),
     }
