@@ -43,6 +43,7 @@ from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from comera_rec.integration.kernel_support import check_dense_table_kernels
 from comera_rec.integration.torchrec_internals import (
     collection_device,
     rewrap_dmp_data_parallel,
@@ -240,6 +241,7 @@ def wrap_model(
         >>> loss, _ = wrapped(batch); loss.backward(); optim.step(); optim.zero_grad()  # doctest: +SKIP
     """
     device = torch.device(device)
+    check_dense_table_kernels(model, device)  # before anything moves to the device
     spec = embedding_optimizer or EmbeddingOptimizerSpec()
     distributed = dist.is_available() and dist.is_initialized()
     if world_size is not None:
