@@ -72,7 +72,7 @@ from comera_rec.training.checkpoint_compat import (  # noqa: F401
 from comera_rec.training.cuda_graph import CaptureBackend, StepGraphs
 from comera_rec.training.dist import is_distributed, process_rank, world_size
 from comera_rec.training.engine_checkpoint import TrainerCheckpoints
-from comera_rec.training.engine_graphs import TrainerGraphs
+from comera_rec.training.engine_graphs import TrainerGraphs, eager_cuda_hint
 from comera_rec.training.engine_report import TrainerReports
 from comera_rec.training.engine_setup import TrainerSetup
 from comera_rec.training.engine_steps import TrainerSteps
@@ -316,6 +316,9 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerGraphs, TrainerSteps, Tra
         self.device = self._device()
         if cfg.cuda_graphs:
             self._check_cuda_graphs()
+        hint = eager_cuda_hint(self.device, cfg.cuda_graphs, world_size())
+        if hint and process_rank() == 0:
+            logger.info(hint)
         # before anything is built or written: a run that cannot finish fails now
         resume_from = self._resume_checkpoint()
         self._check_writable()

@@ -23,6 +23,33 @@ from comera_rec.training.trainer_config import Task, TrainerConfig
 logger = logging.getLogger("comera_rec.training.engine")
 
 
+def eager_cuda_hint(device: torch.device, cuda_graphs: bool, processes: int) -> Optional[str]:
+    """The log line for a run on one GPU without CUDA graphs, else ``None``.
+
+    Eagerly, each step's TT lookups size their de-duplicated work on the host, so the step
+    waits on the host: on an H200 the compressed DLRM step took 22-25 ms eagerly against
+    3.8 ms as one graph, and the trainer's graphed loop trained the demo config 3.1x faster
+    (docs/gpu.md, "Fourth run" and "Fifth run").
+
+    Args:
+        device: the run's device.
+        cuda_graphs: ``TrainerConfig.cuda_graphs``.
+        processes: the run's process count (graphs are for one process only).
+
+    Example::
+
+        >>> eager_cuda_hint(torch.device("cpu"), False, 1) is None
+        True
+    """
+    if device.type != "cuda" or cuda_graphs or processes > 1:
+        return None
+    return (
+        f"training on {device} eagerly: the TT lookups size their work on the host every step, "
+        "so the step is bound by the host; trainer.cuda_graphs=true captures the step as CUDA "
+        "graphs (3.1x the samples/s on the DLRM demo on an H200, docs/gpu.md)"
+    )
+
+
 class TrainerGraphs:
     """Mixin of :class:`~comera_rec.training.engine.Trainer`: its CUDA-graph methods.
 

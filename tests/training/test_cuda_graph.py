@@ -31,6 +31,7 @@ from comera_rec.training.cuda_graph import (
     forbid_host_syncs,
     make_static,
 )
+from comera_rec.training.engine_graphs import eager_cuda_hint
 
 
 def _kjt(ids: list[int], lengths: list[int], weights: bool = False) -> KeyedJaggedTensor:
@@ -384,3 +385,11 @@ def test_graphed_loop_checks_every_batch_on_the_host(tmp_path) -> None:
     with pytest.raises(ValueError, match="batch 5 is bad"):
         trainer.fit()
     assert task.checked == 5 and len(trainer.losses) == 4
+
+
+def test_an_eager_run_on_one_gpu_is_told_about_cuda_graphs() -> None:
+    hint = eager_cuda_hint(torch.device("cuda:0"), False, 1)
+    assert hint is not None and "cuda:0 eagerly" in hint and "trainer.cuda_graphs=true" in hint
+    assert eager_cuda_hint(torch.device("cuda:0"), True, 1) is None  # already graphed
+    assert eager_cuda_hint(torch.device("cuda:0"), False, 2) is None  # graphs are for one process
+    assert eager_cuda_hint(torch.device("cpu"), False, 1) is None  # no graphs on CPU
