@@ -31,8 +31,11 @@ def fbgemm_has_cuda_kernels() -> bool:
     if getattr(fbgemm_gpu, "__variant__", None) == "cpu":
         return False
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
-    # an operator FBGEMM does not register at all says nothing: only "CPU but not CUDA" counts
-    return not (has_kernel(_TBE_PROBE_OPERATOR, "CPU") and not has_kernel(_TBE_PROBE_OPERATOR, "CUDA"))
+    try:
+        cpu_only = has_kernel(_TBE_PROBE_OPERATOR, "CPU") and not has_kernel(_TBE_PROBE_OPERATOR, "CUDA")
+    except RuntimeError:  # an operator this fbgemm-gpu does not define says nothing either way
+        return True
+    return not cpu_only
 
 
 def dense_table_names(model: nn.Module) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
+import fbgemm_gpu
 import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -27,6 +28,14 @@ def _installed(distribution: str) -> bool:
 def test_the_cpu_package_has_no_cuda_kernels() -> None:
     # the package's own metadata, against the dispatcher's answer the check reads
     assert fbgemm_has_cuda_kernels() is False
+
+
+def test_the_dispatcher_is_asked_when_the_package_does_not_say(monkeypatch) -> None:
+    monkeypatch.setattr(fbgemm_gpu, "__variant__", "cuda", raising=False)  # a package that claims CUDA
+    has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::get_infos_metadata", "CUDA")
+    assert fbgemm_has_cuda_kernels() is has_cuda  # on this machine: registered for CPU only
+    monkeypatch.setattr(kernel_support, "_TBE_PROBE_OPERATOR", "fbgemm::no_such_operator")
+    assert fbgemm_has_cuda_kernels() is True  # an unknown operator blocks nothing
 
 
 def test_dense_table_names_are_the_uncompressed_tables() -> None:
