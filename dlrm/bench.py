@@ -36,12 +36,15 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
                                   # call each (not chained), the chains' share of the step
     comera-bench --isa avx2       # every library's CPU code limited to AVX2 (an AVX2 host's
                                   # code on an AVX-512 host; not its caches or clocks)
+    comera-bench --against REV    # this checkout's step against git revision REV's on this
+                                  # host, fresh processes of the two codes alternating (did a
+                                  # change slow the step, whatever the host's speed today)
 """
 
 # The docstring above is the command's --help, so the layout is said here: the variants,
 # their models and batches are in bench_setup.py, the fresh processes in bench_process.py,
 # --parts and --ops in bench_parts.py, --fixed-costs in bench_fixed.py, --batch-sizes in
-# bench_batch.py; this module runs them
+# bench_batch.py, --against in bench_against.py; this module runs them
 # and prints the tables.
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from typing import NoReturn
 
 import torch
 
+from comera_rec.dlrm.bench_against import against, checkout_root, resolve_revision
 from comera_rec.dlrm.bench_batch import batch_sizes, parse_sizes
 from comera_rec.dlrm.bench_fixed import fixed_costs
 from comera_rec.dlrm.bench_parts import ops, part_times, parts, sgemm_flops_per_second  # noqa: F401  (re-exported)
@@ -266,6 +270,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also time tt with its MLPs' TT layers one kernel call each, not chained (tt_unchained)",
     )
+    parser.add_argument(
+        "--against",
+        metavar="REV",
+        help="this checkout's training step against git revision REV's (a worktree of it, its own benchmark model "
+        "and kernels), fresh processes of the two codes alternating, --rounds of each",
+    )
+    parser.add_argument(
+        "--against-variants",
+        metavar="NAMES",
+        default="tt,dense",
+        help="comma-separated variants for --against (both codes must have them); default tt,dense",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -279,6 +295,14 @@ def main(argv: list[str] | None = None) -> None:
         check_host_runs(args.isa)
     except ValueError as exc:
         parser.error(f"--isa {args.isa}: {exc}")
+    if args.against is not None:
+        try:
+            resolve_revision(checkout_root(), args.against)
+        except (RuntimeError, ValueError) as exc:
+            parser.error(f"--against: {exc}")
+        against_names = [n.strip() for n in args.against_variants.split(",") if n.strip()]
+        if not against_names:
+            parser.error("--against-variants: no variant named")
     wanted = isa_environment(args.isa)
     if not environment_applies(wanted):  # the libraries read their switches once: a fresh process
         run_under(wanted, sys.argv[1:] if argv is None else argv)
@@ -297,7 +321,12 @@ def main(argv: list[str] | None = None) -> None:
         setup = replace(setup, train_steps=10, val_rows=8192, warmup_steps=1, timed_steps=3, rounds=1)
     if args.steps:
         setup = replace(setup, train_steps=args.steps)
-    if args.ops:
+    if args.against is not None:
+        fields = {"batch_size": setup.batch_size, "rank": setup.rank}
+        if args.quick:
+            fields.update(warmup_steps=setup.warmup_steps, timed_steps=setup.timed_steps)
+        against(args.against, against_names, setup.rounds, fields)
+    elif args.ops:
         ops(setup, args.ops, steps=3 if args.quick else 15)
     elif args.fixed_costs:
         fixed_costs(setup, args.fixed_costs, **({"steps": 3, "warmup": 1} if args.quick else {}))
