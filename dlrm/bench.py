@@ -59,7 +59,7 @@ from typing import NoReturn
 
 import torch
 
-from comera_rec.dlrm.bench_against import against, checkout_root, resolve_revision
+from comera_rec.dlrm.bench_against import against, checkout_root, resolve_revision, setup_fields
 from comera_rec.dlrm.bench_batch import batch_sizes, parse_sizes
 from comera_rec.dlrm.bench_fixed import fixed_costs
 from comera_rec.dlrm.bench_parts import ops, part_times, parts, sgemm_flops_per_second  # noqa: F401  (re-exported)
@@ -296,6 +296,22 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(f"--isa {args.isa}: {exc}")
     if args.against is not None:
+        other_modes = [
+            flag
+            for flag, given in (
+                ("--mlperf", args.mlperf),
+                ("--parts", args.parts),
+                ("--ops", args.ops),
+                ("--fixed-costs", args.fixed_costs),
+                ("--batch-sizes", args.batch_sizes),
+                ("--lookup-paths", args.lookup_paths),
+                ("--unchained", args.unchained),
+                ("--steps", args.steps),
+            )
+            if given
+        ]
+        if other_modes:
+            parser.error(f"--against times the training step of --against-variants; not with {', '.join(other_modes)}")
         try:
             resolve_revision(checkout_root(), args.against)
         except (RuntimeError, ValueError) as exc:
@@ -322,10 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps:
         setup = replace(setup, train_steps=args.steps)
     if args.against is not None:
-        fields = {"batch_size": setup.batch_size, "rank": setup.rank}
-        if args.quick:
-            fields.update(warmup_steps=setup.warmup_steps, timed_steps=setup.timed_steps)
-        against(args.against, against_names, setup.rounds, fields)
+        against(args.against, against_names, setup.rounds, setup_fields(setup, Setup(), args.quick))
     elif args.ops:
         ops(setup, args.ops, steps=3 if args.quick else 15)
     elif args.fixed_costs:

@@ -133,6 +133,26 @@ def tree_step(tree: Path, variant: str, fields: dict) -> dict:
     raise RuntimeError(f"{variant} at {tree} gave no result (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
+def setup_fields(setup, default, quick: bool) -> dict:
+    """The benchmark ``Setup`` fields both codes get: batch size and rank always; the
+    memory and interaction switches only where ``setup`` differs from ``default`` (so that
+    a revision older than a switch still runs); with ``quick``, the warm-up and timed steps.
+
+    Example::
+
+        >>> from comera_rec.dlrm.bench_setup import Setup
+        >>> setup_fields(Setup(batch_size=256, keep_freed_memory=False), Setup(), quick=False)
+        {'batch_size': 256, 'rank': 32, 'keep_freed_memory': False}
+    """
+    fields = {"batch_size": setup.batch_size, "rank": setup.rank}
+    for name in ("keep_freed_memory", "fused_interaction"):
+        if getattr(setup, name) != getattr(default, name):
+            fields[name] = getattr(setup, name)
+    if quick:
+        fields.update(warmup_steps=setup.warmup_steps, timed_steps=setup.timed_steps)
+    return fields
+
+
 def round_pairs(codes: Sequence[str], names: Sequence[str], round_index: int) -> list[tuple[str, str]]:
     """The (code, variant) processes of round ``round_index``: each variant's processes of
     every code back to back (the two codes of a variant minutes apart at most), the codes'

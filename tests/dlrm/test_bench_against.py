@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from comera_rec.dlrm import bench, bench_against
+from comera_rec.dlrm.bench_setup import Setup
 
 
 def git(repo: Path, *args: str) -> str:
@@ -58,6 +60,17 @@ def test_command_line_names_a_bad_revision(capsys) -> None:
         bench.main(["--against", "no-such-revision-of-comera"])
     assert exc.value.code == 2
     assert "--against: revision 'no-such-revision-of-comera' is not a commit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [(["--parts"], "--parts"), (["--ops", "tt"], "--ops"), (["--mlperf", "--steps", "5"], "--mlperf, --steps")],
+)
+def test_command_line_refuses_other_modes_with_against(capsys, extra: list[str], named: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--against", "HEAD", *extra])
+    assert exc.value.code == 2
+    assert f"not with {named}" in capsys.readouterr().err
 
 
 def test_checkout_root_is_this_repository() -> None:
@@ -113,6 +126,19 @@ def test_a_benchmark_imported_from_outside_the_tree_is_refused(tmp_path: Path, m
     monkeypatch.setenv("PYTHONPATH", str(elsewhere))
     with pytest.raises(RuntimeError, match="the benchmark came from .*other_bench.py, not from .*tree"):
         bench_against.tree_step(tree, "tt", {})
+
+
+def test_setup_fields_pass_only_what_differs_from_the_defaults() -> None:
+    default = Setup()
+    assert bench_against.setup_fields(default, default, quick=False) == {"batch_size": 2048, "rank": 32}
+    quick = replace(default, rank=16, fused_interaction=False, warmup_steps=1, timed_steps=3)
+    assert bench_against.setup_fields(quick, default, quick=True) == {
+        "batch_size": 2048,
+        "rank": 16,
+        "fused_interaction": False,
+        "warmup_steps": 1,
+        "timed_steps": 3,
+    }
 
 
 def test_rounds_alternate_the_codes_and_keep_each_variant_together() -> None:
