@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from comera_rec.dlrm.bench_process import paired_speedups, round_order
+
 THIS = "this code"
 
 # Runs in a fresh interpreter: argv = tree, variant, setup fields as JSON. It imports the
@@ -163,8 +165,7 @@ def round_pairs(codes: Sequence[str], names: Sequence[str], round_index: int) ->
         >>> round_pairs(["old", "new"], ["tt", "dense"], 1)
         [('new', 'tt'), ('old', 'tt'), ('new', 'dense'), ('old', 'dense')]
     """
-    order = list(codes) if round_index % 2 == 0 else list(codes)[::-1]
-    return [(code, name) for name in names for code in order]
+    return [(code, name) for name in names for code in round_order(tuple(codes), round_index)]
 
 
 def against_rounds(
@@ -213,7 +214,7 @@ def against_report(steps: dict[str, dict[str, list[float]]], this: str, other: s
     ]
     for name, mine in steps[this].items():
         theirs = steps[other][name]
-        paired = [t / m for t, m in zip(theirs, mine)]
+        paired = paired_speedups({other: theirs, this: mine}, baseline=other)[this]
         lines.append(
             f"{name:10s} {statistics.median(theirs) * 1e3:16.2f} {statistics.median(mine) * 1e3:16.2f} "
             f"{statistics.median(theirs) / statistics.median(mine):8.2f}x {statistics.median(paired):13.2f}x  "
