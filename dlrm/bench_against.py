@@ -24,10 +24,12 @@ import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from comera_rec.dlrm.bench_process import paired_speedups, round_order
+from comera_rec.utils.benchmark import fmt_bytes
 
 THIS = "this code"
 
@@ -52,6 +54,16 @@ if tree not in source.parents:
 result = run_in_process(variant, Setup(**fields), False)
 print("RESULT " + json.dumps({"step_s": result["step_s"], "peak": result["peak"]}), flush=True)
 """
+
+
+@dataclass
+class AgainstRuns:
+    """What :func:`against_rounds` measured, each ``{code: {variant: [one value per round]}}``."""
+
+    steps: dict[str, dict[str, list[float]]]
+    """Each process's median training step, in seconds."""
+    peaks: dict[str, dict[str, list[int]]]
+    """Each process's peak resident memory, in bytes."""
 
 
 def checkout_root() -> Path:
@@ -175,9 +187,9 @@ def against_rounds(
     fields: dict,
     run: Callable[[Path, str, dict], dict] = tree_step,
     report: Callable[[str], None] = print,
-) -> dict[str, dict[str, list[float]]]:
-    """Step seconds of each variant in each code's fresh processes: ``{code: {variant:
-    [seconds per round]}}``, the processes in :func:`round_pairs` order.
+) -> AgainstRuns:
+    """Each variant's step and peak RSS in each code's fresh processes, the processes in
+    :func:`round_pairs` order.
 
     Args:
         trees: code label -> checkout to run.
@@ -189,26 +201,39 @@ def against_rounds(
     """
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
-    steps: dict[str, dict[str, list[float]]] = {code: {name: [] for name in names} for code in trees}
+    runs = AgainstRuns(
+        steps={code: {name: [] for name in names} for code in trees},
+        peaks={code: {name: [] for name in names} for code in trees},
+    )
     for k in range(rounds):
         for code, name in round_pairs(list(trees), names, k):
-            seconds = run(trees[code], name, fields)["step_s"]
-            steps[code][name].append(seconds)
-            report(f"round {k + 1}: {name} at {code}: {seconds * 1e3:.2f} ms")
-    return steps
+            result = run(trees[code], name, fields)
+            runs.steps[code][name].append(result["step_s"])
+            runs.peaks[code][name].append(result["peak"])
+            report(
+                f"round {k + 1}: {name} at {code}: {result['step_s'] * 1e3:.2f} ms, peak RSS {fmt_bytes(result['peak'])}"
+            )
+    return runs
 
 
-def against_report(steps: dict[str, dict[str, list[float]]], this: str, other: str) -> list[str]:
+def against_report(runs: AgainstRuns, this: str, other: str) -> list[str]:
     """The comparison's lines: per variant, each code's median step, this code's speed-up
     over the other's (ratio of medians, and the median of the rounds' own ratios), each
-    round's ratio; with a ``dense`` variant, each code's speed-up over it.
+    round's ratio; with a ``dense`` variant, each code's speed-up over it; then per variant
+    each code's highest peak RSS and this code's share of the other's (above 1: more memory).
 
     Example::
 
-        >>> steps = {"this": {"tt": [0.02, 0.03]}, "old": {"tt": [0.03, 0.03]}}
-        >>> against_report(steps, "this", "old")[1].split()[:4]
+        >>> runs = AgainstRuns(
+        ...     steps={"this": {"tt": [0.02, 0.03]}, "old": {"tt": [0.03, 0.03]}},
+        ...     peaks={"this": {"tt": [5, 6]}, "old": {"tt": [4, 4]}},
+        ... )
+        >>> against_report(runs, "this", "old")[1].split()[:4]
         ['tt', '30.00', '25.00', '1.20x']
+        >>> against_report(runs, "this", "old")[-1].split()
+        ['tt', '4', 'B', '6', 'B', '1.50x']
     """
+    steps = runs.steps
     lines = [
         f"{'variant':10s} {other + ' ms':>16s} {this + ' ms':>16s} {'speed-up':>9s} {'within rounds':>14s}  rounds"
     ]
@@ -231,6 +256,10 @@ def against_report(steps: dict[str, dict[str, list[float]]], this: str, other: s
                     if name != "dense"
                 )
             )
+    lines.append(f"{'peak RSS':10s} {other:>16s} {this:>16s} {'this / ' + other:>14s}")
+    for name, mine in runs.peaks[this].items():
+        theirs = max(runs.peaks[other][name])
+        lines.append(f"{name:10s} {fmt_bytes(theirs):>16s} {fmt_bytes(max(mine)):>16s} {max(mine) / theirs:13.2f}x")
     return lines
 
 
@@ -245,11 +274,12 @@ def against(revision: str, names: Sequence[str], rounds: int, fields: dict) -> N
         flush=True,
     )
     with revision_tree(repo, commit) as tree:
-        steps = against_rounds(
+        runs = against_rounds(
             {revision: tree, THIS: repo}, names, rounds, fields, report=lambda line: print(line, flush=True)
         )
-    print("\n" + "\n".join(against_report(steps, THIS, revision)))
+    print("\n" + "\n".join(against_report(runs, THIS, revision)))
     print(
         f"step: each process's median of its timed steps after its warm-up (each code's own benchmark); "
-        f"speed-up: {revision}'s median over this code's; within rounds: the median of each round's ratio"
+        f"speed-up: {revision}'s median over this code's; within rounds: the median of each round's ratio; "
+        f"peak RSS: the highest of a code's processes of the variant"
     )

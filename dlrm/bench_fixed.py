@@ -8,7 +8,7 @@ autograd nodes and the gradients of every core and controller), the controllers 
 the TTM tables' cores, and the optimizer's step. A copy without one of them trains wrongly
 (its chains stay at their first values, its tables ignore their controllers, or it never
 updates), so each figure is a bound on what making that cost cheaper could gain, not the
-result of such a change. Used to choose the next lever: docs/performance.md.
+result of such a change. Used to choose the next lever: docs/performance-history.md.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def round_order(names: tuple[str, ...], round_index: int) -> tuple[str, ...]:
     odd ones (A, B, C; C, B, A; ...), so that no variant always runs right after the same
     one. In a fixed order ``tt`` always ran after ``dense_fi``'s 4.6 GB process, and its
     fresh processes were slower than those of the same model after a small one
-    (docs/performance.md, 2026-12-02).
+    (docs/performance-history.md, 2026-12-02).
 
     Example::
 

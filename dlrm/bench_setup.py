@@ -135,7 +135,7 @@ def batches(setup: Setup, mlperf: bool, stream: str, rows: int):
 def train_batches(setup: Setup, mlperf: bool, n: int) -> list:
     """``n`` distinct training batches, one per timed step. Not a few batches cycled: a dense
     model trained over and over on four batches fits them within ~40 steps, its gradients
-    become denormal floats and its MLPs' GEMMs slow down several-fold (docs/performance.md)."""
+    become denormal floats and its MLPs' GEMMs slow down several-fold (docs/performance-history.md)."""
     return list(itertools.islice(iter(batches(setup, mlperf, "train", setup.batch_size * n)), n))
 
 

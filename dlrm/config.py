@@ -105,7 +105,7 @@ class DLRMConfig:
     def kaggle(cls, **overrides: object) -> "DLRMConfig":
         """Criteo Kaggle reference (method section 5), its 256 -> 64 bottom layer a TT layer too
         (``mlp_min_gain=1.5``: at rank 32 that layer is 1.54x smaller and 1.6x cheaper than
-        dense, and the Kaggle step 1.02-1.05x faster; docs/performance.md)."""
+        dense, and the Kaggle step 1.02-1.05x faster; docs/performance-history.md)."""
         base: dict[str, object] = {"mlp_min_gain": 1.5}
         return cls(**{**base, **overrides})  # type: ignore[arg-type]
 

@@ -47,7 +47,7 @@ inline const T* row_of(const T* dense, const T* sparse, int64_t b, int64_t i, in
 // register tiles of such vectors and transposed back into the samples' rows. At Kaggle
 // shapes with AVX-512 that is 448 vector multiply-adds a sample against 704 (what is left of
 // the lower half is in the tiles on the diagonal), and about twice as fast as the one-sample
-// forward (docs/performance.md).
+// forward (docs/performance-history.md).
 
 // v[r][c] <- v[c][r] for a W x W block in registers: at each scale s = 1, 2, .., W / 2 the
 // off-diagonal s x s blocks of every 2s x 2s block swap (log2 W stages of W shuffles)

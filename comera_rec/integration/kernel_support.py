@@ -30,7 +30,11 @@ def fbgemm_has_cuda_kernels() -> bool:
     """
     if getattr(fbgemm_gpu, "__variant__", None) == "cpu":
         return False
-    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    # torch has no public question for this; a torch without the private one is answered
+    # "maybe", which blocks nothing (FBGEMM then names its missing kernel at the first step)
+    has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
+    if has_kernel is None:
+        return True
     try:
         cpu_only = has_kernel(_TBE_PROBE_OPERATOR, "CPU") and not has_kernel(_TBE_PROBE_OPERATOR, "CUDA")
     except RuntimeError:  # an operator this fbgemm-gpu does not define says nothing either way

@@ -50,14 +50,14 @@ class CompressionPolicy:
     min_params_to_compress: int = 1_000_000
     """Tables with fewer dense parameters (rows x dim) stay dense too: a TTM lookup call
     costs about as much for a small table as for a large one, and below a million
-    parameters (4 MB in float32) it saves little memory (docs/performance.md)."""
+    parameters (4 MB in float32) it saves little memory (docs/performance-history.md)."""
     min_gain: float = 2.0
     """A table or layer is compressed only if dense parameters / TT parameters >= this."""
     two_cores_within: float = 2.0
     """A table whose default shape has 3 or 4 cores gets 2 cores instead when these take at
     most this many times its parameters: a 2-core lookup multiplies each id's two core
     slices, where 3 or 4 cores add a product per distinct prefix or suffix forward and two
-    backward (docs/performance.md). 0 keeps the default number of cores."""
+    backward (docs/performance-history.md). 0 keeps the default number of cores."""
     per_table: Mapping[str, TableRule] = field(default_factory=dict)
     """Overrides by table name: a :class:`TableOverride`, ``"dense"``, ``"compress"`` or an int rank."""
     linear_rank: int | None = None
@@ -75,7 +75,7 @@ class CompressionPolicy:
     """A compressed table takes the TT shape (and ranks) of a larger one of the same dim,
     rank and number of cores, automatic shapes both, when that costs at most this many
     times its own TT parameters: the tables are then stacked and looked up in one call,
-    and each call saved is worth more than the few parameters (docs/performance.md). A
+    and each call saved is worth more than the few parameters (docs/performance-history.md). A
     table never changes its number of cores by it (that would change its lookup's work
     per id). 0 gives every table its own shape."""
 

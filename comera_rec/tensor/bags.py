@@ -23,7 +23,7 @@ def pool_bags(
     Each id's row is gathered (``index_select``) and added into its bag (``index_add``,
     see :func:`pool_bags_static`): both backward passes are plain scatters / gathers,
     which on CPU made the compressed DLRM step ~4% faster than ``F.embedding_bag``,
-    whose backward sorts the ids (docs/performance.md).
+    whose backward sorts the ids (docs/performance-history.md).
 
     Args:
         rows: ``(U, D)`` distinct rows.

@@ -4,7 +4,7 @@ A compressed model trains many small tensors (the Kaggle DLRM at rank 32: 54, ag
 the dense one). ``torch.optim.AdamW(fused=True)`` spends per tensor and step about 17 us
 outside its kernel on a 2-core CPU: Python checks and list building for each parameter, and
 one ``add_`` for each parameter's step count (``_foreach_add_`` has no fused CPU form). That
-was 0.9 ms of the compressed step's 26 ms (docs/performance.md). :class:`GroupStepAdamW`
+was 0.9 ms of the compressed step's 26 ms (docs/performance-history.md). :class:`GroupStepAdamW`
 makes the same kernel call with the same arguments: its parameters, moments and results are
 bit for bit torch's. Parameters with equal step counts share one count tensor, which is
 incremented once a step.

@@ -62,7 +62,7 @@ class OptimConfig:
     fused: bool = True
     """Adam / AdamW: torch's fused kernel (one pass over each parameter and its state) instead of
     the multi-tensor (foreach) form; 2.6x faster on the compressed DLRM's many small tensors
-    on CPU (docs/performance.md). Not with CUDA graphs, which use the capturable foreach form."""
+    on CPU (docs/performance-history.md). Not with CUDA graphs, which use the capturable foreach form."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:

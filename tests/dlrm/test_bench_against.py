@@ -158,26 +158,40 @@ def test_against_rounds_collects_every_process_in_order() -> None:
     def run(tree: Path, name: str, fields: dict) -> dict:
         calls.append((tree.name, name))
         assert fields == {"batch_size": 16}
-        return {"step_s": (2.0 if tree.name == "old" else 1.0) * len(calls), "peak": 0}
+        return {"step_s": (2.0 if tree.name == "old" else 1.0) * len(calls), "peak": 1000 * len(calls)}
 
     lines: list[str] = []
-    steps = bench_against.against_rounds(trees, ["tt"], 3, {"batch_size": 16}, run=run, report=lines.append)
+    runs = bench_against.against_rounds(trees, ["tt"], 3, {"batch_size": 16}, run=run, report=lines.append)
     assert calls == [("old", "tt"), ("new", "tt"), ("new", "tt"), ("old", "tt"), ("old", "tt"), ("new", "tt")]
-    assert steps == {"old": {"tt": [2.0, 8.0, 10.0]}, "new": {"tt": [2.0, 3.0, 6.0]}}
-    assert len(lines) == 6 and lines[0] == "round 1: tt at old: 2000.00 ms"
+    assert runs.steps == {"old": {"tt": [2.0, 8.0, 10.0]}, "new": {"tt": [2.0, 3.0, 6.0]}}
+    assert runs.peaks == {"old": {"tt": [1000, 4000, 5000]}, "new": {"tt": [2000, 3000, 6000]}}
+    assert len(lines) == 6 and lines[0] == "round 1: tt at old: 2000.00 ms, peak RSS 1000 B"
     with pytest.raises(ValueError, match="rounds must be at least 1"):
         bench_against.against_rounds(trees, ["tt"], 0, {}, run=run)
 
 
 def test_report_gives_this_codes_speed_up_and_each_codes_against_its_dense() -> None:
-    steps = {
-        "this": {"tt": [0.020, 0.030, 0.025], "dense": [0.060, 0.050, 0.055]},
-        "old": {"tt": [0.030, 0.030, 0.040], "dense": [0.050, 0.060, 0.055]},
-    }
-    header, tt, dense, old_line, this_line = bench_against.against_report(steps, "this", "old")
+    mb = 1024 * 1024
+    runs = bench_against.AgainstRuns(
+        steps={
+            "this": {"tt": [0.020, 0.030, 0.025], "dense": [0.060, 0.050, 0.055]},
+            "old": {"tt": [0.030, 0.030, 0.040], "dense": [0.050, 0.060, 0.055]},
+        },
+        peaks={
+            "this": {"tt": [300 * mb, 330 * mb, 310 * mb], "dense": [4000 * mb] * 3},
+            "old": {"tt": [280 * mb, 300 * mb, 290 * mb], "dense": [4000 * mb, 5000 * mb, 4000 * mb]},
+        },
+    )
+    header, tt, dense, old_line, this_line, peak_header, tt_peak, dense_peak = bench_against.against_report(
+        runs, "this", "old"
+    )
     assert header.split()[:3] == ["variant", "old", "ms"]
     # medians 30 / 25 ms: 1.20x; the rounds' own ratios 1.50, 1.00, 1.60: median 1.50x
     assert tt.split() == ["tt", "30.00", "25.00", "1.20x", "1.50x", "1.50", "1.00", "1.60"]
     assert dense.split()[:5] == ["dense", "55.00", "55.00", "1.00x", "1.00x"]
     assert old_line == "old: over its own dense processes tt 1.83x"
     assert this_line == "this: over its own dense processes tt 2.20x"
+    # the highest process of each code: 330 against 300 MB is 1.10x the memory
+    assert peak_header.split() == ["peak", "RSS", "old", "this", "this", "/", "old"]
+    assert tt_peak.split() == ["tt", "300.0", "MB", "330.0", "MB", "1.10x"]
+    assert dense_peak.split() == ["dense", "4.9", "GB", "3.9", "GB", "0.80x"]

@@ -38,6 +38,12 @@ def test_the_dispatcher_is_asked_when_the_package_does_not_say(monkeypatch) -> N
     assert fbgemm_has_cuda_kernels() is True  # an unknown operator blocks nothing
 
 
+def test_a_torch_without_the_dispatcher_question_blocks_nothing(monkeypatch) -> None:
+    monkeypatch.setattr(fbgemm_gpu, "__variant__", "cuda", raising=False)
+    monkeypatch.delattr(torch._C, "_dispatch_has_kernel_for_dispatch_key")
+    assert fbgemm_has_cuda_kernels() is True
+
+
 def test_dense_table_names_are_the_uncompressed_tables() -> None:
     ttm = TTMEmbeddingBagCollection(tables(), policy())  # "c" (10 rows) stays dense
     assert dense_table_names(ttm) == ["c"]

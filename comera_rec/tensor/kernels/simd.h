@@ -9,7 +9,7 @@
 // The vector width of this build: the widest the target has (the build uses -march=native),
 // 64 bytes with AVX-512, 32 with AVX / AVX2, 16 elsewhere. A width the target lacks is
 // made of narrower halves by the compiler: correct, but several times slower than the
-// PyTorch path (docs/performance.md: 64-byte vectors on an AVX2 machine).
+// PyTorch path (docs/performance-history.md: 64-byte vectors on an AVX2 machine).
 // -DCOMERA_VECTOR_BYTES=N forces N, which the tests use to check the kernels at another
 // width than the host's.
 #ifndef COMERA_VECTOR_BYTES
