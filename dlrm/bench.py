@@ -36,9 +36,10 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
                                   # call each (not chained), the chains' share of the step
     comera-bench --isa avx2       # every library's CPU code limited to AVX2 (an AVX2 host's
                                   # code on an AVX-512 host; not its caches or clocks)
-    comera-bench --against REV    # this checkout's step against git revision REV's on this
-                                  # host, fresh processes of the two codes alternating (did a
-                                  # change slow the step, whatever the host's speed today)
+    comera-bench --against REV    # this checkout's step and peak RSS against git revision
+                                  # REV's on this host, fresh processes of the two codes
+                                  # alternating (did a change slow the step or grow its memory,
+                                  # whatever the host's speed today)
 """
 
 # The docstring above is the command's --help, so the layout is said here: the variants,
@@ -273,8 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--against",
         metavar="REV",
-        help="this checkout's training step against git revision REV's (a worktree of it, its own benchmark model "
-        "and kernels), fresh processes of the two codes alternating, --rounds of each",
+        help="this checkout's training step and peak RSS against git revision REV's (a worktree of it, its own "
+        "benchmark model and kernels), fresh processes of the two codes alternating, --rounds of each",
     )
     parser.add_argument(
         "--against-variants",
