@@ -17,7 +17,6 @@ from comera_rec.tensor import kernels
 from comera_rec.tensor.kernels.ttm_cpu import PHASE_KINDS as TTM_LOOKUP_PHASES
 from comera_rec.tensor.kernels.ttm_cpu import PROFILER_NAMES as TTM_LOOKUP_KERNELS
 from comera_rec.tensor.kernels.ttm_cpu import take_contraction_flops
-from comera_rec.utils.benchmark import time_interleaved
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
 
 
@@ -82,15 +81,67 @@ def part_times(
     return out
 
 
-def sgemm_flops_per_second(n: int = 2048, repeats: int = 10) -> float:
+SGEMM_SIZE = 2048  # the n of the n^3 float32 GEMM whose throughput is the FLOP yardstick
+
+
+def sgemm_flops_per_second(n: int = SGEMM_SIZE, repeats: int = 10) -> float:
     """This machine's matrix throughput: the median of ``repeats`` ``n^3`` float32 GEMMs."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / time_interleaved({"sgemm": lambda: a @ b}, repeats=repeats, warmup=1)["sgemm"]
+    probe = SgemmProbe(n)
+    for _ in range(repeats):
+        probe.time_once()
+    return probe.flops_per_second()
+
+
+class SgemmProbe:
+    """The FLOP yardstick timed beside the measured work: one ``n^3`` float32 GEMM per
+    :meth:`time_once`, so that a host whose speed drifts over a run (these shared hosts
+    move by 1.5x within minutes) gives the parts and their yardstick from the same minutes.
+
+    Example::
+
+        >>> probe = SgemmProbe(n=64)
+        >>> probe.time_once(); probe.time_once()
+        >>> probe.flops_per_second() > 0 and len(probe.seconds) == 2
+        True
+    """
+
+    def __init__(self, n: int = SGEMM_SIZE) -> None:
+        self.n = n
+        self._a, self._b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(self._a, self._b)  # untimed: the first call sets up BLAS's threads and buffers
+        self.seconds: list[float] = []
+
+    def time_once(self) -> None:
+        start = time.perf_counter()
+        torch.mm(self._a, self._b)
+        self.seconds.append(time.perf_counter() - start)
+
+    def flops_per_second(self) -> float:
+        """``2 n^3`` over the median of the timed GEMMs."""
+        return sgemm_rate(self.seconds, self.n)
+
+    def spread(self) -> tuple[float, float]:
+        """The slowest and the fastest GEMM's rate (FLOP/s) among the timed ones."""
+        return sgemm_rate([max(self.seconds)], self.n), sgemm_rate([min(self.seconds)], self.n)
+
+
+def sgemm_rate(seconds: list[float], n: int) -> float:
+    """FLOP/s of an ``n^3`` GEMM that took the median of ``seconds``.
+
+    Example::
+
+        >>> sgemm_rate([2.0, 1.0, 4.0], n=10) == 2 * 10**3 / 2.0
+        True
+    """
+    if not seconds:
+        raise ValueError("no GEMM timed: the rate needs at least one")
+    return 2 * n**3 / statistics.median(seconds)
 
 
 def parts(setup: Setup, repeats: int = 20) -> None:
     """Where the step goes: each part's forward + backward, variants interleaved; then each
-    part's matrix-multiply FLOPs against the time a 2048^3 sgemm's throughput allows."""
+    part's matrix-multiply FLOPs against the time a 2048^3 sgemm's throughput allows, that
+    sgemm timed once in each of the same rounds (:class:`SgemmProbe`)."""
     if setup.keep_freed_memory:
         keep_freed_memory()
     names_ = variants(setup)
@@ -99,7 +150,10 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     freeze_live_objects()
     samples: dict[str, dict[str, list[float]]] = {v: {} for v in names_}
     kept: dict[tuple[int, ...], torch.Tensor] = {}  # the parts' output gradients, made in the warm-up
+    probe = SgemmProbe()
     for i in range(repeats + 2):
+        if i >= 2:
+            probe.time_once()  # the yardstick in the same rounds as the parts
         for v in names_:
             use_lookup_path(v)
             times = part_times(models[v][0], data[i % len(data)], kept=kept)
@@ -119,7 +173,8 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     for v in names_:
         print(f"{v:14s}" + "".join(f"{median[v][n] * 1e3:13.1f}" for n in names))
 
-    rate = sgemm_flops_per_second()
+    rate = probe.flops_per_second()
+    slowest, fastest = probe.spread()
     flops = {}
     for v in names_:
         # counted on the PyTorch path: the counter sees ATen ops only, not inside the C++
@@ -129,8 +184,9 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     kernels.set_cpu_kernel_enabled(True)
     print(
         f"\nmatrix-multiply FLOPs per part (forward + backward, torch.utils.flop_counter, counted on the "
-        f"PyTorch path; lookups: the TTM contractions only, FBGEMM's row reads count 0) against a 2048^3 "
-        f"sgemm at {rate / 1e9:.0f} GFLOP/s:"
+        f"PyTorch path; lookups: the TTM contractions only, FBGEMM's row reads count 0) against a {probe.n}^3 "
+        f"sgemm at {rate / 1e9:.0f} GFLOP/s (the median of one sgemm per timed round, "
+        f"{slowest / 1e9:.0f}-{fastest / 1e9:.0f} GFLOP/s over the rounds):"
         f"\nGFLOP / time those FLOPs need at that rate (ms) / measured time over it"
     )
     print(f"{'variant':14s}" + "".join(f"{n:>22s}" for n in names[:-1]))

@@ -124,6 +124,19 @@ def test_upstream_gradient_is_made_once_per_shape_and_kept() -> None:
     assert as_double.dtype == torch.float64 and kept[(4, 3)] is as_double
 
 
+def test_sgemm_rate_is_the_median_gemm_and_the_probe_gives_its_spread() -> None:
+    assert bench_parts.sgemm_rate([0.5, 0.25, 1.0], n=100) == pytest.approx(2 * 100**3 / 0.5)
+    with pytest.raises(ValueError, match="at least one"):
+        bench_parts.sgemm_rate([], n=100)
+    probe = bench_parts.SgemmProbe(n=32)
+    probe.time_once()
+    assert len(probe.seconds) == 1 and probe.seconds[0] > 0  # the untimed warm-up call not counted
+    probe.seconds[:] = [0.2, 0.1, 0.4]  # a host that drifted over the rounds
+    assert probe.flops_per_second() == pytest.approx(2 * 32**3 / 0.2)
+    slowest, fastest = probe.spread()
+    assert slowest == pytest.approx(2 * 32**3 / 0.4) and fastest == pytest.approx(2 * 32**3 / 0.1)
+
+
 ROWS = (6, 5, 4, 7)  # a 4-core table of 840 rows, columns (2, 2, 2, 2), ranks (1, 4, 4, 4, 1)
 
 
