@@ -122,6 +122,8 @@ class SgemmProbe:
 
     def spread(self) -> tuple[float, float]:
         """The slowest and the fastest GEMM's rate (FLOP/s) among the timed ones."""
+        if not self.seconds:
+            raise ValueError("no GEMM timed: the spread needs at least one")
         return sgemm_rate([max(self.seconds)], self.n), sgemm_rate([min(self.seconds)], self.n)
 
 

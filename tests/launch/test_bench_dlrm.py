@@ -129,6 +129,8 @@ def test_sgemm_rate_is_the_median_gemm_and_the_probe_gives_its_spread() -> None:
     with pytest.raises(ValueError, match="at least one"):
         bench_parts.sgemm_rate([], n=100)
     probe = bench_parts.SgemmProbe(n=32)
+    with pytest.raises(ValueError, match="at least one"):
+        probe.spread()
     probe.time_once()
     assert len(probe.seconds) == 1 and probe.seconds[0] > 0  # the untimed warm-up call not counted
     probe.seconds[:] = [0.2, 0.1, 0.4]  # a host that drifted over the rounds
