@@ -213,7 +213,11 @@ def main(argv: list[str] | None = None) -> None:
     quiet_foreign_notices()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mlperf", action="store_true", help="MLPerf DLRM-DCNv2 shapes, compressed only")
-    parser.add_argument("--parts", action="store_true", help="time each part of the step (lookups, MLPs, interaction)")
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="time each part of the step (lookups, MLPs, interaction) against its FLOP time, and the lookup and TT layer kernels alone",
+    )
     parser.add_argument(
         "--ops",
         metavar="VARIANT",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -14,9 +15,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from comera_rec.dlrm.bench_setup import Setup, build, train_batches, train_step, use_lookup_path, variants
 from comera_rec.tensor import kernels
+from comera_rec.tensor.kernels.tt_linear_cpu import PROFILER_NAMES as TT_LAYER_KERNELS
 from comera_rec.tensor.kernels.ttm_cpu import PHASE_KINDS as TTM_LOOKUP_PHASES
 from comera_rec.tensor.kernels.ttm_cpu import PROFILER_NAMES as TTM_LOOKUP_KERNELS
 from comera_rec.tensor.kernels.ttm_cpu import take_contraction_flops
+from comera_rec.tensor.linear import NarrowLinear, TTLinear
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
 
 
@@ -210,6 +213,96 @@ def parts(setup: Setup, repeats: int = 20) -> None:
         measured[v] = lookup_kernel_phases(lambda m=models[v], b=itertools.cycle(data): train_step(*m, next(b)))
     lookup_flops = {v: flops[v]["lookups"] for v in measured}
     print("\n" + "\n".join(lookup_kernel_report(measured, lookup_flops, rate)))
+
+    # the MLP parts hold more than their fused layers (the chain merges, small dense layers,
+    # autograd): the TT layers' kernels against their own layers' FLOPs
+    layer_times, layer_flops = {}, {}
+    for v in names_:
+        use_lookup_path(v)
+        layer_times[v] = fused_layer_seconds(lambda m=models[v], b=itertools.cycle(data): train_step(*m, next(b)))
+        if sum(layer_times[v]) > 0:
+            kernels.set_cpu_kernel_enabled(False)
+            layer_flops[v] = fused_layer_flops(models[v][0], data[0])
+            kernels.set_cpu_kernel_enabled(True)
+    print("\n" + "\n".join(fused_layer_report(layer_times, layer_flops, rate)))
+
+
+FUSED_LAYER_KINDS = (TTLinear, NarrowLinear)  # the layers the fused CPU TT kernels run while training
+
+
+def module_flops(root: nn.Module, run: Callable[[], object], kinds: tuple[type, ...]) -> float:
+    """Matrix-multiply FLOPs that ``run`` spends inside the submodules of ``root`` of a type
+    in ``kinds`` (forward, and the backward where ``run`` runs one), by
+    ``torch.utils.flop_counter``. ``run`` must call ``root`` itself: the counter names each
+    module by its path from the first module called. Modules of ``kinds`` must not nest.
+
+    Example::
+
+        >>> net = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> module_flops(net, lambda: net(torch.randn(3, 8)), (nn.Linear,)) == 2 * 3 * (8 * 4 + 4 * 2)
+        True
+    """
+    root_name = type(root).__name__
+    names = [f"{root_name}.{path}" if path else root_name for path, m in root.named_modules() if isinstance(m, kinds)]
+    with FlopCounterMode(display=False) as counter:
+        run()
+    counts = counter.get_flop_counts()
+    return float(sum(sum(counts.get(name, {}).values()) for name in names))
+
+
+def fused_layer_flops(wrapped: nn.Module, batch) -> tuple[float, float]:
+    """``(forward, backward)`` matrix-multiply FLOPs of one training step's layers that the
+    fused CPU TT kernels run (``FUSED_LAYER_KINDS``), counted on whatever path is on (the
+    PyTorch path, where the counter sees every product; the TT layers' chain merges, a few
+    percent, included)."""
+
+    def forward_and_backward() -> None:
+        loss, _ = wrapped(batch)
+        loss.backward()
+
+    forward = module_flops(wrapped, lambda: wrapped(batch), FUSED_LAYER_KINDS)
+    both = module_flops(wrapped, forward_and_backward, FUSED_LAYER_KINDS)
+    wrapped.zero_grad(set_to_none=True)
+    return forward, both - forward
+
+
+def fused_layer_seconds(step, steps: int = 10) -> tuple[float, float]:
+    """``(forward, backward)`` seconds per call of ``step`` in the TT layers' fused CPU
+    kernels (single layers and chains: their autograd nodes' own time, ``TT_LAYER_KERNELS``),
+    by torch's profiler at the current thread count; ``(0.0, 0.0)`` where ``step`` runs none."""
+    times = op_self_times(step, torch.get_num_threads(), steps)
+    forward = sum(times.get(name, 0.0) for name in TT_LAYER_KERNELS)
+    backward = sum(times.get(f"{name}Backward", 0.0) for name in TT_LAYER_KERNELS)
+    return forward, backward
+
+
+def fused_layer_report(
+    seconds: dict[str, tuple[float, float]], flops: dict[str, tuple[float, float]], rate: float
+) -> list[str]:
+    """The lines ``--parts`` prints about the TT layers' fused CPU kernels, per variant: their
+    forward and backward time (``seconds``, :func:`fused_layer_seconds`) against their layers'
+    FLOPs (``flops``, :func:`fused_layer_flops`) at ``rate`` FLOP/s. A variant whose step runs
+    none of them is named so.
+
+    Example::
+
+        >>> fused_layer_report({"tt": (0.002, 0.006)}, {"tt": (2e8, 4e8)}, rate=1e11)[1]
+        'tt             forward  2.00 ms /  2.00 ms = 1.00x   backward  6.00 ms /  4.00 ms = 1.50x'
+    """
+    lines = [
+        "the TT layers' fused CPU kernels' own time (torch.profiler, in the step) against their layers' FLOP time "
+        "(counted on the PyTorch path, the chain merges included):"
+    ]
+    for v, (forward, backward) in seconds.items():
+        if forward + backward == 0 or v not in flops:
+            lines.append(f"{v:14s} no fused TT layer")
+            continue
+        cells = []
+        for what, t, n in (("forward", forward, flops[v][0]), ("backward", backward, flops[v][1])):
+            ideal = n / rate
+            cells.append(f"{what} {t * 1e3:5.2f} ms / {ideal * 1e3:5.2f} ms = {t / ideal:4.2f}x")
+        lines.append(f"{v:14s} " + "   ".join(cells))
+    return lines
 
 
 def lookup_kernel_report(

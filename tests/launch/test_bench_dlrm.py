@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 
 from comera_rec.dlrm import bench as bench_dlrm
 from comera_rec.dlrm import bench_parts
@@ -137,6 +138,89 @@ def test_sgemm_rate_is_the_median_gemm_and_the_probe_gives_its_spread() -> None:
     assert probe.flops_per_second() == pytest.approx(2 * 32**3 / 0.2)
     slowest, fastest = probe.spread()
     assert slowest == pytest.approx(2 * 32**3 / 0.4) and fastest == pytest.approx(2 * 32**3 / 0.1)
+
+
+def test_module_flops_counts_the_chosen_modules_forward_and_backward() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2), nn.Linear(2, 2))
+    x = torch.randn(5, 8)
+
+    def step() -> None:
+        net(x).sum().backward()
+
+    picked = (nn.Linear,)
+    # forward: x W^T per layer; backward: every weight's gradient and the inputs' gradients of
+    # the layers after the first (x needs none)
+    forward = 2 * 5 * (8 * 4 + 4 * 2 + 2 * 2)
+    backward = 2 * 5 * (8 * 4 + 4 * 2 + 2 * 2) + 2 * 5 * (4 * 2 + 2 * 2)
+    assert bench_parts.module_flops(net, step, picked) == forward + backward
+    # only the modules of the chosen kinds count: none here
+    assert bench_parts.module_flops(net, step, (nn.ReLU,)) == 0.0
+
+
+class _OneLayerTrain(nn.Module):
+    """A stand-in for DLRMTrain: ``(loss, None)`` from a batch through one narrow layer and a
+    dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from comera_rec.tensor.linear import NarrowLinear
+
+        self.narrow = NarrowLinear.from_linear(nn.Linear(3, 8), relu=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, batch: torch.Tensor):
+        return self.head(self.narrow(batch)).sum(), None
+
+
+def test_fused_layer_flops_counts_only_the_fused_kinds_forward_and_backward() -> None:
+    from comera_rec.tensor import kernels
+
+    torch.manual_seed(0)
+    model, batch = _OneLayerTrain(), torch.randn(6, 3)
+    kernels.set_cpu_kernel_enabled(False)  # the PyTorch path, as --parts counts
+    try:
+        forward, backward = bench_parts.fused_layer_flops(model, batch)
+    finally:
+        kernels.set_cpu_kernel_enabled(True)
+    # the narrow layer: x W^T forward; its weight's gradient backward (its input needs none);
+    # the head's products are not counted
+    assert forward == 2 * 6 * 3 * 8
+    assert backward == 2 * 6 * 3 * 8
+    assert all(p.grad is None for p in model.parameters())  # the counting step leaves no gradients
+
+
+@pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
+def test_fused_layer_seconds_finds_the_chain_and_single_layer_kernels() -> None:
+    from comera_rec.integration.mlp import tt_mlp, unchain_layers
+    from comera_rec.tensor import kernels
+
+    torch.manual_seed(0)
+    chained = tt_mlp(13, [64, 32], rank=4)  # two TT layers: one chain call each way
+    x = torch.randn(32, 13)
+
+    def step(mlp: nn.Module) -> None:
+        mlp(x).sum().backward()
+
+    one_layer, chain = bench_parts.TT_LAYER_KERNELS
+    threads = torch.get_num_threads()
+    forward, backward = bench_parts.fused_layer_seconds(lambda: step(chained), steps=3)
+    assert forward > 0 and backward > 0
+    times = bench_parts.op_self_times(lambda: step(chained), threads, steps=2)
+    assert times.get(chain, 0) > 0 and times.get(f"{chain}Backward", 0) > 0 and one_layer not in times
+    single = unchain_layers(tt_mlp(13, [64, 32], rank=4))  # each TT layer its own kernel call
+    forward, backward = bench_parts.fused_layer_seconds(lambda: step(single), steps=3)
+    assert forward > 0 and backward > 0
+    times = bench_parts.op_self_times(lambda: step(single), threads, steps=2)
+    assert times.get(one_layer, 0) > 0 and times.get(f"{one_layer}Backward", 0) > 0 and chain not in times
+    kernels.set_cpu_kernel_enabled(False)  # the PyTorch path runs no fused kernel
+    assert bench_parts.fused_layer_seconds(lambda: step(chained), steps=3) == (0.0, 0.0)
+
+
+def test_fused_layer_report_names_a_variant_without_fused_layers() -> None:
+    lines = bench_parts.fused_layer_report({"dense": (0.0, 0.0), "tt": (0.003, 0.009)}, {"tt": (3e8, 6e8)}, rate=1e11)
+    assert lines[1].startswith("dense") and "no fused TT layer" in lines[1]
+    assert "forward  3.00 ms /  3.00 ms = 1.00x" in lines[2] and "backward  9.00 ms /  6.00 ms = 1.50x" in lines[2]
 
 
 ROWS = (6, 5, 4, 7)  # a 4-core table of 840 rows, columns (2, 2, 2, 2), ranks (1, 4, 4, 4, 1)

@@ -154,6 +154,12 @@ class _FusedTTChain(torch.autograd.Function):
         return tuple(out)
 
 
+# the names torch.profiler gives the fused TT layers' forward calls while training (their
+# autograd nodes: one layer, a chain of layers); each backward is the name + "Backward"
+# (benchmarks read them)
+PROFILER_NAMES = (_FusedTTLinear.__name__, _FusedTTChain.__name__)
+
+
 _CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
 _DEFAULT_L2_BYTES = 1 << 20  # where the host does not say (the smaller of the x86 hosts measured here)
 
