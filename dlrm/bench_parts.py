@@ -300,7 +300,8 @@ def fused_layer_report(
         cells = []
         for what, t, n in (("forward", forward, flops[v][0]), ("backward", backward, flops[v][1])):
             ideal = n / rate
-            cells.append(f"{what} {t * 1e3:5.2f} ms / {ideal * 1e3:5.2f} ms = {t / ideal:4.2f}x")
+            over = f"{t / ideal:4.2f}x" if ideal > 0 else "(no FLOPs counted)"
+            cells.append(f"{what} {t * 1e3:5.2f} ms / {ideal * 1e3:5.2f} ms = {over}")
         lines.append(f"{v:14s} " + "   ".join(cells))
     return lines
 

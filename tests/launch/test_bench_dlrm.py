@@ -221,6 +221,9 @@ def test_fused_layer_report_names_a_variant_without_fused_layers() -> None:
     lines = bench_parts.fused_layer_report({"dense": (0.0, 0.0), "tt": (0.003, 0.009)}, {"tt": (3e8, 6e8)}, rate=1e11)
     assert lines[1].startswith("dense") and "no fused TT layer" in lines[1]
     assert "forward  3.00 ms /  3.00 ms = 1.00x" in lines[2] and "backward  9.00 ms /  6.00 ms = 1.50x" in lines[2]
+    # kernels timed but no FLOPs found for their layers: said, not divided by
+    uncounted = bench_parts.fused_layer_report({"tt": (0.003, 0.009)}, {"tt": (0.0, 0.0)}, rate=1e11)
+    assert uncounted[1].count("(no FLOPs counted)") == 2
 
 
 ROWS = (6, 5, 4, 7)  # a 4-core table of 840 rows, columns (2, 2, 2, 2), ranks (1, 4, 4, 4, 1)
