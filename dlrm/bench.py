@@ -63,7 +63,7 @@ import torch
 from comera_rec.dlrm.bench_against import against, checkout_root, resolve_revision, setup_fields
 from comera_rec.dlrm.bench_batch import batch_sizes, parse_sizes
 from comera_rec.dlrm.bench_fixed import fixed_costs
-from comera_rec.dlrm.bench_parts import ops, part_times, parts, sgemm_flops_per_second  # noqa: F401  (re-exported)
+from comera_rec.dlrm.bench_parts import ops, part_times, parts  # noqa: F401  (re-exported)
 from comera_rec.dlrm.bench_process import (  # noqa: F401  (re-exported: importable from here as before the split)
     exit_now,
     own_process_rounds,

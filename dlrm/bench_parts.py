@@ -87,14 +87,6 @@ def part_times(
 SGEMM_SIZE = 2048  # the n of the n^3 float32 GEMM whose throughput is the FLOP yardstick
 
 
-def sgemm_flops_per_second(n: int = SGEMM_SIZE, repeats: int = 10) -> float:
-    """This machine's matrix throughput: the median of ``repeats`` ``n^3`` float32 GEMMs."""
-    probe = SgemmProbe(n)
-    for _ in range(repeats):
-        probe.time_once()
-    return probe.flops_per_second()
-
-
 class SgemmProbe:
     """The FLOP yardstick timed beside the measured work: one ``n^3`` float32 GEMM per
     :meth:`time_once`, so that a host whose speed drifts over a run (these shared hosts
@@ -203,27 +195,23 @@ def parts(setup: Setup, repeats: int = 20) -> None:
             cells.append(f"{flops[v][n] / 1e9:7.3f} / {ideal * 1e3:5.2f} / {over}")
         print(f"{v:14s}" + "".join(f"{c:>22s}" for c in cells))
 
-    # the lookups part holds memory-bound work with no FLOPs counted (row tables, id checks,
-    # column-block gathers): the kernel that does the part's products, against them alone
-    measured = {}
-    for v in names_:
-        if flops[v]["lookups"] == 0:
-            continue
-        use_lookup_path(v)
-        measured[v] = lookup_kernel_phases(lambda m=models[v], b=itertools.cycle(data): train_step(*m, next(b)))
-    lookup_flops = {v: flops[v]["lookups"] for v in measured}
-    print("\n" + "\n".join(lookup_kernel_report(measured, lookup_flops, rate)))
-
-    # the MLP parts hold more than their fused layers (the chain merges, small dense layers,
-    # autograd): the TT layers' kernels against their own layers' FLOPs
-    layer_times, layer_flops = {}, {}
+    # The lookups part holds memory-bound work with no FLOPs counted (row tables, id checks,
+    # column-block gathers), the MLP parts more than their fused layers (the chain merges,
+    # small dense layers, autograd): the kernels that do those parts' products, against their
+    # own FLOPs, from one profile of each variant's step
+    measured, layer_times, layer_flops = {}, {}, {}
     for v in names_:
         use_lookup_path(v)
-        layer_times[v] = fused_layer_seconds(lambda m=models[v], b=itertools.cycle(data): train_step(*m, next(b)))
+        times, contraction_flops = kernel_times(lambda m=models[v], b=itertools.cycle(data): train_step(*m, next(b)))
+        if flops[v]["lookups"] > 0:
+            measured[v] = lookup_phases(times, contraction_flops)
+        layer_times[v] = fused_layer_times(times)
         if sum(layer_times[v]) > 0:
             kernels.set_cpu_kernel_enabled(False)
             layer_flops[v] = fused_layer_flops(models[v][0], data[0])
             kernels.set_cpu_kernel_enabled(True)
+    lookup_flops = {v: flops[v]["lookups"] for v in measured}
+    print("\n" + "\n".join(lookup_kernel_report(measured, lookup_flops, rate)))
     print("\n" + "\n".join(fused_layer_report(layer_times, layer_flops, rate)))
 
 
@@ -270,7 +258,11 @@ def fused_layer_seconds(step, steps: int = 10) -> tuple[float, float]:
     """``(forward, backward)`` seconds per call of ``step`` in the TT layers' fused CPU
     kernels (single layers and chains: their autograd nodes' own time, ``TT_LAYER_KERNELS``),
     by torch's profiler at the current thread count; ``(0.0, 0.0)`` where ``step`` runs none."""
-    times = op_self_times(step, torch.get_num_threads(), steps)
+    return fused_layer_times(op_self_times(step, torch.get_num_threads(), steps))
+
+
+def fused_layer_times(times: dict[str, float]) -> tuple[float, float]:
+    """:func:`fused_layer_seconds` from a profile already taken (:func:`op_self_times`)."""
     forward = sum(times.get(name, 0.0) for name in TT_LAYER_KERNELS)
     backward = sum(times.get(f"{name}Backward", 0.0) for name in TT_LAYER_KERNELS)
     return forward, backward
@@ -378,9 +370,20 @@ def lookup_kernel_phases(step, steps: int = 10) -> tuple[dict[str, float], float
     argument conversion, output allocation), by torch's profiler at the current thread count;
     and the FLOPs of its contraction phases (:func:`take_contraction_flops`). ``({}, 0.0)``
     where ``step`` does not use the kernel."""
+    return lookup_phases(*kernel_times(step, steps))
+
+
+def kernel_times(step, steps: int = 10) -> tuple[dict[str, float], float]:
+    """``(seconds, contraction FLOPs)`` per call of ``step``: each operator's own time
+    (:func:`op_self_times` at the current thread count) and the fused TTM lookup's
+    contraction FLOPs (:func:`take_contraction_flops`) over the same calls."""
     take_contraction_flops()  # restart the count
     times = op_self_times(step, torch.get_num_threads(), steps)
-    flops = take_contraction_flops() / (OP_WARMUP_STEPS + steps)
+    return times, take_contraction_flops() / (OP_WARMUP_STEPS + steps)
+
+
+def lookup_phases(times: dict[str, float], flops: float) -> tuple[dict[str, float], float]:
+    """:func:`lookup_kernel_phases` from a profile already taken (:func:`kernel_times`)."""
     phases = {name: times[name] for name in TTM_LOOKUP_PHASES if name in times}
     calls = sum(times.get(name, 0.0) for name in TTM_LOOKUP_KERNELS)
     return ({**phases, "calls": calls}, flops) if calls > 0 else ({}, 0.0)
