@@ -21,6 +21,7 @@ from comera_rec.tensor.kernels.ttm_cpu import PROFILER_NAMES as TTM_LOOKUP_KERNE
 from comera_rec.tensor.kernels.ttm_cpu import take_contraction_flops
 from comera_rec.tensor.linear import NarrowLinear, TTLinear
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
+from comera_rec.utils.logs import quiet_profiler_banners
 
 
 def _dlrm(wrapped: nn.Module) -> nn.Module:
@@ -357,7 +358,7 @@ def op_self_times(step, threads: int, steps: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     for _ in range(OP_WARMUP_STEPS):  # the thread pool at its new size
         step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with quiet_profiler_banners(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
     return {e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()}

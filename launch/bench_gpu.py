@@ -43,6 +43,7 @@ from torch import nn
 from comera_rec.tensor import TTLinear, TTMEmbeddingBag, cached_weights, kernels, set_static_shapes
 from comera_rec.training.cuda_graph import CudaGraphCapture, GraphedTrainStep
 from comera_rec.utils.benchmark import time_interleaved
+from comera_rec.utils.logs import quiet_profiler_banners
 
 EMBEDDING_DIM = 16
 # The Kaggle tables DLRMConfig.kaggle() compresses (rows * 16 >= min_params_to_compress), in
@@ -287,7 +288,7 @@ def profile_lookup(
             f(data)
         _sync(device)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
+        with quiet_profiler_banners(), profile(activities=activities) as prof:
             for _ in range(steps):
                 f(data)
             _sync(device)

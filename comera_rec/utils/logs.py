@@ -5,7 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
+import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 # Loggers whose warnings speak to another project's developers, not to a user of this one.
 FOREIGN_NOTICE_LOGGERS: tuple[str, ...] = (
@@ -68,3 +72,46 @@ def setup_logging(level: int = logging.INFO) -> None:
     for name in OWN_LOGGERS:
         logging.getLogger(name).setLevel(level)
     quiet_foreign_notices()
+
+
+# The lines libkineto (torch's profiler) writes straight to the process's stderr, from C++,
+# each time a profile starts and stops, e.g.
+# "USDT:2026-12-05 00:29:12 11488:11488 SyncActivityProfilerHandler.cpp:52] profiler_start"
+# (and "STAGE:... Completed Stage: Warm Up" at some KINETO_LOG_LEVELs): notes for tracing
+# tools, which no log level turns off.
+PROFILER_BANNER = re.compile(rb"^(USDT|STAGE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextmanager
+def quiet_profiler_banners() -> Iterator[None]:
+    """Drop the :data:`PROFILER_BANNER` lines the process writes to stderr inside the
+    block. Stderr (file descriptor 2, which C++ writes to as well) is held in a temporary
+    file meanwhile; every other line is written on when the block ends, in its order.
+    Where file descriptor 2 cannot be duplicated (closed), the block runs unfiltered.
+
+    Example::
+
+        with quiet_profiler_banners(), torch.profiler.profile() as prof:
+            step()
+    """
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with tempfile.TemporaryFile() as held:
+            os.dup2(held.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                held.seek(0)
+                kept = [line for line in held.read().splitlines(keepends=True) if not PROFILER_BANNER.match(line)]
+                rest = memoryview(b"".join(kept))
+                while rest:  # a pipe may take part of it at a time
+                    rest = rest[os.write(2, rest) :]
+    finally:
+        os.close(saved)

@@ -1,12 +1,21 @@
 """The entry points' logging set-up (comera_rec/utils/logs.py)."""
 
 import logging
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
+import torch
 import torch.fx._symbolic_trace as symbolic_trace
 
-from comera_rec.utils.logs import FOREIGN_NOTICE_LOGGERS, quiet_foreign_notices
+from comera_rec.utils.logs import (
+    FOREIGN_NOTICE_LOGGERS,
+    PROFILER_BANNER,
+    quiet_foreign_notices,
+    quiet_profiler_banners,
+)
 
 
 def test_torchrec_tracing_notice_is_quieted():
@@ -73,3 +82,50 @@ def test_setup_logging_shows_info_after_torchrec_import(env, prefix):
     assert len(lines) == 1 and lines[0].endswith(f"{prefix} INFO comera_rec.demo: shown"), proc.stderr[-2000:]
     foreign = [line for line in proc.stderr.splitlines() if "torchrec.demo" in line]
     assert len(foreign) == 1 and foreign[0].endswith(f"{prefix} WARNING torchrec.demo: shown too"), proc.stderr[-2000:]
+
+
+BANNER = b"USDT:2026-12-05 00:29:12 11488:11488 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+
+
+def test_profiler_banners_are_dropped_and_other_lines_kept_in_order(capfd):
+    with quiet_profiler_banners():
+        os.write(2, b"first\n" + BANNER + b"second\n")
+        os.write(2, BANNER.replace(b"USDT", b"STAGE").replace(b"profiler_start", b"Completed Stage: Warm Up"))
+        os.write(2, b"USDT is named here but this is not a banner\n")
+    assert capfd.readouterr().err == "first\nsecond\nUSDT is named here but this is not a banner\n"
+    os.write(2, BANNER)  # after the block stderr is as before
+    assert capfd.readouterr().err == BANNER.decode()
+
+
+def test_profiler_banners_pass_on_an_error_raised_in_the_block(capfd):
+    with pytest.raises(ValueError, match="inside"), quiet_profiler_banners():
+        os.write(2, b"kept\n" + BANNER)
+        raise ValueError("inside")
+    assert capfd.readouterr().err == "kept\n"
+
+
+def test_torch_profiler_writes_banners_the_pattern_names(capfd):
+    def profiled() -> None:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            torch.ones(4).sum()
+
+    profiled()
+    lines = capfd.readouterr().err.encode().splitlines(keepends=True)
+    # torch's profiler still writes them, and in the form the pattern names
+    assert any(PROFILER_BANNER.match(line) for line in lines), lines
+    with quiet_profiler_banners():
+        profiled()
+    assert not any(PROFILER_BANNER.match(line) for line in capfd.readouterr().err.encode().splitlines())
+
+
+def test_profiler_banners_run_the_block_when_stderr_is_closed():
+    # a daemon may run with file descriptor 2 closed: nothing to hold, the block still runs
+    code = (
+        "import os; os.close(2)\n"
+        "from comera_rec.utils.logs import quiet_profiler_banners\n"
+        "with quiet_profiler_banners():\n"
+        "    print('ran')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "ran\n"
