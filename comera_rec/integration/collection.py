@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchrec.distributed.types import ShardedModule
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from comera_rec.integration.collection_layout import BagOutputLayout, check_input_kind, check_jagged_batch
 from comera_rec.integration.fused_tables import fused_tables_lookup, single_lookup
 from comera_rec.integration.in_backward import carry_in_backward_optimizers
-from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tables
-from comera_rec.integration.table_groups import TTMTableGroups
+from comera_rec.integration.policy import CompressionPolicy, TablePlan
+from comera_rec.integration.table_groups import TTMTableGroups, distinct_table_names
 from comera_rec.tensor import kernels
 from comera_rec.tensor.bags import divide_bags
 from comera_rec.tensor.derived import cache_applies, derived_cache, scoring_cache_on
@@ -131,28 +131,14 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._embedding_bag_configs = tables
 
-        names = [t.name for t in tables]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"TTMEmbeddingBagCollection: duplicate table names {duplicates}")
+        distinct_table_names("TTMEmbeddingBagCollection", tables)
         for t in tables:
-            if not t.feature_names:
-                t.feature_names = [t.name]  # as TorchRec's EmbeddingBagCollection does
             if t.pooling not in _POOLINGS:
                 raise ValueError(
                     f"TTMEmbeddingBagCollection: table {t.name!r} has pooling {t.pooling}; "
                     f"only SUM and MEAN are supported"
                 )
-
-        self.plans: dict[str, TablePlan] = {}
-        planned = plan_tables([(t.name, t.num_embeddings, t.embedding_dim) for t in tables], policy)
-        for t in tables:
-            plan = (plans or {}).get(t.name) or planned[t.name]
-            if plan.compressed and t.data_type != DataType.FP32:
-                raise ValueError(
-                    f"TTMEmbeddingBagCollection: compressed table {t.name!r} must be FP32, got {t.data_type}"
-                )
-            self.plans[t.name] = plan
+        self._plan_tables("TTMEmbeddingBagCollection", tables, policy, plans)
 
         # ---- dense tables: one TorchRec EBC, sharded by TorchRec under DMP
         dense_configs = [t for t in tables if not self.plans[t.name].compressed]
@@ -164,33 +150,12 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         self._dense_features: list[str] = list(OrderedDict.fromkeys(f for t in dense_configs for f in t.feature_names))
         self._dense_lengths: list[int] = [t.embedding_dim for t in dense_configs for _ in t.feature_names]
 
-        # ---- compressed tables: stacked by TT shape
-        groups: "OrderedDict[tuple, list[EmbeddingBagConfig]]" = OrderedDict()
-        for t in tables:
-            plan = self.plans[t.name]
-            if plan.compressed:
-                groups.setdefault(plan.group_key(t.embedding_dim), []).append(t)
-        self.groups = nn.ModuleList()
-        self._group_tables: list[list[str]] = []
-        # per group: (feature name, table index in the stack, is mean) for every bag stream
-        self._group_streams: list[list[tuple[str, int, bool]]] = []
-        for members in groups.values():
-            plan = self.plans[members[0].name]
-            assert plan.shape is not None and plan.ranks is not None
-            self.groups.append(
-                StackedTTMTables(
-                    [t.num_embeddings for t in members],
-                    members[0].embedding_dim,
-                    list(plan.ranks),
-                    row_shape=plan.shape[0],
-                    col_shape=plan.shape[1],
-                    device=self._device,
-                )
-            )
-            self._group_tables.append([t.name for t in members])
-            self._group_streams.append(
-                [(f, i, t.pooling == PoolingType.MEAN) for i, t in enumerate(members) for f in t.feature_names]
-            )
+        # ---- compressed tables: stacked by TT shape; per group, (feature name, table index in
+        # the stack, is mean) for every bag stream
+        self._group_streams: list[list[tuple[str, int, bool]]] = [
+            [(f, i, t.pooling == PoolingType.MEAN) for i, t in enumerate(members) for f in t.feature_names]
+            for members in self._stack_compressed(tables)
+        ]
 
         # ---- where each output key comes from, in TorchRec's order
         self._layout = BagOutputLayout.from_tables(tables, self.plans, self._group_tables, self._group_streams)

@@ -13,13 +13,12 @@ submodule (``dense``), which TorchRec's ``EmbeddingCollectionSharder`` shards un
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 from torchrec.distributed.types import ShardedModule
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_modules import (
     EmbeddingCollection,
     EmbeddingCollectionInterface,
@@ -29,9 +28,9 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from comera_rec.integration.collection import fx_opaque
 from comera_rec.integration.in_backward import carry_in_backward_optimizers
-from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tables
+from comera_rec.integration.policy import CompressionPolicy, TablePlan
 from comera_rec.integration.row_lookup import ttm_lookup_rows  # importable from here too
-from comera_rec.integration.table_groups import TTMTableGroups
+from comera_rec.integration.table_groups import TTMTableGroups, distinct_table_names
 from comera_rec.tensor import kernels
 from comera_rec.tensor.stacked import StackedTTMTables
 
@@ -113,10 +112,7 @@ class TTMEmbeddingCollection(TTMTableGroups, EmbeddingCollectionInterface):
                 )
             if not isinstance(t, EmbeddingConfig):
                 raise TypeError(f"{_NAME}: tables must be EmbeddingConfig, got {type(t).__name__}")
-        names = [t.name for t in tables]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"{_NAME}: duplicate table names {duplicates}")
+        names = distinct_table_names(_NAME, tables)
         dims = {t.name: t.embedding_dim for t in tables}
         if len(set(dims.values())) != 1:
             raise ValueError(f"{_NAME}: all tables need one embedding_dim (as in TorchRec), got {dims}")
@@ -129,17 +125,7 @@ class TTMEmbeddingCollection(TTMTableGroups, EmbeddingCollectionInterface):
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._embedding_configs = tables
         self._embedding_dim = tables[0].embedding_dim
-        for t in tables:
-            if not t.feature_names:
-                t.feature_names = [t.name]  # as TorchRec's EmbeddingCollection does
-
-        self.plans: dict[str, TablePlan] = {}
-        planned = plan_tables([(t.name, t.num_embeddings, t.embedding_dim) for t in tables], policy)
-        for t in tables:
-            plan = (plans or {}).get(t.name) or planned[t.name]
-            if plan.compressed and t.data_type != DataType.FP32:
-                raise ValueError(f"{_NAME}: compressed table {t.name!r} must be FP32, got {t.data_type}")
-            self.plans[t.name] = plan
+        self._plan_tables(_NAME, tables, policy, plans)
 
         # ---- dense tables: TorchRec's own collection, sharded by its sharder under DMP
         dense_configs = [t for t in tables if not self.plans[t.name].compressed]
@@ -157,35 +143,14 @@ class TTMEmbeddingCollection(TTMTableGroups, EmbeddingCollectionInterface):
             for t, own in zip(dense_configs, self.dense.embedding_names_by_table()):
                 self._dense_names.update(zip(own, full_names[t.name]))
 
-        # ---- compressed tables: stacked by TT shape
-        groups: "OrderedDict[tuple, list[EmbeddingConfig]]" = OrderedDict()
-        for t in tables:
-            plan = self.plans[t.name]
-            if plan.compressed:
-                groups.setdefault(plan.group_key(t.embedding_dim), []).append(t)
-        self.groups = nn.ModuleList()
-        self._group_tables: list[list[str]] = []
-        # per group: (output name, feature name, table index in the stack) of every stream
-        self._group_streams: list[list[tuple[str, str, int]]] = []
+        # ---- compressed tables: stacked by TT shape; per group, (output name, feature name,
+        # table index in the stack) of every stream
         self._embedding_names_by_table = get_embedding_names_by_table(tables)
         output_names = dict(zip(names, self._embedding_names_by_table))
-        for members in groups.values():
-            plan = self.plans[members[0].name]
-            assert plan.shape is not None and plan.ranks is not None
-            self.groups.append(
-                StackedTTMTables(
-                    [t.num_embeddings for t in members],
-                    self._embedding_dim,
-                    list(plan.ranks),
-                    row_shape=plan.shape[0],
-                    col_shape=plan.shape[1],
-                    device=self._device,
-                )
-            )
-            self._group_tables.append([t.name for t in members])
-            self._group_streams.append(
-                [(e, f, i) for i, t in enumerate(members) for e, f in zip(output_names[t.name], t.feature_names)]
-            )
+        self._group_streams: list[list[tuple[str, str, int]]] = [
+            [(e, f, i) for i, t in enumerate(members) for e, f in zip(output_names[t.name], t.feature_names)]
+            for members in self._stack_compressed(tables)
+        ]
         self._embedding_names: list[str] = list(itertools.chain(*self._embedding_names_by_table))
 
         self._init_key_checks(tables)

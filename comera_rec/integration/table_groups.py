@@ -16,12 +16,33 @@ TT parameters.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torchrec.modules.embedding_configs import DataType
 
 from comera_rec.integration.in_backward import release_in_backward_optimizers
+from comera_rec.integration.policy import CompressionPolicy, TablePlan, plan_tables
+from comera_rec.tensor.stacked import StackedTTMTables
+
+
+def distinct_table_names(owner: str, tables: Sequence[Any]) -> list[str]:
+    """The tables' names, in order.
+
+    Args:
+        owner: the collection's class name, for the error.
+        tables: TorchRec table configs (``EmbeddingBagConfig`` or ``EmbeddingConfig``).
+
+    Raises:
+        ValueError: two tables share a name (each one's parameters are found by it).
+    """
+    names = [t.name for t in tables]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"{owner}: duplicate table names {duplicates}")
+    return names
 
 
 class TTMTableGroups:
@@ -44,6 +65,58 @@ class TTMTableGroups:
 
     def _dense_modules(self) -> Mapping[str, nn.Module]:
         raise NotImplementedError
+
+    def _plan_tables(
+        self,
+        owner: str,
+        tables: Sequence[Any],
+        policy: CompressionPolicy,
+        plans: Mapping[str, TablePlan] | None,
+    ) -> None:
+        """``plans``: each table's plan, the one given in ``plans`` where there is one, else
+        ``policy``'s. A table with no feature names reads the feature of its own name, as in
+        TorchRec's collections.
+
+        Raises:
+            ValueError: a table to compress is not FP32 (``owner`` names the collection).
+        """
+        for t in tables:
+            if not t.feature_names:
+                t.feature_names = [t.name]
+        self.plans = {}
+        planned = plan_tables([(t.name, t.num_embeddings, t.embedding_dim) for t in tables], policy)
+        for t in tables:
+            plan = (plans or {}).get(t.name) or planned[t.name]
+            if plan.compressed and t.data_type != DataType.FP32:
+                raise ValueError(f"{owner}: compressed table {t.name!r} must be FP32, got {t.data_type}")
+            self.plans[t.name] = plan
+
+    def _stack_compressed(self, tables: Sequence[Any]) -> list[list[Any]]:
+        """``groups`` and ``_group_tables``: the compressed tables (by ``plans``) stacked by TT
+        shape, each group's tables in config order, on ``_device``. Returns each group's
+        configs."""
+        by_shape: OrderedDict[tuple, list[Any]] = OrderedDict()
+        for t in tables:
+            plan = self.plans[t.name]
+            if plan.compressed:
+                by_shape.setdefault(plan.group_key(t.embedding_dim), []).append(t)
+        self.groups = nn.ModuleList()
+        self._group_tables = []
+        for members in by_shape.values():
+            plan = self.plans[members[0].name]
+            assert plan.shape is not None and plan.ranks is not None
+            self.groups.append(
+                StackedTTMTables(
+                    [t.num_embeddings for t in members],
+                    members[0].embedding_dim,
+                    list(plan.ranks),
+                    row_shape=plan.shape[0],
+                    col_shape=plan.shape[1],
+                    device=self._device,
+                )
+            )
+            self._group_tables.append([t.name for t in members])
+        return list(by_shape.values())
 
     def _init_key_checks(self, tables: Sequence[Any]) -> None:
         """Per feature, the id bound of the smallest table that reads it; an empty cache of
