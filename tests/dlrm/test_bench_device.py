@@ -40,6 +40,7 @@ def test_graphed_needs_plain() -> None:
         run_variant("tt", torch.device("cpu"), 64, 1, 0, 4, tiny=True, graphed=True)
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # torch's notice on sparse invariant checks included
 def test_sparse_tables_update_only_touched_rows() -> None:
     """With sparse tables each dense table gets a sparse gradient, and Adagrad leaves the rows
     no sample looked up as they were (as FBGEMM's fused optimiser does)."""
