@@ -97,7 +97,9 @@ def quiet_profiler_banners() -> Iterator[None]:
     sys.stderr.flush()
     try:
         saved = os.dup(2)
-    except OSError:
+    except OSError:  # outside the except clause below: an error of the block is not chained to it
+        saved = -1
+    if saved < 0:
         yield
         return
     try:
