@@ -70,8 +70,10 @@ def plain_optimizers(model: torch.nn.Module, sparse_tables: bool, capturable: bo
     optims: list[torch.optim.Optimizer] = [torch.optim.AdamW(rest, lr=1e-3, capturable=capturable)]
     if tables:
         # torch's default, said explicitly: torch's sparse Adagrad otherwise warns at its
-        # first step that the invariant checks of the sparse tensors it builds are off
-        torch.sparse.check_sparse_tensor_invariants.disable()
+        # first step that the invariant checks of the sparse tensors it builds are off (a
+        # process that turned the checks on keeps them)
+        if not torch.sparse.check_sparse_tensor_invariants.is_enabled():
+            torch.sparse.check_sparse_tensor_invariants.disable()
         optims.append(torch.optim.Adagrad(tables, lr=0.05))
     return optims
 

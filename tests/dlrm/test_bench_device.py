@@ -69,3 +69,12 @@ def test_sparse_tables_need_plain_eager_steps() -> None:
     assert sparse["variant"] == "dense_plain_sparse" and 0.0 < sparse["loss"] < 5.0
     with pytest.raises(ValueError, match="sparse_tables"):
         run_variant("dense", torch.device("cpu"), 64, 1, 0, 4, tiny=True, plain=True, graphed=True, sparse_tables=True)
+
+
+def test_sparse_tables_keep_invariant_checks_a_process_turned_on() -> None:
+    torch.sparse.check_sparse_tensor_invariants.enable()
+    try:
+        plain_optimizers(build_dlrm_train(config("dense", 4, tiny=True)), sparse_tables=True, capturable=False)
+        assert torch.sparse.check_sparse_tensor_invariants.is_enabled()
+    finally:
+        torch.sparse.check_sparse_tensor_invariants.disable()
