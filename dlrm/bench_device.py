@@ -41,6 +41,7 @@ from comera_rec.dlrm.model import build_dlrm_train
 from comera_rec.integration.distributed import EmbeddingOptimizerSpec, replicated_parameter_groups, wrap_model
 from comera_rec.tensor import set_static_shapes
 from comera_rec.training.graph_capture import CudaGraphCapture, EagerCapture, GraphedTrainStep
+from comera_rec.utils.logs import state_sparse_invariant_checks
 
 TINY = dict(
     table_sizes=[5000, 200] + [30] * 24, embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1], min_params_to_compress=0
@@ -69,11 +70,7 @@ def plain_optimizers(model: torch.nn.Module, sparse_tables: bool, capturable: bo
     rest = [p for p in model.parameters() if id(p) not in table_ids]
     optims: list[torch.optim.Optimizer] = [torch.optim.AdamW(rest, lr=1e-3, capturable=capturable)]
     if tables:
-        # torch's default, said explicitly: torch's sparse Adagrad otherwise warns at its
-        # first step that the invariant checks of the sparse tensors it builds are off (a
-        # process that turned the checks on keeps them)
-        if not torch.sparse.check_sparse_tensor_invariants.is_enabled():
-            torch.sparse.check_sparse_tensor_invariants.disable()
+        state_sparse_invariant_checks()
         optims.append(torch.optim.Adagrad(tables, lr=0.05))
     return optims
 

@@ -43,7 +43,7 @@ from torch import nn
 from comera_rec.tensor import TTLinear, TTMEmbeddingBag, cached_weights, kernels, set_static_shapes
 from comera_rec.training.cuda_graph import CudaGraphCapture, GraphedTrainStep
 from comera_rec.utils.benchmark import time_interleaved
-from comera_rec.utils.logs import quiet_profiler_banners
+from comera_rec.utils.logs import quiet_profiler_banners, state_sparse_invariant_checks
 
 EMBEDDING_DIM = 16
 # The Kaggle tables DLRMConfig.kaggle() compresses (rows * 16 >= min_params_to_compress), in
@@ -125,6 +125,8 @@ def build_lookup(kind: str, sizes: list[int], rank: int, device: torch.device):
     graphed = kind == "tt_graphed"
     if kind in ("tt_static", "tt_graphed"):
         set_static_shapes(model)
+    if kind == "dense":
+        state_sparse_invariant_checks()
     opt = torch.optim.Adagrad(model.parameters(), lr=0.01, **({} if kind == "dense" else {"foreach": True}))
     step = lookup_step(model, opt)
     if kind == "tt_torch":

@@ -41,6 +41,23 @@ def quiet_foreign_notices() -> None:
         warnings.filterwarnings("ignore", message=re.escape(start), category=category)
 
 
+def state_sparse_invariant_checks() -> None:
+    """Say torch's sparse invariant checks' setting explicitly: off (torch's default) unless
+    the process turned them on. torch's sparse optimizers (``Adagrad`` over
+    ``EmbeddingBag(sparse=True)`` tables) otherwise warn at their first step that the checks
+    are "implicitly disabled", about sparse tensors they build themselves.
+
+    Example::
+
+        state_sparse_invariant_checks()  # before the first step of a sparse optimizer
+    """
+    import torch  # here: the rest of this module serves entry points before they import torch
+
+    checks = torch.sparse.check_sparse_tensor_invariants
+    if not checks.is_enabled():
+        checks.disable()
+
+
 # The project's own loggers (the entry points log as ``__main__``).
 OWN_LOGGERS: tuple[str, ...] = ("comera_rec", "__main__")
 

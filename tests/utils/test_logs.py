@@ -15,6 +15,7 @@ from comera_rec.utils.logs import (
     PROFILER_BANNER,
     quiet_foreign_notices,
     quiet_profiler_banners,
+    state_sparse_invariant_checks,
 )
 
 
@@ -129,3 +130,32 @@ def test_profiler_banners_run_the_block_when_stderr_is_closed():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "ran\n"
+
+
+def test_sparse_invariant_checks_kept_on_where_the_process_turned_them_on():
+    checks = torch.sparse.check_sparse_tensor_invariants
+    try:
+        checks.enable()
+        state_sparse_invariant_checks()
+        assert checks.is_enabled()
+    finally:
+        checks.disable()
+
+
+@pytest.mark.parametrize("stated", [True, False])
+def test_sparse_adagrad_warns_only_while_the_checks_are_left_implicit(stated: bool):
+    # a fresh process: torch warns once per process, and only while nobody has said either way
+    code = (
+        "import warnings, torch\n"
+        "from comera_rec.utils.logs import state_sparse_invariant_checks\n"
+        + ("state_sparse_invariant_checks()\n" if stated else "")
+        + "table = torch.nn.EmbeddingBag(10, 4, sparse=True)\n"
+        "table(torch.tensor([1, 2]), torch.tensor([0])).sum().backward()\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    torch.optim.Adagrad(table.parameters()).step()\n"
+        "print(sum('implicitly disabled' in str(w.message) for w in caught))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("0" if stated else "1")
