@@ -119,6 +119,13 @@ def test_torch_profiler_writes_banners_the_pattern_names(capfd):
     assert not any(PROFILER_BANNER.match(line) for line in capfd.readouterr().err.encode().splitlines())
 
 
+def fresh_python(code: str) -> str:
+    """What ``code`` prints in a new interpreter, which must exit cleanly."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_profiler_banners_run_the_block_when_stderr_is_closed():
     # a daemon may run with file descriptor 2 closed: nothing to hold, the block still runs
     code = (
@@ -127,9 +134,7 @@ def test_profiler_banners_run_the_block_when_stderr_is_closed():
         "with quiet_profiler_banners():\n"
         "    print('ran')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == "ran\n"
+    assert fresh_python(code) == "ran\n"
 
 
 def test_sparse_invariant_checks_kept_on_where_the_process_turned_them_on():
@@ -156,6 +161,4 @@ def test_sparse_adagrad_warns_only_while_the_checks_are_left_implicit(stated: bo
         "    torch.optim.Adagrad(table.parameters()).step()\n"
         "print(sum('implicitly disabled' in str(w.message) for w in caught))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == ("0" if stated else "1")
+    assert fresh_python(code).strip() == ("0" if stated else "1")
