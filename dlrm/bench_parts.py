@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -219,51 +219,52 @@ def parts(setup: Setup, repeats: int = 20) -> None:
 FUSED_LAYER_KINDS = (TTLinear, NarrowLinear)  # the layers the fused CPU TT kernels run while training
 
 
-def module_flops(root: nn.Module, run: Callable[[], object], kinds: tuple[type, ...]) -> float:
-    """Matrix-multiply FLOPs that ``run`` spends inside the submodules of ``root`` of a type
-    in ``kinds`` (forward, and the backward where ``run`` runs one), by
-    ``torch.utils.flop_counter``. ``run`` must call ``root`` itself: the counter names each
-    module by its path from the first module called. Modules of ``kinds`` must not nest.
+def module_flops(root: nn.Module, phases: Sequence[Callable[[], object]], kinds: tuple[type, ...]) -> list[float]:
+    """Matrix-multiply FLOPs that each of ``phases`` spends inside the submodules of ``root``
+    of a type in ``kinds``, by ``torch.utils.flop_counter``: the phases run in order under one
+    counter (a forward, then the backward of its result, is one pass). The first phase must
+    call ``root`` itself: the counter names each module by its path from the first module
+    called. Modules of ``kinds`` must not nest.
 
     Example::
 
         >>> net = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
-        >>> module_flops(net, lambda: net(torch.randn(3, 8)), (nn.Linear,)) == 2 * 3 * (8 * 4 + 4 * 2)
+        >>> module_flops(net, [lambda: net(torch.randn(3, 8))], (nn.Linear,)) == [2 * 3 * (8 * 4 + 4 * 2)]
         True
     """
     root_name = type(root).__name__
     names = [f"{root_name}.{path}" if path else root_name for path, m in root.named_modules() if isinstance(m, kinds)]
+
+    def total(counts: dict[str, dict]) -> float:
+        return float(sum(sum(counts.get(name, {}).values()) for name in names))
+
+    totals = []
     with FlopCounterMode(display=False) as counter:
-        run()
-    counts = counter.get_flop_counts()
-    return float(sum(sum(counts.get(name, {}).values()) for name in names))
+        for phase in phases:
+            phase()
+            totals.append(total(counter.get_flop_counts()))  # a copy: the count so far
+    return [after - before for before, after in zip([0.0, *totals], totals)]
 
 
 def fused_layer_flops(wrapped: nn.Module, batch) -> tuple[float, float]:
     """``(forward, backward)`` matrix-multiply FLOPs of one training step's layers that the
     fused CPU TT kernels run (``FUSED_LAYER_KINDS``), counted on whatever path is on (the
     PyTorch path, where the counter sees every product; the TT layers' chain merges, a few
-    percent, included)."""
-
-    def forward_and_backward() -> None:
-        loss, _ = wrapped(batch)
-        loss.backward()
-
-    forward = module_flops(wrapped, lambda: wrapped(batch), FUSED_LAYER_KINDS)
-    both = module_flops(wrapped, forward_and_backward, FUSED_LAYER_KINDS)
+    percent, included), in one forward and backward."""
+    losses = []
+    forward, backward = module_flops(
+        wrapped,
+        (lambda: losses.append(wrapped(batch)[0]), lambda: losses.pop().backward()),
+        FUSED_LAYER_KINDS,
+    )
     wrapped.zero_grad(set_to_none=True)
-    return forward, both - forward
-
-
-def fused_layer_seconds(step, steps: int = 10) -> tuple[float, float]:
-    """``(forward, backward)`` seconds per call of ``step`` in the TT layers' fused CPU
-    kernels (single layers and chains: their autograd nodes' own time, ``TT_LAYER_KERNELS``),
-    by torch's profiler at the current thread count; ``(0.0, 0.0)`` where ``step`` runs none."""
-    return fused_layer_times(op_self_times(step, torch.get_num_threads(), steps))
+    return forward, backward
 
 
 def fused_layer_times(times: dict[str, float]) -> tuple[float, float]:
-    """:func:`fused_layer_seconds` from a profile already taken (:func:`op_self_times`)."""
+    """``(forward, backward)`` seconds per step in the TT layers' fused CPU kernels (single
+    layers and chains: their autograd nodes' own time, ``TT_LAYER_KERNELS``) in a profile
+    (:func:`op_self_times`); ``(0.0, 0.0)`` where the step ran none."""
     forward = sum(times.get(name, 0.0) for name in TT_LAYER_KERNELS)
     backward = sum(times.get(f"{name}Backward", 0.0) for name in TT_LAYER_KERNELS)
     return forward, backward
@@ -273,7 +274,7 @@ def fused_layer_report(
     seconds: dict[str, tuple[float, float]], flops: dict[str, tuple[float, float]], rate: float
 ) -> list[str]:
     """The lines ``--parts`` prints about the TT layers' fused CPU kernels, per variant: their
-    forward and backward time (``seconds``, :func:`fused_layer_seconds`) against their layers'
+    forward and backward time (``seconds``, :func:`fused_layer_times`) against their layers'
     FLOPs (``flops``, :func:`fused_layer_flops`) at ``rate`` FLOP/s. A variant whose step runs
     none of them is named so.
 
@@ -303,7 +304,7 @@ def lookup_kernel_report(
     measured: dict[str, tuple[dict[str, float], float]], lookup_flops: dict[str, float], rate: float
 ) -> list[str]:
     """The lines ``--parts`` prints about the fused TTM lookup kernel, per variant: its time
-    (``measured[variant]``: :func:`lookup_kernel_phases`' ``(seconds by phase, contraction
+    (``measured[variant]``: :func:`lookup_phases`' ``(seconds by phase, contraction
     FLOPs)``) against the lookups' FLOPs on the PyTorch path (``lookup_flops``) at ``rate``
     FLOP/s, and by kind of work; its contraction phases against the kernel's own FLOPs; each
     phase. A variant with no phases did not use the kernel."""
@@ -364,16 +365,6 @@ def op_self_times(step, threads: int, steps: int) -> dict[str, float]:
     return {e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()}
 
 
-def lookup_kernel_phases(step, steps: int = 10) -> tuple[dict[str, float], float]:
-    """``(seconds, contraction FLOPs)`` per call of ``step``: the seconds in each phase of the
-    fused CPU TTM lookup (``TTM_LOOKUP_PHASES``, the kernel's profiler scopes) and under
-    ``"calls"`` the rest of its forward and backward (``TTM_LOOKUP_KERNELS``' own time:
-    argument conversion, output allocation), by torch's profiler at the current thread count;
-    and the FLOPs of its contraction phases (:func:`take_contraction_flops`). ``({}, 0.0)``
-    where ``step`` does not use the kernel."""
-    return lookup_phases(*kernel_times(step, steps))
-
-
 def kernel_times(step, steps: int = 10) -> tuple[dict[str, float], float]:
     """``(seconds, contraction FLOPs)`` per call of ``step``: each operator's own time
     (:func:`op_self_times` at the current thread count) and the fused TTM lookup's
@@ -384,20 +375,19 @@ def kernel_times(step, steps: int = 10) -> tuple[dict[str, float], float]:
 
 
 def lookup_phases(times: dict[str, float], flops: float) -> tuple[dict[str, float], float]:
-    """:func:`lookup_kernel_phases` from a profile already taken (:func:`kernel_times`)."""
+    """``(seconds, contraction FLOPs)`` of the fused CPU TTM lookup from a profile
+    (:func:`kernel_times`' ``times`` and ``flops``): the seconds in each of its phases
+    (``TTM_LOOKUP_PHASES``, the kernel's profiler scopes) and under ``"calls"`` the rest of
+    its forward and backward (``TTM_LOOKUP_KERNELS``' own time: argument conversion, output
+    allocation), and the FLOPs of its contraction phases. ``({}, 0.0)`` where the step did
+    not use the kernel."""
     phases = {name: times[name] for name in TTM_LOOKUP_PHASES if name in times}
     calls = sum(times.get(name, 0.0) for name in TTM_LOOKUP_KERNELS)
     return ({**phases, "calls": calls}, flops) if calls > 0 else ({}, 0.0)
 
 
-def lookup_kernel_seconds(step, steps: int = 10) -> float:
-    """Seconds per call of ``step`` that the fused CPU TTM lookup spends in its forward and
-    backward, phases included (:func:`lookup_kernel_phases`); 0 where ``step`` does not use it."""
-    return sum(lookup_kernel_phases(step, steps)[0].values())
-
-
 def phases_by_kind(phases: dict[str, float]) -> dict[str, float]:
-    """:func:`lookup_kernel_phases`' seconds summed by kind of work (``TTM_LOOKUP_PHASES``:
+    """:func:`lookup_phases`' seconds summed by kind of work (``TTM_LOOKUP_PHASES``:
     ``"contraction"``, ``"per id"``, ``"pass"``; ``"calls"`` as it is)."""
     kinds: dict[str, float] = {}
     for name, seconds in phases.items():

@@ -140,22 +140,28 @@ def test_sgemm_rate_is_the_median_gemm_and_the_probe_gives_its_spread() -> None:
     assert slowest == pytest.approx(2 * 32**3 / 0.4) and fastest == pytest.approx(2 * 32**3 / 0.1)
 
 
-def test_module_flops_counts_the_chosen_modules_forward_and_backward() -> None:
+def test_module_flops_counts_the_chosen_modules_phase_by_phase() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2), nn.Linear(2, 2))
     x = torch.randn(5, 8)
+    outputs = []
 
-    def step() -> None:
-        net(x).sum().backward()
+    def forward() -> None:
+        outputs.append(net(x).sum())
+
+    def backward() -> None:
+        outputs.pop().backward()
 
     picked = (nn.Linear,)
     # forward: x W^T per layer; backward: every weight's gradient and the inputs' gradients of
     # the layers after the first (x needs none)
-    forward = 2 * 5 * (8 * 4 + 4 * 2 + 2 * 2)
-    backward = 2 * 5 * (8 * 4 + 4 * 2 + 2 * 2) + 2 * 5 * (4 * 2 + 2 * 2)
-    assert bench_parts.module_flops(net, step, picked) == forward + backward
+    forward_flops = 2 * 5 * (8 * 4 + 4 * 2 + 2 * 2)
+    backward_flops = 2 * 5 * (8 * 4 + 4 * 2 + 2 * 2) + 2 * 5 * (4 * 2 + 2 * 2)
+    assert bench_parts.module_flops(net, [forward, backward], picked) == [forward_flops, backward_flops]
+    # one phase doing both counts their sum
+    assert bench_parts.module_flops(net, [lambda: net(x).sum().backward()], picked) == [forward_flops + backward_flops]
     # only the modules of the chosen kinds count: none here
-    assert bench_parts.module_flops(net, step, (nn.ReLU,)) == 0.0
+    assert bench_parts.module_flops(net, [forward, backward], (nn.ReLU,)) == [0.0, 0.0]
 
 
 class _OneLayerTrain(nn.Module):
@@ -191,7 +197,7 @@ def test_fused_layer_flops_counts_only_the_fused_kinds_forward_and_backward() ->
 
 
 @pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
-def test_fused_layer_seconds_finds_the_chain_and_single_layer_kernels() -> None:
+def test_fused_layer_times_finds_the_chain_and_single_layer_kernels() -> None:
     from comera_rec.integration.mlp import tt_mlp, unchain_layers
     from comera_rec.tensor import kernels
 
@@ -204,17 +210,16 @@ def test_fused_layer_seconds_finds_the_chain_and_single_layer_kernels() -> None:
 
     one_layer, chain = bench_parts.TT_LAYER_KERNELS
     threads = torch.get_num_threads()
-    forward, backward = bench_parts.fused_layer_seconds(lambda: step(chained), steps=3)
-    assert forward > 0 and backward > 0
     times = bench_parts.op_self_times(lambda: step(chained), threads, steps=2)
     assert times.get(chain, 0) > 0 and times.get(f"{chain}Backward", 0) > 0 and one_layer not in times
+    assert bench_parts.fused_layer_times(times) == (times[chain], times[f"{chain}Backward"])
     single = unchain_layers(tt_mlp(13, [64, 32], rank=4))  # each TT layer its own kernel call
-    forward, backward = bench_parts.fused_layer_seconds(lambda: step(single), steps=3)
-    assert forward > 0 and backward > 0
     times = bench_parts.op_self_times(lambda: step(single), threads, steps=2)
     assert times.get(one_layer, 0) > 0 and times.get(f"{one_layer}Backward", 0) > 0 and chain not in times
+    assert bench_parts.fused_layer_times(times) == (times[one_layer], times[f"{one_layer}Backward"])
     kernels.set_cpu_kernel_enabled(False)  # the PyTorch path runs no fused kernel
-    assert bench_parts.fused_layer_seconds(lambda: step(chained), steps=3) == (0.0, 0.0)
+    times = bench_parts.op_self_times(lambda: step(chained), threads, steps=2)
+    assert bench_parts.fused_layer_times(times) == (0.0, 0.0)
 
 
 def test_fused_layer_report_names_a_variant_without_fused_layers() -> None:
@@ -237,7 +242,7 @@ def small_lookup(g: torch.Generator) -> tuple[list[torch.Tensor], torch.Tensor, 
 
 
 @pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
-def test_lookup_kernel_seconds_finds_the_fused_lookup_in_the_profile() -> None:
+def test_lookup_phases_finds_the_fused_lookup_in_the_profile() -> None:
     from comera_rec.tensor import kernels
     from comera_rec.tensor.contract import ttm_embedding_bag
 
@@ -254,7 +259,7 @@ def test_lookup_kernel_seconds_finds_the_fused_lookup_in_the_profile() -> None:
     ran = {name for name in bench_parts.TTM_LOOKUP_PHASES if name in times}
     assert ran == set(bench_parts.TTM_LOOKUP_PHASES) - {"ttm_lookup: controller", "ttm_lookup backward: controller"}
     assert all(times[name] > 0 for name in ran)
-    phases, flops = bench_parts.lookup_kernel_phases(step, steps=3)
+    phases, flops = bench_parts.lookup_phases(*bench_parts.kernel_times(step, steps=3))
     assert set(phases) == ran | {"calls"} and all(t > 0 for t in phases.values())
     # both halves of these cores have 2 cores: per distinct prefix and suffix one (m0, r_mid) x
     # (r_mid, m1 r) product forward, two backward
@@ -265,10 +270,8 @@ def test_lookup_kernel_seconds_finds_the_fused_lookup_in_the_profile() -> None:
     kinds = bench_parts.phases_by_kind(phases)
     assert set(kinds) == {"contraction", "per id", "pass", "calls"}
     assert sum(kinds.values()) == pytest.approx(sum(phases.values()))
-    assert bench_parts.lookup_kernel_seconds(step, steps=3) > 0
     kernels.set_cpu_kernel_enabled(False)  # the PyTorch path: no fused lookup to find
-    assert bench_parts.lookup_kernel_phases(step, steps=3) == ({}, 0.0)
-    assert bench_parts.lookup_kernel_seconds(step, steps=3) == 0
+    assert bench_parts.lookup_phases(*bench_parts.kernel_times(step, steps=3)) == ({}, 0.0)
 
 
 @pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
