@@ -169,6 +169,36 @@ def test_property_rows_equal_dense_reconstruction(d, rank, tables, seed) -> None
     torch.testing.assert_close(out, want)
 
 
+@given(
+    d=st.integers(2, 4),
+    ranks=st.lists(st.sampled_from([1, 3, 8, 16, 17, 33]), min_size=3, max_size=3),
+    tables=st.integers(1, 3),
+    n_ids=st.integers(1, 40),
+    mode=st.sampled_from(["sum", "mean"]),
+    weighted=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_property_bags_and_gradients_equal_the_torch_path(d, ranks, tables, n_ids, mode, weighted, seed) -> None:
+    # ranks at, below and across whole vectors; bags of any length, some empty; repeated ids
+    g = torch.Generator().manual_seed(seed)
+    rows = [int(v) for v in torch.randint(1, 7, (d,), generator=g)]
+    cols = [int(v) for v in torch.randint(1, 4, (d,), generator=g)]
+    cores = make_cores(tables, rows, cols, ranks[: d - 1], seed=seed)
+    ids = torch.randint(0, math.prod(rows), (n_ids,), generator=g) % max(1, math.prod(rows) // 2)
+    trains = torch.randint(0, tables, (n_ids,), generator=g)
+    cuts = torch.sort(torch.randint(0, n_ids + 1, (5,), generator=g)).values
+    offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([n_ids])])
+    weights = torch.rand(n_ids, generator=g, dtype=DT).requires_grad_() if weighted else None
+    dim = math.prod(cols)
+    inputs = cores + ([weights] if weighted else [])
+    got = lookup(cores, rows, dim, ids, offsets, mode, weights, trains, kernel=True)
+    want = lookup(cores, rows, dim, ids, offsets, mode, weights, trains, kernel=False)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(got.shape, generator=g, dtype=DT)
+    for a, b in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_out_of_range_ids_and_tables_name_the_value() -> None:
     cores = make_cores(2, (3, 4), (2, 2), [2])
     offsets = torch.tensor([0, 2])
