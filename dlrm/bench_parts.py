@@ -173,12 +173,11 @@ def parts(setup: Setup, repeats: int = 20) -> None:
 
     rate = probe.flops_per_second()
     slowest, fastest = probe.spread()
-    flops = {}
-    for v in names_:
-        # counted on the PyTorch path: the counter sees ATen ops only, not inside the C++
-        # kernels, and the kernels do the same products
-        kernels.set_cpu_kernel_enabled(False)
-        flops[v] = part_times(models[v][0], data[0], count_flops=True)
+    # counted on the PyTorch path: the counter sees ATen ops only, not inside the C++ kernels,
+    # and the kernels do the same products; per part, and the fused TT layers' own
+    kernels.set_cpu_kernel_enabled(False)
+    flops = {v: part_times(models[v][0], data[0], count_flops=True) for v in names_}
+    layer_flops = {v: fused_layer_flops(models[v][0], data[0]) for v in names_}
     kernels.set_cpu_kernel_enabled(True)
     print(
         f"\nmatrix-multiply FLOPs per part (forward + backward, torch.utils.flop_counter, counted on the "
@@ -200,17 +199,13 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     # column-block gathers), the MLP parts more than their fused layers (the chain merges,
     # small dense layers, autograd): the kernels that do those parts' products, against their
     # own FLOPs, from one profile of each variant's step
-    measured, layer_times, layer_flops = {}, {}, {}
+    measured, layer_times = {}, {}
     for v in names_:
         use_lookup_path(v)
         times, contraction_flops = kernel_times(lambda m=models[v], b=itertools.cycle(data): train_step(*m, next(b)))
         if flops[v]["lookups"] > 0:
             measured[v] = lookup_phases(times, contraction_flops)
         layer_times[v] = fused_layer_times(times)
-        if sum(layer_times[v]) > 0:
-            kernels.set_cpu_kernel_enabled(False)
-            layer_flops[v] = fused_layer_flops(models[v][0], data[0])
-            kernels.set_cpu_kernel_enabled(True)
     lookup_flops = {v: flops[v]["lookups"] for v in measured}
     print("\n" + "\n".join(lookup_kernel_report(measured, lookup_flops, rate)))
     print("\n" + "\n".join(fused_layer_report(layer_times, layer_flops, rate)))
