@@ -40,6 +40,44 @@ inline void axpy(float* __restrict dst, const float* __restrict src, float a, in
   for (; d < n; ++d) dst[d] += a * src[d];
 }
 
+// out[0:NV W] = sum over ids i in [i0, i1) of w_i * tab[id_i] (rows of NV vectors), summed
+// in registers and stored once rather than added row by row to a zeroed bag in memory
+// (Kaggle's 18 small tables, 2 threads: 0.43 -> 0.34 ms a step, docs/performance-history.md).
+// An id outside [0, rows) is skipped and sets bad.
+template <int NV, typename Index>
+inline void pool_vectors(float* out, const float* tab, const Index* id, int64_t i0, int64_t i1, int64_t rows,
+                         const float* w, std::atomic<bool>& bad) {
+  constexpr int64_t W = kLanes<float>;
+  vec_t<float> sum[NV];
+  for (int v = 0; v < NV; ++v) sum[v] = vzero<float>();
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t row = id[i];
+    if (row < 0 || row >= rows) {
+      bad = true;
+      continue;
+    }
+    const float* src = tab + row * (NV * W);
+    const float a = w ? w[i] : 1.0f;
+    for (int v = 0; v < NV; ++v) sum[v] += a * vload(src + v * W);
+  }
+  for (int v = 0; v < NV; ++v) vstore(out + v * W, sum[v]);
+}
+
+// pool_vectors for rows of D = 1, 2, 4 or 8 whole vectors; false (nothing done) for others.
+template <typename Index>
+inline bool pool_in_registers(float* out, const float* tab, const Index* id, int64_t i0, int64_t i1, int64_t rows,
+                              const float* w, int64_t D, std::atomic<bool>& bad) {
+  constexpr int64_t W = kLanes<float>;
+  if (D % W != 0) return false;
+  switch (D / W) {
+    case 1: pool_vectors<1>(out, tab, id, i0, i1, rows, w, bad); return true;
+    case 2: pool_vectors<2>(out, tab, id, i0, i1, rows, w, bad); return true;
+    case 4: pool_vectors<4>(out, tab, id, i0, i1, rows, w, bad); return true;
+    case 8: pool_vectors<8>(out, tab, id, i0, i1, rows, w, bad); return true;
+    default: return false;
+  }
+}
+
 struct Layout {
   int64_t F = 0, batch = 0, total_dim = 0;
   int64_t row_stride = 0;                 // values between the output's rows (total_dim by default)
@@ -152,10 +190,12 @@ at::Tensor rowwise_bag_forward(at::Tensor buffer, at::Tensor table_offset, at::T
           const int64_t D = L.dim_offset[f + 1] - L.dim_offset[f];
           float* ob = o + b * L.row_stride + L.col[f];
           const int64_t bag = f * batch + b;
-          std::fill(ob, ob + D, 0.0f);
           if (b + 2 < b1)  // this feature's rows of two samples ahead
             for (int64_t i = L.off[bag + 2]; i < L.off[bag + 3]; ++i)
               if (id[i] >= 0 && id[i] < L.rows[f]) prefetch_range(table + L.table_offset[f] + id[i] * D, D * sizeof(float));
+          const float* tab = table + L.table_offset[f];
+          if (pool_in_registers(ob, tab, id, L.off[bag], L.off[bag + 1], L.rows[f], L.w, D, bad)) continue;
+          std::fill(ob, ob + D, 0.0f);
           for (int64_t i = L.off[bag]; i < L.off[bag + 1]; ++i) {
             const int64_t row = id[i];
             if (row < 0 || row >= L.rows[f]) {

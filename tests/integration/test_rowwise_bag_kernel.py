@@ -209,8 +209,9 @@ def test_kernel_lets_other_python_threads_run() -> None:
     assert stamps_during_call(make_call) > 0
 
 
-def test_id_outside_its_table_is_named() -> None:
-    case = make_case([10, 20], [4, 4], [0, 1], batch=2, max_len=1)
+@pytest.mark.parametrize("dim", [4, 16, 64])  # rows of whole vectors are pooled in registers (AVX-512: 16, 64)
+def test_id_outside_its_table_is_named(dim: int) -> None:
+    case = make_case([10, 20], [dim, dim], [0, 1], batch=2, max_len=1)
     case.lengths = torch.tensor([1, 1, 1, 1])
     case.ids = torch.tensor([3, 10, 5, 19])  # feature 0 reads table 0 of 10 rows: id 10 is out
     with pytest.raises(RuntimeError, match=r"id 10 of feature 0 out of range \[0, 10\)"):
@@ -236,7 +237,10 @@ def test_applies_only_to_cpu_float32_with_kernels_on() -> None:
 
 
 @given(
-    tables=st.lists(st.tuples(st.integers(1, 60), st.sampled_from([1, 3, 8, 16, 20])), min_size=1, max_size=4),
+    # dims of whole vectors (pooled in registers: 1-8 vectors at either width) and not
+    tables=st.lists(
+        st.tuples(st.integers(1, 60), st.sampled_from([1, 3, 8, 16, 20, 32, 64, 128])), min_size=1, max_size=4
+    ),
     extra=st.lists(st.integers(0, 3), max_size=3),
     batch=st.integers(1, 12),
     weighted=st.booleans(),
