@@ -188,12 +188,12 @@ at::Tensor rowwise_bag_forward(at::Tensor buffer, at::Tensor table_offset, at::T
       for (int64_t b = b0; b < b1; ++b)
         for (int64_t f = 0; f < L.F; ++f) {
           const int64_t D = L.dim_offset[f + 1] - L.dim_offset[f];
+          const float* tab = table + L.table_offset[f];
           float* ob = o + b * L.row_stride + L.col[f];
           const int64_t bag = f * batch + b;
           if (b + 2 < b1)  // this feature's rows of two samples ahead
             for (int64_t i = L.off[bag + 2]; i < L.off[bag + 3]; ++i)
-              if (id[i] >= 0 && id[i] < L.rows[f]) prefetch_range(table + L.table_offset[f] + id[i] * D, D * sizeof(float));
-          const float* tab = table + L.table_offset[f];
+              if (id[i] >= 0 && id[i] < L.rows[f]) prefetch_range(tab + id[i] * D, D * sizeof(float));
           if (pool_in_registers(ob, tab, id, L.off[bag], L.off[bag + 1], L.rows[f], L.w, D, bad)) continue;
           std::fill(ob, ob + D, 0.0f);
           for (int64_t i = L.off[bag]; i < L.off[bag + 1]; ++i) {
@@ -202,7 +202,7 @@ at::Tensor rowwise_bag_forward(at::Tensor buffer, at::Tensor table_offset, at::T
               bad = true;
               continue;
             }
-            axpy(ob, table + L.table_offset[f] + row * D, L.w ? L.w[i] : 1.0f, D);
+            axpy(ob, tab + row * D, L.w ? L.w[i] : 1.0f, D);
           }
         }
     });
