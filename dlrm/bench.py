@@ -70,6 +70,7 @@ from comera_rec.dlrm.bench_process import (  # noqa: F401  (re-exported: importa
     paired_speedups,
     process_child,
     run_in_process,
+    spread_warning,
 )
 from comera_rec.dlrm.bench_setup import (  # noqa: F401  (re-exported too)
     DENSE_FUSED,
@@ -161,6 +162,9 @@ def kaggle(setup: Setup) -> None:
         f"MLPs/cores, fused row-wise Adagrad on dense tables); per-process medians (ms): "
         + "; ".join(f"{v} " + " ".join(f"{t * 1e3:.1f}" for t in alone[v]["steps"]) for v in names)
     )
+    warning = spread_warning({v: alone[v]["steps"] for v in names})
+    if warning:
+        print(warning)
     paired = paired_speedups({v: alone[v]["steps"] for v in names})
     print(
         "speed-up over dense within each round (its two processes, minutes apart), median: "

@@ -103,6 +103,43 @@ def paired_speedups(steps: dict[str, list[float]], baseline: str = "dense") -> d
     return out
 
 
+# Fresh processes of one variant further apart than this (slowest over fastest) get a warning:
+# on the shared 2-core hosts the same work has taken 19.5 or 25.5 ms in neighbouring
+# processes (docs/performance-history.md, 2026-12-05), which moves a ratio of medians.
+SPREAD_WARNING = 1.15
+
+
+def spread_warning(steps: dict[str, list[float]], limit: float = SPREAD_WARNING) -> str | None:
+    """A line naming the variants whose fresh processes' step times (seconds, one per
+    process) are more than ``limit`` times apart, slowest over fastest; ``None`` where none
+    are. The same work in every process of a variant, so such a spread is the machine's.
+
+    Example::
+
+        >>> spread_warning({"dense": [0.050, 0.052], "tt": [0.020, 0.025]})
+        'the machine moved during the run: tt 20.0-25.0 ms (1.25x apart); the ratio of medians moves with it, the within-round and interleaved ratios less: rerun with more --rounds for a firmer figure'
+        >>> spread_warning({"dense": [0.050, 0.052]}) is None
+        True
+    """
+    if limit < 1.0:
+        raise ValueError(f"spread_warning: limit must be >= 1, got {limit}")
+    wide = []
+    for name, times in steps.items():
+        if not times or min(times) <= 0:
+            raise ValueError(f"spread_warning: {name} needs positive step times, got {times}")
+        ratio = max(times) / min(times)
+        if ratio > limit:
+            wide.append(f"{name} {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms ({ratio:.2f}x apart)")
+    if not wide:
+        return None
+    return (
+        "the machine moved during the run: "
+        + ", ".join(wide)
+        + "; the ratio of medians moves with it, the within-round and interleaved ratios less: "
+        "rerun with more --rounds for a firmer figure"
+    )
+
+
 def own_process_rounds(names: tuple[str, ...], setup: Setup, mlperf: bool) -> dict[str, dict]:
     """Each variant in its own fresh process, ``setup.rounds`` times, the variants
     alternating (:func:`round_order`) so that the machine's drift, and what each process

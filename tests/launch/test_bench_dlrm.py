@@ -114,6 +114,25 @@ def test_paired_speedups_divide_the_processes_of_one_round() -> None:
         paired_speedups({"tt": [0.03]})
 
 
+def test_spread_warning_names_the_variants_whose_processes_drift_apart() -> None:
+    from comera_rec.dlrm.bench_process import spread_warning
+
+    # dense 1.10x apart (within 1.15), tt 1.30x, tt_half exactly at the limit: only tt named
+    steps = {"dense": [0.050, 0.055, 0.052], "tt": [0.020, 0.026, 0.021], "tt_half": [0.0200, 0.0230]}
+    line = spread_warning(steps)
+    assert line is not None
+    assert "tt 20.0-26.0 ms (1.30x apart)" in line
+    assert "dense" not in line and "tt_half" not in line
+    assert spread_warning(steps, limit=1.35) is None
+    both = spread_warning(steps, limit=1.05)
+    assert both is not None and "dense 50.0-55.0 ms (1.10x apart)" in both and "tt_half" in both
+    assert spread_warning({"tt": [0.02]}) is None  # one process: no spread
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        spread_warning(steps, limit=0.9)
+    with pytest.raises(ValueError, match="tt needs positive step times"):
+        spread_warning({"tt": []})
+
+
 def test_upstream_gradient_is_made_once_per_shape_and_kept() -> None:
     kept: dict = {}
     first = bench_parts.upstream_gradient(kept, torch.zeros(4, 3))
