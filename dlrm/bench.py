@@ -156,16 +156,17 @@ def kaggle(setup: Setup) -> None:
             f"{sizes['dense'] / sizes[v]:7.0f}x {fmt_bytes(peak):>10s} {alone['dense']['peak'] / peak:8.1f}x "
             f"{alone[v]['faults']:11.0f} {aucs[v]:8.4f}"
         )
+    per_process = {v: alone[v]["steps"] for v in names}
     print(
         f"\nstep: median over {setup.rounds} fresh processes per variant (variants alternating, reversed every other round) of each "
         f"process's median of {setup.timed_steps} steps after {setup.warmup_steps} warm-up steps (AdamW on "
         f"MLPs/cores, fused row-wise Adagrad on dense tables); per-process medians (ms): "
-        + "; ".join(f"{v} " + " ".join(f"{t * 1e3:.1f}" for t in alone[v]["steps"]) for v in names)
+        + "; ".join(f"{v} " + " ".join(f"{t * 1e3:.1f}" for t in times) for v, times in per_process.items())
     )
-    warning = spread_warning({v: alone[v]["steps"] for v in names})
+    warning = spread_warning(per_process)
     if warning:
         print(warning)
-    paired = paired_speedups({v: alone[v]["steps"] for v in names})
+    paired = paired_speedups(per_process)
     print(
         "speed-up over dense within each round (its two processes, minutes apart), median: "
         + "; ".join(
