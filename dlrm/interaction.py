@@ -25,6 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from comera_rec.dlrm.interaction_kernel import pairwise_dots_cpu, pairwise_kernel_applies
 from comera_rec.integration.fused_tables import fused_tables_lookup, single_lookup
+from comera_rec.tensor.kernels import float32_under_cpu_autocast
 
 
 class _PairwiseDots(torch.autograd.Function):
@@ -46,7 +47,9 @@ class _PairwiseDots(torch.autograd.Function):
         # index_copy_ took 0.95 ms (B = 2048, n = 27)
         padded = nn.functional.pad(grad, (0, 1))  # (B, pairs + 1)
         grid = torch.gather(padded, 1, pair_of_cell.expand(grad.shape[0], -1))  # (B, n * n)
-        return torch.bmm(grid.view(-1, n, n), combined), None, None  # (B, n, D)
+        # under autocast the forward's product ran in autocast's dtype, and so do the
+        # gradient and this product (autograd casts the result back to the input's dtype)
+        return torch.bmm(grid.view(-1, n, n), combined.to(grid.dtype)), None, None  # (B, n, D)
 
 
 class PairwiseDotInteraction(nn.Module):
@@ -102,6 +105,10 @@ class PairwiseDotInteraction(nn.Module):
                 f"PairwiseDotInteraction: expected sparse features (B, {self.num_sparse_features}, D), "
                 f"got {tuple(sparse_features.shape)}"
             )
+        # under CPU autocast the kernel takes the features in float32 (the bottom MLP's
+        # last layer may have given bfloat16), as autocast's float32 operators do
+        dense_features = float32_under_cpu_autocast(dense_features)
+        sparse_features = float32_under_cpu_autocast(sparse_features)
         if pairwise_kernel_applies(dense_features, sparse_features):
             return pairwise_dots_cpu(dense_features, sparse_features)
         combined = torch.cat([dense_features.unsqueeze(1), sparse_features], dim=1)  # (B, n, D)

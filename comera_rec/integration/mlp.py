@@ -126,6 +126,7 @@ class ChainedPerceptrons(nn.Sequential):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if type(input) is not torch.Tensor or input.dim() != 2 or not torch.is_grad_enabled():
             return super().forward(input)
+        input = kernels.float32_under_cpu_autocast(input)  # the kernels' precision under CPU autocast
         h, run = input, []  # the current run's layers: (left, right, bias, relu)
         run_bytes = 0  # what the run keeps in cache per block of rows (kernels.chain_bytes)
 

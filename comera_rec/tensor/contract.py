@@ -61,7 +61,9 @@ class TTLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        x, t, left, right = ctx.saved_tensors
+        # under autocast the forward's GEMMs ran in autocast's dtype (the gradient's): so do
+        # these, and autograd casts each gradient back to its input's dtype
+        x, t, left, right = (a.to(grad_y.dtype) for a in ctx.saved_tensors)
         grad_x = grad_left = grad_right = grad_bias = None
         grad_t = grad_y @ right.t()  # (B, r)
         if ctx.needs_input_grad[0]:

@@ -133,8 +133,9 @@ class TTLinear(TensorTrainModule):
         Args:
             x: at least 1-D, of the layer's dtype (``layer.double()`` for float64 input)
                 and on its device; under ``torch.autocast`` the dtype is autocast's to
-                choose. On the ``meta`` device the output is a meta tensor of the right
-                shape.
+                choose (on the CPU the fused kernel takes a bfloat16 / float16 input in
+                float32 and returns float32). On the ``meta`` device the output is a meta
+                tensor of the right shape.
 
         Raises:
             ValueError: a 0-d input, or a last dimension other than ``in_features``.
@@ -143,6 +144,7 @@ class TTLinear(TensorTrainModule):
         """
         if isinstance(x, torch.fx.Proxy):
             return _fx_leaf_call(self, x)
+        x = kernels.float32_under_cpu_autocast(x)  # the fused kernel's precision under CPU autocast
         packed = self._kept_packed(x)
         if packed is not None:  # scoring a matrix on the CPU kernel: the call is the kernel's
             return self._score_packed(x, packed)
@@ -279,7 +281,7 @@ class TTLinear(TensorTrainModule):
                 f"TTLinear: expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}"
             )
         weight = next(iter(self.cores._parameters.values()))  # not cores[0]: ParameterList indexing is slow
-        if x.dtype != weight.dtype and not _autocast_on(x.device.type):
+        if x.dtype != weight.dtype and not kernels.autocast_enabled(x.device.type):
             raise TypeError(
                 f"TTLinear: input dtype {x.dtype} differs from the layer's dtype {weight.dtype}; convert the "
                 f"input (x.to({weight.dtype})) or the layer (layer.to({x.dtype}))"
@@ -350,14 +352,6 @@ class TTLinear(TensorTrainModule):
         return layer
 
 
-def _autocast_on(device_type: str) -> bool:
-    """Whether ``torch.autocast`` is on for ``device_type`` (it then picks the GEMMs' dtype)."""
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except (TypeError, RuntimeError):  # an older torch, or a device type autocast does not know
-        return torch.is_autocast_enabled() if device_type == "cuda" else False
-
-
 class NarrowLinear(nn.Linear):
     """``nn.Linear`` (optionally followed by a ReLU) for a layer with few inputs, such as
     DLRM's first bottom layer (13 dense features -> 512).
@@ -413,6 +407,7 @@ class NarrowLinear(nn.Linear):
         """``(B, in_features) -> (B, out_features)`` (any leading dims on the unfused path)."""
         if isinstance(x, torch.fx.Proxy):
             return _fx_leaf_call(self, x)
+        x = kernels.float32_under_cpu_autocast(x)  # the fused kernel's precision under CPU autocast
         if not records_grad(x, self.weight, self.bias):
             # scoring: without a backward the kernel has no layout to win, and BLAS was as
             # fast at every batch (13 -> 512 on the AVX2 host, 1 to 4096 rows), without the

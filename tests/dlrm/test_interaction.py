@@ -241,3 +241,53 @@ def test_builds_on_meta_and_holds_no_state() -> None:
     model = build_dlrm(_config(compressed=False, fused_interaction=True), device="meta")
     assert isinstance(model.inter_arch, PairwiseDotInteraction)
     assert dict(model.inter_arch.state_dict()) == {}
+
+
+def test_under_cpu_autocast_takes_bfloat16_dense_features(lookup_path: str) -> None:
+    # under autocast the bottom MLP's last layer hands on bfloat16, the lookups float32: the
+    # kernel takes both in float32; the PyTorch path's products run in bfloat16, its
+    # backward too (it once multiplied a bfloat16 gradient by the float32 features)
+    g = torch.Generator().manual_seed(3)
+    dense = torch.randn(7, 16, generator=g).to(torch.bfloat16).requires_grad_()
+    sparse = torch.randn(7, 5, 16, generator=g, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = PairwiseDotInteraction(5)(dense, sparse)
+    grad = torch.randn(ours.shape, generator=g)
+    ours.backward(grad.to(ours.dtype))
+    dense64 = dense.detach().double().requires_grad_()
+    sparse64 = sparse.detach().double().requires_grad_()
+    want = InteractionArch(5)(dense64, sparse64)
+    want.backward(grad.double())
+    # float32 on the kernel; bfloat16 products (8 bits of mantissa) on the PyTorch path
+    tol = dict(rtol=1e-5, atol=1e-5) if lookup_path == "kernel" else dict(rtol=2e-2, atol=0.15)
+    assert ours.dtype == torch.float32  # the kernel's; on the PyTorch path autocast's cat widens the pairs
+    torch.testing.assert_close(ours.double(), want, **tol)
+    assert (dense.grad.dtype, sparse.grad.dtype) == (torch.bfloat16, torch.float32)  # each its input's
+    torch.testing.assert_close(sparse.grad.double(), sparse64.grad, **tol)
+    torch.testing.assert_close(dense.grad.double(), dense64.grad, rtol=2e-2, atol=0.15)  # a bfloat16 gradient
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_train_step_under_cpu_autocast_follows_the_float32_step(compressed: bool, lookup_path: str) -> None:
+    # the whole model's forward under autocast, the backward outside it (torch's advice): every
+    # gradient float32, finite and pointing where the float32 step's does
+    torch.manual_seed(0)
+    train = build_dlrm_train(_config(compressed=compressed, fused_interaction=True))
+    batch = _batch()
+    loss32, _ = train(batch)
+    grads32 = torch.autograd.grad(loss32, [p for p in train.parameters() if p.requires_grad], allow_unused=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss16, _ = train(batch)
+    torch.testing.assert_close(loss16.float(), loss32, rtol=2e-2, atol=2e-2)
+    loss16.backward()
+    params = [p for p in train.parameters() if p.requires_grad]
+    checked = 0
+    for p, g32 in zip(params, grads32):
+        if g32 is None or p.grad is None:
+            continue
+        assert p.grad.dtype == p.dtype == torch.float32 and torch.isfinite(p.grad).all()
+        if g32.norm() > 1e-6:
+            cosine = torch.nn.functional.cosine_similarity(p.grad.flatten(), g32.flatten(), dim=0)
+            assert cosine > 0.98, (tuple(p.shape), float(cosine))
+            checked += 1
+    assert checked >= 6

@@ -85,6 +85,29 @@ def test_training_takes_the_chain_for_the_run_of_fused_layers(monkeypatch) -> No
     assert runs == []
 
 
+def test_under_cpu_autocast_a_bfloat16_input_keeps_the_float32_chain(monkeypatch) -> None:
+    # a bfloat16 input (a layer autocast ran before) goes through the chain in float32: the
+    # values are the float32 chain's on that input, bit for bit, the dense last layer autocast's
+    mlp = bottom_mlp()
+    runs = []
+    chain = kernels.tt_chain_cpu
+    monkeypatch.setattr(
+        kernels, "tt_chain_cpu", lambda x, layers: runs.append((len(layers), x.dtype)) or chain(x, layers)
+    )
+    x = torch.randn(20, 13).to(torch.bfloat16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mlp(x)
+    assert runs == [(3, torch.float32)]  # NarrowLinear and the two TT layers, as in float32
+    x32 = x.detach().float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = mlp(x32)
+    assert y.dtype == want.dtype == torch.bfloat16  # the dense 64 -> 8 layer under autocast
+    assert torch.equal(y, want)
+    (gx,) = torch.autograd.grad(y.float().square().sum(), [x])
+    (gx32,) = torch.autograd.grad(want.float().square().sum(), [x32])
+    assert gx.dtype == torch.bfloat16 and torch.equal(gx, gx32.to(torch.bfloat16))
+
+
 def test_a_relu_left_in_the_perceptron_is_chained_too() -> None:
     # compress() and hand-made MLPs keep the ReLU as the perceptron's activation
     mlp = bottom_mlp(torch.float64)

@@ -62,11 +62,30 @@ def test_ttlinear_float64_input_to_a_float32_layer_names_both_dtypes() -> None:
         double(torch.randn(3, 16))
 
 
-def test_ttlinear_under_autocast_takes_the_autocast_dtype() -> None:
+def test_ttlinear_under_autocast_takes_the_autocast_dtype(lookup_path: str) -> None:
+    # a bfloat16 input under CPU autocast: the fused kernel takes it in float32 (and gives
+    # float32); the PyTorch path runs its products, forward and backward, in bfloat16
+    torch.manual_seed(0)
     layer = TTLinear(16, 8, rank=4)
+    x = torch.randn(3, 16).to(torch.bfloat16).requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = layer(torch.randn(3, 16, dtype=torch.bfloat16))
+        y = layer(x)
     assert y.shape == (3, 8)
+    assert y.dtype == (torch.float32 if lookup_path == "kernel" else torch.bfloat16)
+    grad = torch.randn(3, 8)
+    y.backward(grad.to(y.dtype))
+    reference = TTLinear(16, 8, rank=4, dtype=torch.float64)
+    reference.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    x64 = x.detach().double().requires_grad_()
+    want = x64 @ reference.dense_weight().t() + reference.bias  # dense reconstruction, float64
+    want.backward(grad.double())
+    tol = dict(rtol=1e-5, atol=1e-5) if lookup_path == "kernel" else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(y.double(), want, **tol)
+    assert x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=3e-2, atol=3e-2)
+    for ours, theirs in zip(layer.parameters(), reference.parameters()):
+        assert ours.grad.dtype == torch.float32  # autograd casts each gradient to its parameter's dtype
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, **tol)
 
 
 def test_ttlinear_0d_input_names_the_shape() -> None:

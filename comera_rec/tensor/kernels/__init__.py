@@ -53,8 +53,10 @@ from comera_rec.tensor.kernels.tt_linear_cpu import (  # the fused CPU TT linear
     tt_linear_rank_applies,
 )
 from comera_rec.tensor.kernels.ttm_cpu import (  # the fused CPU lookup
+    autocast_enabled,
     check_jagged,
     cpu_kernel_applies,
+    float32_under_cpu_autocast,
     gather_column_blocks,
     ttm_embedding_bag_cpu,
 )
@@ -115,6 +117,7 @@ def ttm_embedding_bag_triton(
 
 
 __all__ = [
+    "autocast_enabled",
     "build_cpu_kernels",
     "check_jagged",
     "CpuExtension",
@@ -123,6 +126,7 @@ __all__ = [
     "cpu_kernel_applies",
     "cpu_kernel_enabled",
     "cpu_vector_bytes",
+    "float32_under_cpu_autocast",
     "gather_column_blocks",
     "host_description",
     "set_cpu_kernel_enabled",
