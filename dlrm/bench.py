@@ -36,6 +36,9 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
                                   # call each (not chained), the chains' share of the step
     comera-bench --isa avx2       # every library's CPU code limited to AVX2 (an AVX2 host's
                                   # code on an AVX-512 host; not its caches or clocks)
+    comera-bench --autocast       # every variant's forward under torch.autocast("cpu", bfloat16),
+                                  # the simplest speed-up a dense model has on a CPU with bfloat16
+                                  # products (the fused kernels stay float32)
     comera-bench --against REV    # this checkout's step and peak RSS against git revision
                                   # REV's on this host, fresh processes of the two codes
                                   # alternating (did a change slow the step or grow its memory,
@@ -84,6 +87,7 @@ from comera_rec.dlrm.bench_setup import (  # noqa: F401  (re-exported too)
     batches,
     build,
     cut_ranks_to_half,
+    forward_precision,
     model_bytes,
     model_config,
     train_batches,
@@ -95,7 +99,14 @@ from comera_rec.rank import model_num_parameters
 from comera_rec.tensor import kernels
 from comera_rec.utils.benchmark import fmt_bytes
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
-from comera_rec.utils.isa import ISA_CHOICES, check_host_runs, environment_applies, isa_environment, libraries_isa
+from comera_rec.utils.isa import (
+    ISA_CHOICES,
+    check_host_runs,
+    environment_applies,
+    host_cpu_flags,
+    isa_environment,
+    libraries_isa,
+)
 from comera_rec.utils.logs import quiet_foreign_notices
 
 # ------------------------------------------------------------------------------ main
@@ -107,6 +118,13 @@ def kaggle(setup: Setup) -> None:
         f"{torch.get_num_threads()} threads; malloc keeps freed memory: {setup.keep_freed_memory} "
         f"(every variant alike)"
     )
+    if setup.autocast:
+        bf16 = sorted({"avx512_bf16", "amx_bf16"} & host_cpu_flags())
+        print(
+            'forward under torch.autocast("cpu", torch.bfloat16), every variant alike: the dense layers\' products '
+            f"in bfloat16 ({', '.join(bf16) or 'no bfloat16 instructions'} on this CPU), the fused CPU kernels in "
+            "float32"
+        )
     names = variants(setup)
     # Step time, peak RSS and page faults: each variant alone in fresh processes, as it would train.
     alone = own_process_rounds(names, setup, mlperf=False)
@@ -129,7 +147,7 @@ def kaggle(setup: Setup) -> None:
         for v in names:  # interleaved: every variant sees the machine in the same state
             use_lookup_path(v)
             t0 = time.perf_counter()
-            train_step(*models[v], batch)
+            train_step(*models[v], batch, setup.autocast)
             times[v].append(time.perf_counter() - t0)
     shared = {v: statistics.median_high(t[3:]) for v, t in times.items()}
     aucs = {}
@@ -281,6 +299,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also time tt with its MLPs' TT layers one kernel call each, not chained (tt_unchained)",
     )
     parser.add_argument(
+        "--autocast",
+        action="store_true",
+        help='every variant\'s forward (training and validation) under torch.autocast("cpu", torch.bfloat16): '
+        "the dense layers' products in bfloat16, the fused CPU kernels in float32",
+    )
+    parser.add_argument(
         "--against",
         metavar="REV",
         help="this checkout's training step and peak RSS against git revision REV's (a worktree of it, its own "
@@ -293,6 +317,11 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated variants for --against (both codes must have them); default tt,dense",
     )
     args = parser.parse_args(argv)
+
+    def given(*flags: str) -> list[str]:
+        """Those of these options the command line set."""
+        return [f for f in flags if getattr(args, f.removeprefix("--").replace("-", "_")) not in (None, False)]
+
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     try:
@@ -306,20 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(f"--isa {args.isa}: {exc}")
     if args.against is not None:
-        other_modes = [
-            flag
-            for flag, given in (
-                ("--mlperf", args.mlperf),
-                ("--parts", args.parts),
-                ("--ops", args.ops),
-                ("--fixed-costs", args.fixed_costs),
-                ("--batch-sizes", args.batch_sizes),
-                ("--lookup-paths", args.lookup_paths),
-                ("--unchained", args.unchained),
-                ("--steps", args.steps),
-            )
-            if given
-        ]
+        other_modes = given(
+            "--mlperf", "--parts", "--ops", "--fixed-costs", "--batch-sizes", "--lookup-paths", "--unchained", "--steps"
+        )
         if other_modes:
             parser.error(f"--against times the training step of --against-variants; not with {', '.join(other_modes)}")
         try:
@@ -329,6 +347,17 @@ def main(argv: list[str] | None = None) -> None:
         against_names = [n.strip() for n in args.against_variants.split(",") if n.strip()]
         if not against_names:
             parser.error("--against-variants: no variant named")
+    if args.autocast:
+        other_modes = given("--mlperf", "--parts", "--ops", "--fixed-costs", "--batch-sizes", "--against")
+        if other_modes:
+            parser.error(f"--autocast times the Kaggle variants' training step; not with {', '.join(other_modes)}")
+        if args.isa != "native":
+            # measured: with oneDNN limited too, its bfloat16 products fell to a reference loop,
+            # which is not what an AVX2 host runs either
+            parser.error(
+                "--autocast with --isa avx2: torch's bfloat16 products are oneDNN's, which --isa does not limit; "
+                "an AVX2 host's bfloat16 path cannot be shown on this one"
+            )
     wanted = isa_environment(args.isa)
     if not environment_applies(wanted):  # the libraries read their switches once: a fresh process
         run_under(wanted, sys.argv[1:] if argv is None else argv)
@@ -340,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
         rounds=args.rounds,
         lookup_paths=args.lookup_paths,
         unchained=args.unchained,
+        autocast=args.autocast,
     )
     # where the figures come from
     print(f"host: {kernels.host_description()}; torch {torch.__version__}; {libraries_isa()}", flush=True)

@@ -32,7 +32,7 @@ def process_child(variant: str, setup: Setup, mlperf: bool, queue) -> None:  # r
         if step == setup.warmup_steps:
             faults_at_start = minor_page_faults()
         start = time.perf_counter()
-        train_step(wrapped, optimizer, data[step % len(data)])
+        train_step(wrapped, optimizer, data[step % len(data)], setup.autocast)
         times.append(time.perf_counter() - start)
     faults = (minor_page_faults() - faults_at_start) / setup.timed_steps
     queue.put(

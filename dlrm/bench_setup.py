@@ -4,6 +4,7 @@ step and the validation AUC."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, replace
 
@@ -39,6 +40,7 @@ class Setup:
     )
     lookup_paths: bool = False  # also the compressed models with the CPU kernels off (tt_torch, tt_half_torch)
     unchained: bool = False  # also tt with its MLPs' TT layers one by one, not chained (tt_unchained)
+    autocast: bool = False  # every variant's forward under torch.autocast("cpu", torch.bfloat16) (--autocast)
 
 
 VARIANTS = ("dense", "tt", "tt_half")
@@ -139,8 +141,15 @@ def train_batches(setup: Setup, mlperf: bool, n: int) -> list:
     return list(itertools.islice(iter(batches(setup, mlperf, "train", setup.batch_size * n)), n))
 
 
-def train_step(wrapped, optimizer, batch) -> float:
-    loss, _ = wrapped(batch)
+def forward_precision(autocast: bool) -> contextlib.AbstractContextManager:
+    """Where the forward runs: under ``torch.autocast("cpu", torch.bfloat16)`` (the dense
+    layers' products in bfloat16; the fused CPU kernels stay float32), or as it is."""
+    return torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+
+def train_step(wrapped, optimizer, batch, autocast: bool = False) -> float:
+    with forward_precision(autocast):  # the backward outside autocast, as torch advises
+        loss, _ = wrapped(batch)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -152,7 +161,8 @@ def auc(wrapped, setup: Setup, mlperf: bool) -> float:
     metrics = BinaryMetrics(torch.device("cpu"))
     wrapped.eval()
     for batch in batches(setup, mlperf, "val", setup.val_rows):
-        _, (_, logits, labels) = wrapped(batch)
+        with forward_precision(setup.autocast):
+            _, (_, logits, labels) = wrapped(batch)
         metrics.update(logits, labels)
     wrapped.train()
     return metrics.compute()["auc"]

@@ -337,3 +337,40 @@ def test_the_lookup_kernel_report_sets_each_variant_against_its_flops() -> None:
     }
     # no variant on the kernel: the first part only
     assert len(bench_parts.lookup_kernel_report({"tt": ({}, 0.0)}, {"tt": 4e8}, rate=1e11)) == 2
+
+
+def test_autocast_runs_the_forward_under_bfloat16_and_the_backward_outside() -> None:
+    class Recorder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+            self.forward_autocast: list[bool] = []
+            self.backward_autocast: list[bool] = []
+            self.w.register_hook(lambda g: self.backward_autocast.append(torch.is_autocast_enabled("cpu")))
+
+        def forward(self, batch: torch.Tensor):
+            self.forward_autocast.append(torch.is_autocast_enabled("cpu"))
+            return (batch * self.w).sum(), None
+
+    model = Recorder()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for autocast in (True, False):
+        bench_dlrm.train_step(model, optimizer, torch.ones(2, 4), autocast)
+    assert model.forward_autocast == [True, False]
+    assert model.backward_autocast == [False, False]
+    with bench_dlrm.forward_precision(True):
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+@pytest.mark.parametrize("other", [["--parts"], ["--ops", "tt"], ["--mlperf"], ["--against", "HEAD"]])
+def test_autocast_is_refused_with_the_other_modes(other: list[str], capsys) -> None:
+    with pytest.raises(SystemExit):
+        bench_dlrm.main(["--autocast", *other])
+    assert f"--autocast times the Kaggle variants' training step; not with {other[0]}" in capsys.readouterr().err
+
+
+def test_autocast_is_refused_with_avx2_code(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(bench_dlrm, "check_host_runs", lambda isa: None)  # any host
+    with pytest.raises(SystemExit):
+        bench_dlrm.main(["--autocast", "--isa", "avx2"])
+    assert "--autocast with --isa avx2: torch's bfloat16 products are oneDNN's" in capsys.readouterr().err
