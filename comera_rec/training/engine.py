@@ -80,7 +80,7 @@ from comera_rec.training.optim import OptimConfig, build_optimizer
 from comera_rec.training.process_state import peak_memory_mb, rng_state, set_rng_state  # noqa: F401
 from comera_rec.training.report import JsonlLog
 from comera_rec.training.rundir import RunDir, open_run_dir
-from comera_rec.training.step import EagerStep, GraphedStep, Step
+from comera_rec.training.step import EagerStep, GraphedStep, Step, forward_precision
 from comera_rec.training.stop import StopSignals, TrainingStopped
 from comera_rec.training.trainer_config import Task, TrainerConfig, task_hook
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
@@ -199,7 +199,8 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerGraphs, TrainerSteps, Tra
             batches = self.task.val_batches()
             if self.config.eval_max_batches:
                 batches = itertools.islice(batches, self.config.eval_max_batches)
-            with cached_weights():  # the parameters cannot change while validating
+            precision = forward_precision(self.device, self.config.autocast)
+            with cached_weights(), precision:  # the parameters cannot change while validating
                 for batch in batches:
                     _, logits, labels = self.task.step_loss(self.wrapped, batch)
                     metrics.update(logits, labels)

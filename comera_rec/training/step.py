@@ -15,6 +15,7 @@ on the host and replays the clip and the optimiser steps it captured with
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
@@ -22,7 +23,29 @@ from torch import nn
 
 from comera_rec.rank.schedule import ObjectiveTerms
 from comera_rec.training.optim import OptimConfig, lr_factor, set_lr_factor
-from comera_rec.training.trainer_config import task_hook
+from comera_rec.training.trainer_config import AUTOCAST_DTYPES, task_hook
+
+
+def forward_precision(device: torch.device, autocast: str) -> contextlib.AbstractContextManager:
+    """Where a forward runs: under ``torch.autocast`` on ``device``'s type in the dtype that
+    ``autocast`` (``TrainerConfig.autocast``) names, or as it is (``"none"``). The backward
+    belongs outside it, as torch advises.
+
+    Args:
+        device: the model's device.
+        autocast: a key of :data:`~comera_rec.training.trainer_config.AUTOCAST_DTYPES`.
+
+    Example::
+
+        >>> with forward_precision(torch.device("cpu"), "bfloat16"):
+        ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.bfloat16
+        >>> with forward_precision(torch.device("cpu"), "none"):
+        ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.float32
+    """
+    dtype = AUTOCAST_DTYPES[autocast]
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> None:
@@ -85,7 +108,8 @@ class EagerStep:
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.trainer
-        loss, _, labels = t.task.step_loss(t.wrapped, batch)
+        with forward_precision(t.device, t.config.autocast):
+            loss, _, labels = t.task.step_loss(t.wrapped, batch)
         return loss, labels
 
     def backward(self, loss: torch.Tensor, global_loss: float) -> ObjectiveTerms:

@@ -271,6 +271,10 @@ def task_hook(task: object, name: str) -> Callable[..., Any]:
     return MethodType(getattr(Task, name), task)
 
 
+AUTOCAST_DTYPES: dict[str, Optional[torch.dtype]] = {"none": None, "bfloat16": torch.bfloat16}
+"""``TrainerConfig.autocast``'s values and the dtype each runs the forward in."""
+
+
 @dataclass
 class TrainerConfig:
     """The training loop: length, intervals, run directory, device and resume."""
@@ -323,6 +327,14 @@ class TrainerConfig:
     optimiser steps), re-captured after every truncation; TTM lookups switch to static shapes and
     input validation is off. CUDA only (a ValueError on CPU), one process, fixed batch shapes;
     the late rank stage runs eagerly. Never run on a GPU yet: see docs/gpu.md, "CUDA graphs"."""
+    autocast: str = "none"
+    """Mixed precision: "bfloat16" runs every forward (training and validation) under
+    torch.autocast(device, torch.bfloat16) and the backward outside it; "none" trains in the
+    parameters' dtype. Dense layers gain where the device has bfloat16 products (on a Zen 4
+    CPU the dense demo trained 1.4-1.5x faster, dense TorchRec's Kaggle DLRM stepped 1.4-1.7x
+    faster; performance.md). comera-rec's fused CPU kernels stay float32 under it
+    (docs/tensor.md, "Mixed precision"), so a compressed model gains nothing on CPU: the
+    compressed demo trained at 0.83-0.95x. Not with cuda_graphs."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0."""
     plots: bool = True
@@ -355,6 +367,16 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.{name} must be an integer >= 0, got {value!r}")
         if self.max_steps == 0 and self.epochs == 0:
             raise ValueError("TrainerConfig: max_steps and epochs are both 0; nothing to train")
+        if self.autocast not in AUTOCAST_DTYPES:
+            raise ValueError(
+                f"TrainerConfig.autocast (trainer.autocast) must be one of {', '.join(AUTOCAST_DTYPES)}, "
+                f"got {self.autocast!r}"
+            )
+        if self.autocast != "none" and self.cuda_graphs:
+            raise ValueError(
+                "TrainerConfig: autocast with cuda_graphs has not been run on a GPU; "
+                "set trainer.autocast=none or trainer.cuda_graphs=false"
+            )
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"TrainerConfig.backend must be auto, gloo or nccl, got {self.backend!r}")
         if not isinstance(self.run_dir, str) or not self.run_dir.strip():

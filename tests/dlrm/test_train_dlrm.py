@@ -76,6 +76,28 @@ def test_resume_continues_the_same_run_across_a_truncation(tmp_path: Path, capfd
         assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
 
 
+@pytest.mark.parametrize("config", ["dlrm_demo.yaml", "dlrm_demo_dense.yaml"])
+def test_bfloat16_autocast_trains_the_compressed_and_the_dense_model(tmp_path: Path, config: str) -> None:
+    # trainer.autocast from the command line: the forward in bfloat16 where autocast picks it
+    # (the fused CPU kernels stay float32), the backward outside; the loss falls, AUC is read
+    summary = main(
+        [
+            "--config",
+            str(ROOT / "configs" / config),
+            *TINY,
+            "trainer.autocast=bfloat16",
+            "trainer.max_steps=30",
+            "trainer.plots=false",
+            "trainer.checkpoint_at_end=false",
+            f"trainer.run_dir={tmp_path}",
+        ]
+    )
+    losses = train_losses(tmp_path)
+    assert sorted(losses) == list(range(1, 31))
+    assert sum(losses[s] for s in range(26, 31)) < sum(losses[s] for s in range(1, 6))
+    assert 0.5 < summary["val_auc"] <= 1.0 and summary["nonfinite_skipped"] == 0
+
+
 def test_unknown_config_key_lists_valid_ones() -> None:
     with pytest.raises(ConfigError, match=r"unknown config key 'model.rnk'.*valid keys of model: .*rank"):
         load_run_config(str(ROOT / "configs/dlrm_demo.yaml"), ["model.rnk=3"])

@@ -79,10 +79,50 @@ def test_eager_forward_backward_runs_the_schedule_objective() -> None:
             return (out - batch[1]).pow(2).mean(), out, batch[1]
 
     schedule = RankSchedule(RankScheduleConfig(enabled=False))
-    trainer = SimpleNamespace(task=Task(), wrapped=model, model=model, schedule=schedule, step=0)
+    trainer = SimpleNamespace(
+        task=Task(),
+        wrapped=model,
+        model=model,
+        schedule=schedule,
+        step=0,
+        device=torch.device("cpu"),
+        config=SimpleNamespace(autocast="none"),
+    )
     step = EagerStep(trainer)
     loss, labels = step.forward((x, y))
     terms = step.backward(loss, float(loss.detach()))
     assert torch.equal(labels, y) and terms.task_loss == pytest.approx(float(loss.detach()))
     expected = torch.autograd.grad((model(x).squeeze(-1) - y).pow(2).mean(), model.weight)[0]
     torch.testing.assert_close(model.weight.grad, expected)
+
+
+def test_autocast_runs_the_forward_in_bfloat16_and_the_backward_outside() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    seen: dict[str, list] = {"forward": [], "backward": []}
+    model.weight.register_hook(lambda g: seen["backward"].append(torch.is_autocast_enabled("cpu")))
+
+    class Task:
+        def step_loss(self, wrapped, batch):
+            out = wrapped(batch[0]).squeeze(-1)
+            seen["forward"].append(out.dtype)
+            return (out.float() - batch[1]).pow(2).mean(), out, batch[1]
+
+    schedule = RankSchedule(RankScheduleConfig(enabled=False))
+    x, y = torch.randn(8, 4), torch.randn(8)
+    for autocast in ("bfloat16", "none"):
+        trainer = SimpleNamespace(
+            task=Task(),
+            wrapped=model,
+            model=model,
+            schedule=schedule,
+            step=0,
+            device=torch.device("cpu"),
+            config=SimpleNamespace(autocast=autocast),
+        )
+        step = EagerStep(trainer)
+        loss, _ = step.forward((x, y))
+        step.backward(loss, float(loss.detach()))
+        assert model.weight.grad.dtype == torch.float32
+        model.zero_grad()
+    assert seen == {"forward": [torch.bfloat16, torch.float32], "backward": [False, False]}

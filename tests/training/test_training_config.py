@@ -79,3 +79,12 @@ def test_top_level_must_be_mapping(tmp_path):
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(RunConfig, path)
+
+
+def test_autocast_takes_the_named_dtypes_only():
+    assert TrainerConfig().autocast == "none"
+    assert load_config(RunConfig, None, ["trainer.autocast=bfloat16"]).trainer.autocast == "bfloat16"
+    with pytest.raises(ValueError, match=r"trainer.autocast\) must be one of none, bfloat16, got 'fp8'"):
+        TrainerConfig(autocast="fp8")
+    with pytest.raises(ValueError, match="autocast with cuda_graphs has not been run on a GPU"):
+        TrainerConfig(autocast="bfloat16", cuda_graphs=True)

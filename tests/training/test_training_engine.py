@@ -69,6 +69,16 @@ def test_full_run_learns_and_reports(tmp_path):
     assert gc.get_freeze_count() == 0  # trainer.freeze_gc froze the set-up; close() released it
 
 
+def test_bfloat16_autocast_run_learns(tmp_path):
+    # the forward under autocast (the toy's dense head in bfloat16, its TT layer and lookup in
+    # float32), the backward outside it: the run trains and validates as in float32
+    t = run(tmp_path, 40, eval_every=20, checkpoint_every=0, autocast="bfloat16")
+    evals = [r for r in read_jsonl(tmp_path / "log.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [20, 40]
+    assert evals[-1]["auc"] > 0.6
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())
+
+
 def test_freeze_gc_freezes_during_the_loop(tmp_path, monkeypatch):
     import comera_rec.training.engine as engine
 
