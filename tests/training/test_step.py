@@ -68,6 +68,15 @@ def test_eager_update_equals_the_captured_update() -> None:
         torch.testing.assert_close(out, p.detach() - 0.1 * p.grad, rtol=1e-6, atol=1e-7)
 
 
+def _eager_trainer(task, model: nn.Module, autocast: str = "none") -> SimpleNamespace:
+    """What the eager step reads of a trainer: its task, model, schedule (off), device, config."""
+    schedule = RankSchedule(RankScheduleConfig(enabled=False))
+    config = SimpleNamespace(autocast=autocast)
+    return SimpleNamespace(
+        task=task, wrapped=model, model=model, schedule=schedule, step=0, device=torch.device("cpu"), config=config
+    )
+
+
 def test_eager_forward_backward_runs_the_schedule_objective() -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
@@ -78,17 +87,7 @@ def test_eager_forward_backward_runs_the_schedule_objective() -> None:
             out = wrapped(batch[0]).squeeze(-1)
             return (out - batch[1]).pow(2).mean(), out, batch[1]
 
-    schedule = RankSchedule(RankScheduleConfig(enabled=False))
-    trainer = SimpleNamespace(
-        task=Task(),
-        wrapped=model,
-        model=model,
-        schedule=schedule,
-        step=0,
-        device=torch.device("cpu"),
-        config=SimpleNamespace(autocast="none"),
-    )
-    step = EagerStep(trainer)
+    step = EagerStep(_eager_trainer(Task(), model))
     loss, labels = step.forward((x, y))
     terms = step.backward(loss, float(loss.detach()))
     assert torch.equal(labels, y) and terms.task_loss == pytest.approx(float(loss.detach()))
@@ -108,19 +107,9 @@ def test_autocast_runs_the_forward_in_bfloat16_and_the_backward_outside() -> Non
             seen["forward"].append(out.dtype)
             return (out.float() - batch[1]).pow(2).mean(), out, batch[1]
 
-    schedule = RankSchedule(RankScheduleConfig(enabled=False))
     x, y = torch.randn(8, 4), torch.randn(8)
     for autocast in ("bfloat16", "none"):
-        trainer = SimpleNamespace(
-            task=Task(),
-            wrapped=model,
-            model=model,
-            schedule=schedule,
-            step=0,
-            device=torch.device("cpu"),
-            config=SimpleNamespace(autocast=autocast),
-        )
-        step = EagerStep(trainer)
+        step = EagerStep(_eager_trainer(Task(), model, autocast))
         loss, _ = step.forward((x, y))
         step.backward(loss, float(loss.detach()))
         assert model.weight.grad.dtype == torch.float32
