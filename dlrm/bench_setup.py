@@ -4,7 +4,6 @@ step and the validation AUC."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass, replace
 
@@ -22,6 +21,7 @@ from comera_rec.tensor import kernels
 from comera_rec.tensor.train import tensor_train_modules
 from comera_rec.training.adamw import GroupStepAdamW
 from comera_rec.training.metrics import BinaryMetrics
+from comera_rec.training.step import forward_precision
 
 
 @dataclass
@@ -141,14 +141,13 @@ def train_batches(setup: Setup, mlperf: bool, n: int) -> list:
     return list(itertools.islice(iter(batches(setup, mlperf, "train", setup.batch_size * n)), n))
 
 
-def forward_precision(autocast: bool) -> contextlib.AbstractContextManager:
-    """Where the forward runs: under ``torch.autocast("cpu", torch.bfloat16)`` (the dense
-    layers' products in bfloat16; the fused CPU kernels stay float32), or as it is."""
-    return torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+CPU = torch.device("cpu")
 
 
 def train_step(wrapped, optimizer, batch, autocast: bool = False) -> float:
-    with forward_precision(autocast):  # the backward outside autocast, as torch advises
+    # --autocast: the forward in bfloat16 as the trainer's trainer.autocast runs it, the
+    # backward outside autocast
+    with forward_precision(CPU, "bfloat16" if autocast else "none"):
         loss, _ = wrapped(batch)
     loss.backward()
     optimizer.step()
@@ -161,7 +160,7 @@ def auc(wrapped, setup: Setup, mlperf: bool) -> float:
     metrics = BinaryMetrics(torch.device("cpu"))
     wrapped.eval()
     for batch in batches(setup, mlperf, "val", setup.val_rows):
-        with forward_precision(setup.autocast):
+        with forward_precision(CPU, "bfloat16" if setup.autocast else "none"):
             _, (_, logits, labels) = wrapped(batch)
         metrics.update(logits, labels)
     wrapped.train()

@@ -227,7 +227,9 @@ def build_dcn(world: int, compressed: bool) -> DistributedModelParallel:
     )
 
 
-def run_dcn(rank: int, world: int, compressed: bool) -> dict:
+def run_dcn(rank: int, world: int, compressed: bool, autocast: bool = False) -> dict:
+    """``autocast``: each forward under ``torch.autocast("cpu", torch.bfloat16)``, as a user's
+    mixed-precision loop writes it (the backward outside)."""
     model = build_dcn(world, compressed)
     initial = initial_state(dcn_model, compressed)
     load_initial(model, initial)
@@ -235,7 +237,8 @@ def run_dcn(rank: int, world: int, compressed: bool) -> dict:
     per = GLOBAL_BATCH // world
     losses = []
     for step in range(STEPS):
-        loss, _ = model(dcn_batch(step, rank * per, (rank + 1) * per))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, _ = model(dcn_batch(step, rank * per, (rank + 1) * per))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -158,6 +158,18 @@ def check_adapted(result: dict) -> None:
     assert result["unchanged"] == [] and result["unchanged_shards"] == []
 
 
+@pytest.mark.parametrize("compressed", [False, True])
+def test_dcn_trains_with_its_forward_under_autocast(tmp_path, compressed: bool) -> None:
+    # a user's mixed-precision loop on the stock pipeline (meta tables, DMP, RowWiseAdagrad in
+    # backward, KeyedOptimizerWrapper): the compressed model trains as the stock one does
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        result = worker.run_dcn(0, 1, compressed, autocast=True)
+    finally:
+        destroy_distributed()
+    check_trains(result, "dcn_compressed" if compressed else "dcn_stock")
+
+
 def test_sparse_dist_pipeline_with_rank_adapter(one_process) -> None:
     result = one_process("pipeline_adapter")
     check_adapted(result)

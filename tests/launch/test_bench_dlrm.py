@@ -358,7 +358,7 @@ def test_autocast_runs_the_forward_under_bfloat16_and_the_backward_outside() -> 
         bench_dlrm.train_step(model, optimizer, torch.ones(2, 4), autocast)
     assert model.forward_autocast == [True, False]
     assert model.backward_autocast == [False, False]
-    with bench_dlrm.forward_precision(True):
+    with bench_dlrm.forward_precision(torch.device("cpu"), "bfloat16"):  # the trainer's, re-exported
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
