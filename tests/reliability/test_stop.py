@@ -65,6 +65,14 @@ def steps_logged(run_dir: Path) -> int:
         return 0
 
 
+def steps_started(run_dir: Path) -> int:
+    """How many training steps rank 0 has begun (the toy worker's marks under ``--slow``)."""
+    try:
+        return len((run_dir / "steps_started_rank0").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
 def run(tmp_path: Path, run_dir: Path, args: list[str], nproc: int = 1) -> str:
     proc, err = start(tmp_path, run_dir, args, nproc)
     code = finish(proc)
@@ -123,11 +131,11 @@ def test_signal_stops_with_a_checkpoint_and_resume_matches(
 @pytest.mark.slow
 def test_second_signal_aborts_at_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    # 8 s per step: the first signal's graceful stop would wait for the step to end. With 3 s a
-    # loaded host saw the first step's log late, signalled near the second step's end, and
-    # the graceful checkpoint landed before the second signal did
+    # signalled once the second step is under way: past the check that follows the first step
+    # (a signal between the first step's log and that check stopped gracefully at once and the
+    # checkpoint landed before the second signal). 8 s per step leave the second signal time
     proc, err = start(tmp_path, run_dir, ["--steps", str(STEPS), "--slow", "8"])
-    wait_for(lambda: steps_logged(run_dir) >= 1, "a step", proc)
+    wait_for(lambda: steps_started(run_dir) >= 2, "a second step", proc)
     proc.send_signal(signal.SIGTERM)
     wait_for(lambda: "SIGTERM received" in err.read_text(), "notice of the first signal", proc)
     t0 = time.monotonic()

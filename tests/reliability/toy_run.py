@@ -3,7 +3,9 @@
     python tests/reliability/toy_run.py RUN_DIR [--steps N] [--uneven] [--slow S] [--resume]
 
 Writes ``params_rankR.pt`` (the final model) and ``result_rankR.json`` (step, epoch,
-losses) into RUN_DIR when fit() closes, whether it ends normally or on a signal.
+losses) into RUN_DIR when fit() closes, whether it ends normally or on a signal. With
+``--slow``, ``steps_started_rankR`` holds one line per training step begun, so that a test
+can signal a step that is under way rather than one that has just ended.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from comera_rec.utils.logs import setup_logging  # noqa: E402
 
 class UnevenTask(ToyTask):
     """Rank 0 gets ``batches_per_epoch`` batches per epoch, every other rank two fewer;
-    each training step sleeps ``slow`` seconds (so a test can signal it mid-run)."""
+    each training step sleeps ``slow`` seconds (so a test can signal it mid-run), having first
+    added a line to ``started`` (one file per rank, in ``started_dir``)."""
 
-    def __init__(self, batches_per_epoch: int, uneven: bool, slow: float) -> None:
+    def __init__(self, batches_per_epoch: int, uneven: bool, slow: float, started_dir: Path) -> None:
         super().__init__(batches_per_epoch=batches_per_epoch)
         self.uneven = uneven
         self.slow = slow
+        self.started_dir = started_dir
 
     def train_batches(self, epoch: int):
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -44,6 +48,9 @@ class UnevenTask(ToyTask):
 
     def step_loss(self, wrapped, batch):
         if self.slow and wrapped.training:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            with (self.started_dir / f"steps_started_rank{rank}").open("a") as f:
+                f.write("step\n")
             time.sleep(self.slow)
         return super().step_loss(wrapped, batch)
 
@@ -58,8 +65,9 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging()
     run_dir = args.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(
-        UnevenTask(batches_per_epoch=6, uneven=args.uneven, slow=args.slow),
+        UnevenTask(batches_per_epoch=6, uneven=args.uneven, slow=args.slow, started_dir=run_dir),
         TrainerConfig(
             run_dir=str(run_dir),
             max_steps=args.steps,
