@@ -61,4 +61,6 @@ def tt_svd(tensor: torch.Tensor, max_rank: int | Sequence[int]) -> list[torch.Te
         cores.append(u.reshape(r_prev, shape[k], r))
         r_prev = r
     cores.append(rest.reshape(r_prev, shape[-1], 1))
-    return [c.to(tensor.dtype) for c in cores]
+    # row-major copies: the SVD's factors are column-major, and a parameter laid out otherwise
+    # than its gradients makes autograd copy each gradient and DDP warn of its bucket views
+    return [torch.empty(c.shape, dtype=tensor.dtype, device=c.device).copy_(c) for c in cores]

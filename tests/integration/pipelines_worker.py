@@ -15,6 +15,9 @@ marked ``# comera-rec``:
 * ``pipeline_adapter``: the compressed ``dcn`` model trained by
   ``TrainPipelineSparseDist`` with a ``RankAdapter`` (``model = adapter.step(model,
   optimizer)`` after each ``pipeline.progress``).
+* ``tower_adapter``: the compressed ``tower`` model in its own loop with a ``RankAdapter``
+  (``model = adapter.step(model, optimizer)`` after each ``optimizer.step()``): one ranking
+  over two collections and both towers' MLPs.
 
 The table-wise plan is there because on CPU TorchRec's planner puts small tables on
 ``data_parallel``, whose FBGEMM dense lookup has no autograd kernel there: such a table
@@ -32,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 import weakref
 from typing import Callable
 
@@ -77,7 +81,7 @@ DCN_SIZES = [600, 500, 40, 30]  # t0, t1 compressed (stacked); t2, t3 dense, one
 QUERY = {"user": 600, "query_ctx": 40}  # table (= feature) -> rows; the large ones compressed
 CANDIDATE = {"item": 500, "item_cat": 30}
 
-STYLES = ("dcn_stock", "dcn_compressed", "tower_stock", "tower_compressed", "pipeline_adapter")
+STYLES = ("dcn_stock", "dcn_compressed", "tower_stock", "tower_compressed", "pipeline_adapter", "tower_adapter")
 
 
 # ---------------------------------------------------------------------------- shared pieces
@@ -316,14 +320,18 @@ def tower_batch(step: int, start: int = 0, stop: int = GLOBAL_BATCH):
     return kjt(QUERY), kjt(CANDIDATE), labels[start:stop]
 
 
-def run_tower(rank: int, world: int, compressed: bool) -> dict:
+def build_tower(world: int, compressed: bool) -> DistributedModelParallel:
     model = tower_model(META)
     if compressed:
         comera_rec.compress(model, POLICY)  # comera-rec
     sharders = [EmbeddingBagCollectionSharder(fused_params={"learning_rate": TOWER_LR})]
-    model = DistributedModelParallel(
+    return DistributedModelParallel(
         module=model, device=CPU, plan=table_wise_plan(model, sharders, world), sharders=sharders
     )
+
+
+def run_tower(rank: int, world: int, compressed: bool) -> dict:
+    model = build_tower(world, compressed)
     initial = initial_state(tower_model, compressed)
     load_initial(model, initial)
     optimizer = make_optimizer(model)
@@ -345,6 +353,63 @@ def tt_numel(model: DistributedModelParallel) -> int:
     return sum(p.numel() for m in model.module.modules() if isinstance(m, TensorTrainModule) for p in m.parameters())
 
 
+class AdapterProgress:
+    """Per step of a loop with a ``RankAdapter``: the loss, the TT size in bytes and in
+    parameters, and whether DMP's DDP wrapper was rebuilt (a cut event)."""
+
+    def __init__(self, model: DistributedModelParallel, adapter: comera_rec.RankAdapter) -> None:
+        self.adapter = adapter
+        self.start_bytes, self.start_numel = adapter.size_bytes(model), tt_numel(model)
+        self.losses: list[float] = []
+        self.sizes: list[int] = []
+        self.numels: list[int] = []
+        self.rebuilt: list[bool] = []
+        self._ddp = weakref.ref(model._dmp_wrapped_module)  # a reference would keep the old DDP alive
+
+    def record(self, model: DistributedModelParallel, loss: float) -> None:
+        self.losses.append(loss)
+        self.sizes.append(self.adapter.size_bytes(model))
+        self.numels.append(tt_numel(model))
+        self.rebuilt.append(self._ddp() is not model._dmp_wrapped_module)  # a new DDP after a cut
+        self._ddp = weakref.ref(model._dmp_wrapped_module)
+
+
+def adapted_report(
+    model: DistributedModelParallel,
+    initial: dict[str, torch.Tensor],
+    optimizer: CombinedOptimizer,
+    adapter: comera_rec.RankAdapter,
+    progress: AdapterProgress,
+) -> dict:
+    """:func:`report` and what the adapter tests check: the sizes and cuts over the run, each
+    TT module's ranks, and any TT parameter that DDP or the optimiser no longer holds."""
+    inner = model.module
+    ddp = model._dmp_wrapped_module
+    live_ddp = {id(p) for p in ddp.parameters()} if isinstance(ddp, nn.parallel.DistributedDataParallel) else set()
+    in_optimizer = {id(p) for _, keyed in optimizer.optimizers for g in keyed.param_groups for p in g["params"]}
+    tt_params = [
+        (f"{m_name}.{p_name}", p)
+        for m_name, m in inner.named_modules()
+        if isinstance(m, TensorTrainModule)
+        for p_name, p in m.named_parameters()
+    ]
+    result = report(model, initial, progress.losses)
+    result.update(
+        {
+            "sizes": progress.sizes,
+            "numels": progress.numels,
+            "start_bytes": progress.start_bytes,
+            "start_numel": progress.start_numel,
+            "target_bytes": adapter.target_bytes(),
+            "rebuilt": progress.rebuilt,
+            "ranks": {n: list(m.ranks) for n, m in comera_rec.tensor_train_modules(inner)},
+            "stale_ddp": [n for n, p in tt_params if id(p) not in live_ddp],
+            "missing_from_optimizer": [n for n, p in tt_params if id(p) not in in_optimizer],
+        }
+    )
+    return result
+
+
 def run_pipeline_adapter(rank: int, world: int) -> dict:
     model = build_dcn(world, compressed=True)
     initial = initial_state(dcn_model, compressed=True)
@@ -356,53 +421,48 @@ def run_pipeline_adapter(rank: int, world: int) -> dict:
         config=RankScheduleConfig(target_size_ratio=TARGET),
     )
     pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
-    ddp = weakref.ref(model._dmp_wrapped_module)
+    progress = AdapterProgress(model, adapter)
     per = GLOBAL_BATCH // world
     batches = iter([dcn_batch(step, rank * per, (rank + 1) * per) for step in range(ADAPTER_STEPS)])
-    start_bytes, start_numel = adapter.size_bytes(model), tt_numel(model)
-    losses, sizes, numels, rebuilt = [], [], [], []
     for _ in range(ADAPTER_STEPS):
         loss, _logits, _labels = pipeline.progress(batches)
         model = adapter.step(model, optimizer)  # comera-rec
-        losses.append(loss.item())
-        sizes.append(adapter.size_bytes(model))
-        numels.append(tt_numel(model))
-        rebuilt.append(ddp() is not model._dmp_wrapped_module)  # a new DDP after a cut
-        ddp = weakref.ref(model._dmp_wrapped_module)  # a reference would keep the old DDP alive
+        progress.record(model, loss.item())
     try:
         pipeline.progress(batches)
         exhausted = False
     except StopIteration:
         exhausted = True
-    inner = model.module
-    collection = inner.model.sparse_arch.embedding_bag_collection
-    ddp = model._dmp_wrapped_module
-    live_ddp = {id(p) for p in ddp.parameters()} if isinstance(ddp, nn.parallel.DistributedDataParallel) else set()
-    in_optimizer = {id(p) for _, keyed in optimizer.optimizers for g in keyed.param_groups for p in g["params"]}
-    tt_params = [
-        (f"{m_name}.{p_name}", p)
-        for m_name, m in inner.named_modules()
-        if isinstance(m, TensorTrainModule)
-        for p_name, p in m.named_parameters()
-    ]
-    result = report(model, initial, losses)
-    result.update(
-        {
-            "sizes": sizes,
-            "numels": numels,
-            "start_bytes": start_bytes,
-            "start_numel": start_numel,
-            "target_bytes": adapter.target_bytes(),
-            "rebuilt": rebuilt,
-            "ranks": {n: list(m.ranks) for n, m in comera_rec.tensor_train_modules(inner)},
-            "stale_ddp": [n for n, p in tt_params if id(p) not in live_ddp],
-            "missing_from_optimizer": [n for n, p in tt_params if id(p) not in in_optimizer],
-            "pipelined": isinstance(collection.dense.forward, PipelinedForward),
-            "exhausted": exhausted,
-        }
-    )
+    collection = model.module.model.sparse_arch.embedding_bag_collection
+    result = adapted_report(model, initial, optimizer, adapter, progress)
+    result["pipelined"] = isinstance(collection.dense.forward, PipelinedForward)
+    result["exhausted"] = exhausted
     adapter.close()
     del pipeline
+    return result
+
+
+def run_tower_adapter(rank: int, world: int) -> dict:
+    model = build_tower(world, compressed=True)
+    initial = initial_state(tower_model, compressed=True)
+    load_initial(model, initial)
+    optimizer = make_optimizer(model)
+    adapter = comera_rec.RankAdapter(
+        model,
+        total_steps=ADAPTER_STEPS,  # comera-rec
+        config=RankScheduleConfig(target_size_ratio=TARGET),
+    )
+    progress = AdapterProgress(model, adapter)
+    per = GLOBAL_BATCH // world
+    for step in range(ADAPTER_STEPS):
+        loss, _ = model(*tower_batch(step, rank * per, (rank + 1) * per))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model = adapter.step(model, optimizer)  # comera-rec
+        progress.record(model, loss.item())
+    result = adapted_report(model, initial, optimizer, adapter, progress)
+    adapter.close()
     return result
 
 
@@ -410,9 +470,21 @@ def run_pipeline_adapter(rank: int, world: int) -> dict:
 
 
 def run(style: str, rank: int, world: int) -> dict:
-    """One style on this process's share of each global batch (a process group must exist)."""
+    """One style on this process's share of each global batch (a process group must exist),
+    with the warnings DDP gave of gradients laid out otherwise than its bucket views
+    (``layout_warnings``; DDP gives it once a process)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_style(style, rank, world)
+    result["layout_warnings"] = [str(w.message) for w in caught if "Grad strides do not match" in str(w.message)]
+    return result
+
+
+def run_style(style: str, rank: int, world: int) -> dict:
     if style == "pipeline_adapter":
         return run_pipeline_adapter(rank, world)
+    if style == "tower_adapter":
+        return run_tower_adapter(rank, world)
     kind, version = style.split("_")
     runner = run_dcn if kind == "dcn" else run_tower
     return runner(rank, world, compressed=version == "compressed")

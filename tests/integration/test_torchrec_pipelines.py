@@ -28,7 +28,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import comera_rec
 from comera_rec.integration import destroy_distributed
+from comera_rec.tensor import kernels
 from tests.integration import pipelines_worker as worker
 from tests.integration.helpers import STOCK_DMP_WARNINGS, run_two_process_worker
 
@@ -51,6 +53,12 @@ DENSE_TABLES = {  # the tables TorchRec shards (all of them in the stock models)
     "tower_stock": {"user", "query_ctx", "item", "item_cat"},
     "tower_compressed": {"query_ctx", "item_cat"},
     "pipeline_adapter": {"t2", "t3"},
+    "tower_adapter": {"query_ctx", "item_cat"},
+}
+# the compressed collections each adapter style must have cut below the policy's rank
+ADAPTED_COLLECTIONS = {
+    "pipeline_adapter": ["model.sparse_arch.embedding_bag_collection.groups.0"],
+    "tower_adapter": ["two_tower.query_tower.ebc.groups.0", "two_tower.candidate_tower.ebc.groups.0"],
 }
 
 
@@ -137,11 +145,41 @@ def test_two_processes_match_one_process(one_process, two_processes, style: str)
     )
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("kind", ["dcn", "tower"])
+def test_compressed_models_get_gradients_laid_out_as_their_parameters(kind: str, kernel: bool) -> None:
+    # DMP's DDP copies each gradient into a bucket view with its parameter's strides and warns
+    # when they differ: TT layers converted by SVD had column-major cores, and a table stacked
+    # alone a (1, r) middle controller gradient with the padded rank's stride
+    model = worker.dcn_model(worker.CPU) if kind == "dcn" else worker.tower_model(worker.CPU)
+    comera_rec.compress(model, worker.POLICY)
+    kernels.set_cpu_kernel_enabled(kernel)
+    try:
+        loss = model(worker.dcn_batch(0))[0] if kind == "dcn" else model(*worker.tower_batch(0))[0]
+        loss.backward()
+    finally:
+        kernels.set_cpu_kernel_enabled(True)
+    tt = set(worker.tt_names(model))
+    params = dict(model.named_parameters())
+    assert tt <= params.keys() and len(tt) > 10
+    for name, p in params.items():
+        assert p.grad is not None, name
+        assert p.stride() == torch.empty(p.shape).stride(), (name, p.stride())
+        assert p.grad.stride() == p.stride(), (name, p.grad.stride(), p.stride())
+
+
+@pytest.mark.slow
+def test_no_style_makes_ddp_warn_of_gradient_layouts(two_processes) -> None:
+    for style in worker.STYLES:
+        for r in two_processes(style):
+            assert r["layout_warnings"] == [], (style, r["layout_warnings"])
+
+
 # ---------------------------------------------------------------------------- pipeline + RankAdapter
 
 
-def check_adapted(result: dict) -> None:
-    """Cuts in several events down to the target; the pipeline and training go on after each."""
+def check_adapted(result: dict, style: str) -> None:
+    """Cuts in several events down to the target; training goes on after each."""
     sizes, numels, losses = result["sizes"], result["numels"], result["losses"]
     assert result["finite"], losses  # after every cut too
     assert numels[-1] < result["start_numel"] / 2 and sizes[-1] < result["start_bytes"] / 2
@@ -149,13 +187,14 @@ def check_adapted(result: dict) -> None:
     events = sum(result["rebuilt"])  # DMP's DDP rebuilt exactly at the cut events
     assert events >= 3 and events == sum(1 for a, b in zip([result["start_numel"], *numels], numels) if b < a)
     assert abs(sizes[-1] - result["target_bytes"]) <= 0.1 * result["target_bytes"]
-    assert max(result["ranks"]["model.sparse_arch.embedding_bag_collection.groups.0"]) < worker.POLICY.rank
+    for collection in ADAPTED_COLLECTIONS[style]:
+        assert max(result["ranks"][collection]) < worker.POLICY.rank, (collection, result["ranks"])
     assert result["stale_ddp"] == [] and result["missing_from_optimizer"] == []
-    assert result["pipelined"] and result["exhausted"]  # the dense tables' input dist still pipelined
     last_cut = max(i for i, r in enumerate(result["rebuilt"]) if r)
     assert last_cut < len(losses) - 5  # steps after the last cut
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1, losses
     assert result["unchanged"] == [] and result["unchanged_shards"] == []
+    assert {table_name(n) for n in result["tables"]} <= DENSE_TABLES[style]
 
 
 @pytest.mark.parametrize("compressed", [False, True])
@@ -172,15 +211,24 @@ def test_dcn_trains_with_its_forward_under_autocast(tmp_path, compressed: bool) 
 
 def test_sparse_dist_pipeline_with_rank_adapter(one_process) -> None:
     result = one_process("pipeline_adapter")
-    check_adapted(result)
+    check_adapted(result, "pipeline_adapter")
     assert {table_name(n) for n in result["tables"]} == DENSE_TABLES["pipeline_adapter"]
+    assert result["pipelined"] and result["exhausted"]  # the dense tables' input dist still pipelined
+
+
+def test_two_tower_loop_with_rank_adapter(one_process) -> None:
+    # one ranking over both towers' collections and MLPs: each tower's table is cut
+    result = one_process("tower_adapter")
+    check_adapted(result, "tower_adapter")
+    assert {table_name(n) for n in result["tables"]} == DENSE_TABLES["tower_adapter"]
 
 
 @pytest.mark.slow
-def test_sparse_dist_pipeline_with_rank_adapter_two_processes(two_processes) -> None:
-    ranks = two_processes("pipeline_adapter")
+@pytest.mark.parametrize("style", ["pipeline_adapter", "tower_adapter"])
+def test_rank_adapter_two_processes(two_processes, style: str) -> None:
+    ranks = two_processes(style)
     for r in ranks:
-        check_adapted(r)
+        check_adapted(r, style)
     # every process cut the same slices at the same steps, and stayed in sync
     assert ranks[0]["ranks"] == ranks[1]["ranks"] and ranks[0]["sizes"] == ranks[1]["sizes"]
     assert ranks[0]["rebuilt"] == ranks[1]["rebuilt"]
@@ -188,5 +236,5 @@ def test_sparse_dist_pipeline_with_rank_adapter_two_processes(two_processes) -> 
     for name, value in ranks[0]["replicated"].items():
         torch.testing.assert_close(ranks[1]["replicated"][name], value, rtol=0, atol=0, msg=name)
     held = [{table_name(n) for n in r["tables"]} for r in ranks]
-    assert held[0] | held[1] == DENSE_TABLES["pipeline_adapter"] and not held[0] & held[1]
+    assert held[0] | held[1] == DENSE_TABLES[style] and not held[0] & held[1]
     assert all(math.isfinite(v) for r in ranks for v in r["losses"])

@@ -34,6 +34,17 @@ def test_ranks_are_capped_and_dtype_kept() -> None:
     assert all(c.dtype == torch.float32 for c in cores)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape, ranks", [((4, 6, 5), [3, 4]), ((8, 8), [8]), ((1, 5, 1, 3), [1, 2, 2])])
+def test_cores_are_laid_out_row_major(shape, ranks, dtype) -> None:
+    # the SVD's factors are column-major; parameters made from the cores must not be, else
+    # autograd copies their gradients and DDP warns of its bucket views
+    cores = tt_svd(torch.randn(shape, dtype=dtype), ranks)
+    for c in cores:
+        assert c.stride() == torch.empty(c.shape).stride(), (tuple(c.shape), c.stride())
+        assert c.dtype == dtype
+
+
 def test_bad_ranks() -> None:
     with pytest.raises(ValueError, match="expected 2 ranks"):
         tt_svd(torch.randn(2, 2, 2), [1])

@@ -772,10 +772,12 @@ constexpr int64_t kSlotsPerPartial = 256;
 // With dP[s] = sum over slot s's rows of G S (the gradient of the scaled prefix P diag(c)):
 // grad_c[t] = sum over table t's slots of sum_x P[s][x, :] * dP[s][x, :], then dP[s] scaled by
 // c_t in place (the gradient of the unscaled P). Slots (T, rp) partials of kSlotsPerPartial
-// slots each, summed in slot order.
+// slots each, summed in slot order into the (T, r) gradient: a tensor of its own, not a
+// narrowed (T, rp) one, whose strides (T = 1: stride rp on a dim of size 1) would differ from
+// the parameter's and make DDP warn of its bucket views.
 template <typename T_>
 at::Tensor middle_gradient(T_* dP, const T_* P, const int64_t* keys, int64_t U, int64_t N, int64_t M, int64_t T,
-                           int64_t rp, const T_* c, const at::TensorOptions& fopt) {
+                           int64_t r, int64_t rp, const T_* c, const at::TensorOptions& fopt) {
   const int64_t parts = std::max<int64_t>(1, (U + kSlotsPerPartial - 1) / kSlotsPerPartial);
   std::vector<T_> partial(parts * T * rp, T_(0));
   at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
@@ -796,10 +798,11 @@ at::Tensor middle_gradient(T_* dP, const T_* P, const int64_t* keys, int64_t U, 
       }
     }
   });
-  auto grad = at::zeros({T, rp}, fopt);
+  auto grad = at::zeros({T, r}, fopt);
   T_* g = grad.data_ptr<T_>();
   for (int64_t part = 0; part < parts; ++part)
-    for (int64_t i = 0; i < T * rp; ++i) g[i] += partial[part * T * rp + i];
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < r; ++k) g[t * r + k] += partial[(part * T + t) * rp + k];
   return grad;
 }
 
@@ -968,7 +971,7 @@ std::vector<at::Tensor> ttm_bag_backward(
   phase.start("ttm_lookup backward: grouping");
   const Train tr = describe(cores, "ttm_bag_backward", false);
   const at::Tensor mid = middle_of(middle, tr, cores[0], "ttm_bag_backward");
-  at::Tensor dmiddle;  // (T, rp) with a middle controller
+  at::Tensor dmiddle;  // (T, r) with a middle controller
   const Half &L = tr.L, &R = tr.R;
   const int64_t r = tr.r, rp = tr.rp, Ml = tr.Ml, Mr = tr.Mr, Nl = tr.Nl, Nr = tr.Nr;
   grad_out = grad_out.to(cores[0].scalar_type()).contiguous();
@@ -1113,7 +1116,7 @@ std::vector<at::Tensor> ttm_bag_backward(
     if (mid.defined()) {  // rows P diag(c) S^T: both slot gradients scaled by c, and c's own
       phase.start("ttm_lookup backward: controller");
       const T_* c = mid.data_ptr<T_>();
-      dmiddle = middle_gradient(dP, P, pk, Ul, Nl, Ml, tr.T, rp, c, grad_out.options());
+      dmiddle = middle_gradient(dP, P, pk, Ul, Nl, Ml, tr.T, r, rp, c, grad_out.options());
       at::parallel_for(0, Ur, 256, [&](int64_t b, int64_t e) {
         for (int64_t s = b; s < e; ++s) {
           const T_* cs = c + sk[s] / Nr * rp;
@@ -1265,7 +1268,7 @@ std::vector<at::Tensor> ttm_bag_backward(
   // the padded layout back to the core's own: drop the rank padding (no copy without)
   if (L.cores == 2) dcores[1] = rp == r ? dleft1 : dleft1.narrow(-1, 0, r).contiguous();
   dcores.push_back(dweights);
-  dcores.push_back(dmiddle.defined() ? (rp == r ? dmiddle : dmiddle.narrow(-1, 0, r).contiguous()) : at::Tensor());
+  dcores.push_back(dmiddle);  // undefined without a middle controller
   return dcores;
 }
 
