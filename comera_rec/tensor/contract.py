@@ -255,59 +255,10 @@ def ttm_embedding_bag(
             middle=middle,
         )
     elif static_shapes:
-        cores = [row_major_grad(c) for c in cores]
         out = ttm_embedding_bag_static(cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains)
     else:
-        cores = [row_major_grad(c) for c in cores]
         out = _ttm_embedding_bag_dedup(cores, row_shape, embedding_dim, ids, offsets, mode, per_sample_weights, trains)
     return streams_side_by_side(out, stream_batch) if stream_batch > 0 else out
-
-
-def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides of a row-major (C-contiguous) tensor of ``shape``, size-1 dims included.
-
-    Example::
-
-        >>> row_major_strides((1, 4, 3))
-        (12, 3, 1)
-    """
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-class _RowMajorGrad(torch.autograd.Function):
-    """Identity forward; the gradient handed back in row-major layout."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        if grad.stride() == row_major_strides(grad.shape):
-            return grad
-        return grad.clone(memory_format=torch.contiguous_format)
-
-
-def row_major_grad(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself in the forward; its gradient comes back row-major.
-
-    The PyTorch lookup paths reach the cores through permutes, and autograd hands each core
-    a gradient laid out as the last of them: a parameter then gets a gradient with other
-    strides than its own, which DDP reports ("Grad strides do not match bucket view
-    strides") and autograd copies anyway. Parameters are row-major here.
-
-    Example::
-
-        >>> core = torch.ones(1, 2, 3, requires_grad=True)
-        >>> row_major_grad(core).permute(2, 1, 0).sum().backward()
-        >>> core.grad.stride()
-        (6, 3, 1)
-    """
-    return _RowMajorGrad.apply(x) if x.requires_grad else x
 
 
 def fold_middle(cores: Sequence[torch.Tensor], middle: torch.Tensor) -> list[torch.Tensor]:

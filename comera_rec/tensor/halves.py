@@ -19,6 +19,54 @@ from typing import Sequence
 import torch
 
 
+def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a row-major (C-contiguous) tensor of ``shape``, size-1 dims included.
+
+    Example::
+
+        >>> row_major_strides((1, 4, 3))
+        (12, 3, 1)
+    """
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class _RowMajorGrad(torch.autograd.Function):
+    """Identity forward; the gradient handed back in row-major layout."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if grad.stride() == row_major_strides(grad.shape):
+            return grad
+        return grad.clone(memory_format=torch.contiguous_format)
+
+
+def row_major_grad(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself in the forward; its gradient comes back row-major.
+
+    The halves reach the cores through permutes and reshapes, and a core's gradient comes
+    laid out as the last of them: a parameter would get a gradient with other strides than
+    its own, which DDP reports ("Grad strides do not match bucket view strides") and autograd
+    copies anyway. :func:`half`, :func:`half_rows` and :func:`whole_halves` take their cores
+    through it (parameters are row-major here).
+
+    Example::
+
+        >>> core = torch.ones(1, 2, 3, requires_grad=True)
+        >>> row_major_grad(core).permute(2, 1, 0).sum().backward()
+        >>> core.grad.stride()
+        (6, 3, 1)
+    """
+    return _RowMajorGrad.apply(x) if x.requires_grad else x
+
+
 def split_point(num_cores: int) -> int:
     """How many cores the left half of a ``num_cores``-core train holds: ``ceil(d / 2)``.
 
@@ -58,6 +106,7 @@ def whole_halves(cores: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
         >>> prefix.shape, suffix.shape
         (torch.Size([3, 2, 2]), torch.Size([4, 2, 2]))
     """
+    cores = [row_major_grad(c) for c in cores]
     h = split_point(len(cores))
     prefix = left_table(cores[:h])  # (T * N_l, M_l, r)
     suffix = right_table(cores[h:])  # (T * N_r, m_b, r, m_a)
@@ -162,6 +211,7 @@ def half(
     one, counted in elements touched, is taken (``strategy`` "auto"), or the one named
     ("gather" / "full").
     """
+    cores = [row_major_grad(c) for c in cores]
     T = cores[0].shape[0]
     n_half = math.prod(row_shape)
     out_elems = math.prod(c.shape[3] for c in cores) * (cores[-1].shape[-1] if left else cores[0].shape[1])
@@ -222,6 +272,7 @@ def half_rows(cores: Sequence[torch.Tensor], keys: torch.Tensor, left: bool) -> 
     """Rows of one whole half for ``keys`` (repeats allowed): ``(K, M, r)`` left,
     ``(K, m_b, r, m_a)`` right. Always the dense contraction of :func:`half`'s "full"
     strategy, also for a one-core half, so no ``torch.unique`` is ever called."""
+    cores = [row_major_grad(c) for c in cores]
     if len(cores) > 1:
         return left_rows(cores, keys) if left else right_rows(cores, keys)
     table = left_table(cores) if left else right_table(cores)

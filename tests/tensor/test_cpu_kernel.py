@@ -449,20 +449,22 @@ def test_middle_controller_gradcheck() -> None:
     assert torch.autograd.gradcheck(fn, (*cores, middle, weights))
 
 
-@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("path", ["kernel", "torch", "torch_static"])
 @pytest.mark.parametrize("tables", [1, 3])
-def test_gradients_come_laid_out_as_their_parameters(kernel: bool, tables: int) -> None:
+def test_gradients_come_laid_out_as_their_parameters(path: str, tables: int) -> None:
     # DDP copies each gradient into a bucket view with its parameter's strides and warns when
     # they differ, size-1 dims included (one stacked table: a (1, r) middle controller); the
-    # kernel pads the middle rank to whole vectors, the PyTorch path reaches the cores
+    # kernel pads the middle rank to whole vectors, the PyTorch paths reach the cores
     # through permutes
     rows, cols, ranks = (5, 6, 7, 4), (2, 2, 2, 2), [6, 5, 4]
     cores = make_cores(tables, rows, cols, ranks)
     middle = torch.rand(tables, 5, dtype=DT, requires_grad=True)
     ids, trains, offsets, weights = make_batch(tables, math.prod(rows))
-    kernels.set_cpu_kernel_enabled(kernel)
+    kernels.set_cpu_kernel_enabled(path == "kernel")
     try:
-        out = ttm_embedding_bag(cores, rows, 16, ids, offsets, "sum", weights, trains, middle=middle)
+        out = ttm_embedding_bag(
+            cores, rows, 16, ids, offsets, "sum", weights, trains, middle=middle, static_shapes=path == "torch_static"
+        )
     finally:
         kernels.set_cpu_kernel_enabled(True)
     params = [*cores, middle, weights]
