@@ -410,9 +410,12 @@ def adapted_report(
     return result
 
 
-def run_pipeline_adapter(rank: int, world: int) -> dict:
-    model = build_dcn(world, compressed=True)
-    initial = initial_state(dcn_model, compressed=True)
+def start_adapted(
+    model: DistributedModelParallel, build: Callable[[torch.device], nn.Module]
+) -> tuple[DistributedModelParallel, dict[str, torch.Tensor], CombinedOptimizer, comera_rec.RankAdapter]:
+    """The compressed DMP model from the common start (``build``'s initial state), its
+    optimiser, and a ``RankAdapter`` over the run (the user's one added line)."""
+    initial = initial_state(build, compressed=True)
     load_initial(model, initial)
     optimizer = make_optimizer(model)
     adapter = comera_rec.RankAdapter(
@@ -420,6 +423,11 @@ def run_pipeline_adapter(rank: int, world: int) -> dict:
         total_steps=ADAPTER_STEPS,  # comera-rec
         config=RankScheduleConfig(target_size_ratio=TARGET),
     )
+    return model, initial, optimizer, adapter
+
+
+def run_pipeline_adapter(rank: int, world: int) -> dict:
+    model, initial, optimizer, adapter = start_adapted(build_dcn(world, compressed=True), dcn_model)
     pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
     progress = AdapterProgress(model, adapter)
     per = GLOBAL_BATCH // world
@@ -443,15 +451,7 @@ def run_pipeline_adapter(rank: int, world: int) -> dict:
 
 
 def run_tower_adapter(rank: int, world: int) -> dict:
-    model = build_tower(world, compressed=True)
-    initial = initial_state(tower_model, compressed=True)
-    load_initial(model, initial)
-    optimizer = make_optimizer(model)
-    adapter = comera_rec.RankAdapter(
-        model,
-        total_steps=ADAPTER_STEPS,  # comera-rec
-        config=RankScheduleConfig(target_size_ratio=TARGET),
-    )
+    model, initial, optimizer, adapter = start_adapted(build_tower(world, compressed=True), tower_model)
     progress = AdapterProgress(model, adapter)
     per = GLOBAL_BATCH // world
     for step in range(ADAPTER_STEPS):
