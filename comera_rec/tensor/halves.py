@@ -64,7 +64,7 @@ def row_major_grad(x: torch.Tensor) -> torch.Tensor:
         >>> core.grad.stride()
         (6, 3, 1)
     """
-    return _RowMajorGrad.apply(x) if x.requires_grad else x
+    return _RowMajorGrad.apply(x) if x.requires_grad and torch.is_grad_enabled() else x
 
 
 def split_point(num_cores: int) -> int:
