@@ -288,11 +288,18 @@ class DerivedCache(DerivedCaches):
 
 def derived_cache(module: torch.nn.Module, name: str) -> DerivedCache:
     """``module``'s cache called ``name``, made on first use (modules built before this
-    attribute existed, or restored by ``copy`` / ``pickle``, get one too)."""
+    attribute existed, or restored by ``copy`` / ``pickle``, get one too). While compiling,
+    a cache that keeps nothing (nothing is kept then), so that dynamo does not trace the
+    making of a cache and its lock: each was a graph break."""
+    if torch.compiler.is_compiling():
+        return _KEEPS_NOTHING
     caches = module.__dict__.setdefault("_derived_caches", {})
     if name not in caches:
         caches[name] = DerivedCache()
     return caches[name]
+
+
+_KEEPS_NOTHING = DerivedCache()  # made here, not under dynamo; it never holds a value while compiling
 
 
 def clear_derived_caches(module: torch.nn.Module) -> None:
