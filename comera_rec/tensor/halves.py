@@ -214,10 +214,11 @@ def half(
     cores = [row_major_grad(c) for c in cores]
     T = cores[0].shape[0]
     n_half = math.prod(row_shape)
-    out_elems = math.prod(c.shape[3] for c in cores) * (cores[-1].shape[-1] if left else cores[0].shape[1])
+    out_elems = math.prod([c.shape[3] for c in cores]) * (cores[-1].shape[-1] if left else cores[0].shape[1])
     full_cost = T * n_half * out_elems
-    # the number of keys bounds the number of distinct keys: no sort needed to decide
-    gather_cost = keys.numel() * (sum(c[0].numel() // c.shape[2] for c in cores) + out_elems)
+    # the number of keys bounds the number of distinct keys: no sort needed to decide (lists,
+    # not generators, in these sums: a generator argument is a graph break under dynamo)
+    gather_cost = keys.numel() * (sum([c[0].numel() // c.shape[2] for c in cores]) + out_elems)
     gather = gather_cost < full_cost if strategy == "auto" else strategy == "gather"
     if len(cores) > 1 and not gather:
         return left_rows(cores, keys) if left else right_rows(cores, keys)
