@@ -39,6 +39,9 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
     comera-bench --autocast       # every variant's forward under torch.autocast("cpu", bfloat16),
                                   # the simplest speed-up a dense model has on a CPU with bfloat16
                                   # products (the fused kernels stay float32)
+    comera-bench --compile        # dense and tt with dense_arch, inter_arch and over_arch under
+                                  # torch.compile (inductor) against the same model eager, in one
+                                  # process each (the compiled graphs call the fused kernels)
     comera-bench --against REV    # this checkout's step and peak RSS against git revision
                                   # REV's on this host, fresh processes of the two codes
                                   # alternating (did a change slow the step or grow its memory,
@@ -48,7 +51,7 @@ The installed console script ``comera-bench``; from a checkout ``python launch/b
 # The docstring above is the command's --help, so the layout is said here: the variants,
 # their models and batches are in bench_setup.py, the fresh processes in bench_process.py,
 # --parts and --ops in bench_parts.py, --fixed-costs in bench_fixed.py, --batch-sizes in
-# bench_batch.py, --against in bench_against.py; this module runs them
+# bench_batch.py, --against in bench_against.py, --compile in bench_compile.py; this module runs them
 # and prints the tables.
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ import torch
 
 from comera_rec.dlrm.bench_against import against, checkout_root, resolve_revision, setup_fields
 from comera_rec.dlrm.bench_batch import batch_sizes, parse_sizes
+from comera_rec.dlrm.bench_compile import compile_table
 from comera_rec.dlrm.bench_fixed import fixed_costs
 from comera_rec.dlrm.bench_parts import ops, part_times, parts  # noqa: F401  (re-exported)
 from comera_rec.dlrm.bench_process import (  # noqa: F401  (re-exported: importable from here as before the split)
@@ -261,6 +265,12 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated batch sizes: every variant's step at each, all in one process, steps "
         "interleaved, against dense TorchRec's at the same size",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="dense and tt with their dense parts (dense_arch, inter_arch, over_arch) under torch.compile "
+        "(inductor) against the same model eager, blocks of steps alternating in one process per variant",
+    )
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
     parser.add_argument("--steps", type=int, default=None, help="training steps per variant")
     parser.add_argument("--batch-size", type=int, default=2048)
@@ -334,6 +344,12 @@ def main(argv: list[str] | None = None) -> None:
         check_host_runs(args.isa)
     except ValueError as exc:
         parser.error(f"--isa {args.isa}: {exc}")
+    if args.compile:
+        other_modes = given("--mlperf", "--parts", "--ops", "--fixed-costs", "--batch-sizes", "--against", "--autocast")
+        if other_modes:
+            parser.error(
+                f"--compile times the Kaggle training step eager and compiled; not with {', '.join(other_modes)}"
+            )
     if args.against is not None:
         other_modes = given(
             "--mlperf", "--parts", "--ops", "--fixed-costs", "--batch-sizes", "--lookup-paths", "--unchained", "--steps"
@@ -379,6 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         setup = replace(setup, train_steps=args.steps)
     if args.against is not None:
         against(args.against, against_names, setup.rounds, setup_fields(setup, Setup(), args.quick))
+    elif args.compile:
+        compile_table(setup, **({"blocks": 2, "warmup": 1} if args.quick else {}))
     elif args.ops:
         ops(setup, args.ops, steps=3 if args.quick else 15)
     elif args.fixed_costs:

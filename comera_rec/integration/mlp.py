@@ -384,8 +384,8 @@ class TTLowRankCrossNet(InitOnMaterialize):
         2-D blocks of one batch, together the net's width, that the kernel takes. The
         merged weights are kept between forwards inside
         :func:`~comera_rec.tensor.cached_weights`."""
-        if not blocks or records_grad(*blocks, *self.bias):
-            return None
+        if not blocks or records_grad(*blocks, *self.bias) or torch.compiler.is_compiling():
+            return None  # (the cross kernel is no operator a compiled graph can call)
         x = blocks[0]
         if any(b.dim() != 2 or b.shape[0] != x.shape[0] or b.dtype != x.dtype for b in blocks):
             return None

@@ -451,6 +451,8 @@ _IDENTITIES: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 def _identity(n: int, like: torch.Tensor) -> torch.Tensor:
     """An ``n x n`` identity of ``like``'s dtype and device, made once."""
+    if torch.compiler.is_compiling():  # a constant of the graph (filling the dict would recompile it)
+        return torch.eye(n, dtype=like.dtype, device=like.device)
     key = (n, like.dtype, like.device)
     if key not in _IDENTITIES:
         _IDENTITIES[key] = torch.eye(n, dtype=like.dtype, device=like.device)

@@ -15,10 +15,11 @@ from torchrec.models.dlrm import InteractionArch, InteractionDCNArch, SparseArch
 
 from comera_rec.dlrm import DLRMConfig, build_dlrm, build_dlrm_train
 from comera_rec.dlrm.interaction import BlockDCNInteraction, FlatSparseArch, PairwiseDotInteraction
-from comera_rec.dlrm.interaction_kernel import EXTENSION, pairwise_dots_cpu, pairwise_kernel_applies
+from comera_rec.dlrm.interaction_kernel import EXTENSION, pairwise_dots_cpu, pairwise_dots_op, pairwise_kernel_applies
 from comera_rec.integration.mlp import TTLowRankCrossNet
 from comera_rec.tensor import NarrowLinear, cached_weights
 from tests.dlrm.test_dlrm import _batch, _config
+from tests.tensor.test_compiled_ops import recording_backend
 from tests.threads import assert_bit_identical, at_thread_counts, stamps_during_call
 
 
@@ -61,6 +62,29 @@ def test_gradcheck(lookup_path: str) -> None:
     dense = torch.randn(3, 2, generator=g, dtype=torch.float64, requires_grad=True)
     sparse = torch.randn(3, 4, 2, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(PairwiseDotInteraction(4), (dense, sparse))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_operator_passes_opcheck_and_compiles_into_the_graph(dtype: torch.dtype) -> None:
+    # under torch.compile the interaction calls the kernel as comera_train::pairwise_dots
+    g = torch.Generator().manual_seed(3)
+    dense = torch.randn(21, 19, generator=g, dtype=dtype, requires_grad=True)
+    sparse = torch.randn(21, 6, 19, generator=g, dtype=dtype, requires_grad=True)
+    torch.library.opcheck(pairwise_dots_op, (dense, sparse))
+    grad = torch.randn(21, 19 + 7 * 6 // 2, generator=g, dtype=dtype)
+    want = pairwise_dots_cpu(dense, sparse)
+    want_grads = torch.autograd.grad(want, [dense, sparse], grad)
+    names: set[str] = set()
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(PairwiseDotInteraction(6), backend=recording_backend(names))(dense, sparse)
+        got_grads = torch.autograd.grad(got, [dense, sparse], grad)
+    finally:
+        torch._dynamo.reset()
+    assert {"comera_train.pairwise_dots.default", "comera_train.pairwise_dots_backward.default"} <= names, names
+    assert torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.equal(a, b)
 
 
 def test_kernel_in_float32_and_across_thread_counts() -> None:

@@ -1,7 +1,6 @@
 """``torch.compile`` over a compressed TorchRec model's dense parts, as a user compiles them:
-each part is one graph (the fused CPU kernels stand aside while compiling, and nothing of the
-scoring caches is traced), and the compiled model gives the eager model's loss and
-gradients."""
+each part is one graph that calls the fused CPU kernels as operators (nothing of the scoring
+caches is traced), and the compiled model gives the eager model's loss and gradients."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from torch._dynamo.utils import counters
 
 import comera_rec
 from tests.integration import pipelines_worker as worker
+from tests.tensor.test_compiled_ops import recording_backend
 
 
 def loss_and_grads(model: torch.nn.Module, step: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -25,10 +25,11 @@ def test_compiled_dense_parts_are_whole_graphs_and_match_eager() -> None:
     assert worker.tt_names(model.model.dense_arch) and worker.tt_names(model.model.over_arch)
     eager = [loss_and_grads(model, step) for step in range(2)]
     dlrm = model.model
-    # aot_eager: dynamo and AOT autograd as inductor runs them, without compiling C++
-    dlrm.dense_arch = torch.compile(dlrm.dense_arch, backend="aot_eager")
-    dlrm.inter_arch = torch.compile(dlrm.inter_arch, backend="aot_eager")
-    dlrm.over_arch = torch.compile(dlrm.over_arch, backend="aot_eager")
+    # dynamo and AOT autograd as inductor runs them, without compiling C++
+    names: set[str] = set()
+    dlrm.dense_arch = torch.compile(dlrm.dense_arch, backend=recording_backend(names))
+    dlrm.inter_arch = torch.compile(dlrm.inter_arch, backend=recording_backend(names))
+    dlrm.over_arch = torch.compile(dlrm.over_arch, backend=recording_backend(names))
     try:
         counters.clear()
         for step, (loss, grads) in enumerate(eager):
@@ -42,3 +43,7 @@ def test_compiled_dense_parts_are_whole_graphs_and_match_eager() -> None:
         assert not counters["graph_break"], list(counters["graph_break"])
     finally:
         torch._dynamo.reset()
+    # the graphs call the fused CPU kernels as operators (each way): the MLPs' chains of TT
+    # layers and the TT weights' merges (the pairwise-dot interaction: tests/dlrm/test_interaction.py)
+    for op in ("tt_chain", "tt_chains"):
+        assert {f"comera_train.{op}.default", f"comera_train.{op}_backward.default"} <= names, sorted(names)

@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
 from comera_rec.tensor.kernels.build_support import (  # the build's helpers (importable from here too)
     KernelBuild,
     build_root,
@@ -444,12 +446,21 @@ def build_cpu_kernels(say: Callable[[str], None] | None = None) -> KernelBuild:
     return KernelBuild(True, building, seconds, build_dir, width, message)
 
 
-@functools.lru_cache(maxsize=None)
+# a constant of the process: torch.compile takes its value, not a trace of the loader
+@torch.compiler.assume_constant_result
 def cpu_vector_bytes() -> int:
     """The vector width (bytes) of the fused CPU kernels' build: 64 with AVX-512, 32 with
     AVX2, 16 elsewhere, or ``COMERA_CPU_VECTOR_BYTES``. 0 when the kernels do not build."""
+    return _built_vector_bytes()
+
+
+@functools.lru_cache(maxsize=None)
+def _built_vector_bytes() -> int:
     ext = extension()
     return int(ext.vector_bytes()) if ext is not None else 0
+
+
+cpu_vector_bytes.cache_clear = _built_vector_bytes.cache_clear  # type: ignore[attr-defined]  # as an lru_cache
 
 
 def host_description() -> str:
@@ -486,4 +497,10 @@ def cpu_kernel_enabled() -> bool:
     ``COMERA_DISABLE_CPU_KERNEL`` set to anything but ``""`` / ``"0"`` / ``"false"``
     disables it; it is read on every call.
     """
-    return _enabled and not disabled_by_env(DISABLE_ENV) and extension() is not None
+    return _enabled and not disabled_by_env(DISABLE_ENV) and cpu_kernels_built()
+
+
+@torch.compiler.assume_constant_result  # (as cpu_vector_bytes)
+def cpu_kernels_built() -> bool:
+    """Whether the CPU kernels' extension builds and loads (built on the first call)."""
+    return extension() is not None

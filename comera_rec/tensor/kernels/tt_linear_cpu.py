@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from comera_rec.tensor.kernels.compiled_ops import tt_chain_compiled, tt_chains_compiled, tt_linear_compiled
 from comera_rec.tensor.kernels.cpu_extension import cpu_vector_bytes, extension
 from comera_rec.tensor.kernels.ttm_cpu import cpu_float_tensors_apply, records_grad
 
@@ -37,7 +38,7 @@ def max_fused_rank(dtype: torch.dtype) -> int:
 def tt_linear_kernel_applies(x: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> bool:
     """Whether ``x @ left @ right`` is the fused CPU kernel's to do: real CPU float32 /
     float64 matrices of one dtype, ``r <=`` :func:`max_fused_rank`, outside tracing and
-    ``torch.compile``, kernel enabled."""
+    ``torch.export`` (under ``torch.compile`` the kernel is an operator), kernel enabled."""
     return tt_linear_rank_applies(x, left.shape[1], left, right)
 
 
@@ -45,7 +46,7 @@ def tt_linear_rank_applies(x: torch.Tensor, rank: int, *operands: torch.Tensor) 
     """:func:`tt_linear_kernel_applies` before the chains are merged: ``x`` and the tensors
     they come from (``operands``) of one CPU float dtype, and the chains' ``rank`` within
     :func:`max_fused_rank`."""
-    return cpu_float_tensors_apply(x, *operands) and 0 < rank <= max_fused_rank(x.dtype)
+    return cpu_float_tensors_apply(x, *operands, compiled=True) and 0 < rank <= max_fused_rank(x.dtype)
 
 
 class _FusedTTLinear(torch.autograd.Function):
@@ -88,6 +89,8 @@ def tt_linear_cpu(
     Returns:
         ``(B, N_out)``.
     """
+    if torch.compiler.is_compiling():
+        return tt_linear_compiled(x, left, right, bias, relu)
     if not records_grad(x, left, right, bias):
         return extension().tt_linear_forward(
             x, left, right, bias if bias is not None else _EMPTY.to(x.dtype), bool(relu)
@@ -164,9 +167,14 @@ _CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
 _DEFAULT_L2_BYTES = 1 << 20  # where the host does not say (the smaller of the x86 hosts measured here)
 
 
-@functools.lru_cache(maxsize=1)
+@torch.compiler.assume_constant_result  # torch.compile takes its value: no trace of the file reads
 def l2_cache_bytes() -> int:
     """One core's L2 cache in bytes, as Linux reports it; 1 MiB where it does not."""
+    return _l2_cache_bytes()
+
+
+@functools.lru_cache(maxsize=1)
+def _l2_cache_bytes() -> int:
     try:
         for index in sorted(_CACHE_DIR.glob("index*")):
             if (index / "level").read_text().strip() == "2" and (index / "type").read_text().strip() != "Instruction":
@@ -176,6 +184,9 @@ def l2_cache_bytes() -> int:
     except (OSError, ValueError):
         pass
     return _DEFAULT_L2_BYTES
+
+
+l2_cache_bytes.cache_clear = _l2_cache_bytes.cache_clear  # type: ignore[attr-defined]  # as an lru_cache
 
 
 def chain_bytes(left: torch.Tensor, right: torch.Tensor) -> int:
@@ -238,6 +249,8 @@ def tt_chain_cpu(
         >>> torch.allclose(tt_chain_cpu(x, [a, b]), tt_linear_cpu(tt_linear_cpu(x, *a), *b))  # doctest: +SKIP
         True
     """
+    if torch.compiler.is_compiling():
+        return tt_chain_compiled(x, layers)
     operands: list[torch.Tensor | None] = []
     for left, right, bias, _ in layers:
         operands += [left, right, bias]
@@ -367,8 +380,9 @@ def tt_cross_cpu(
 
 def tt_chains_kernel_applies(cores: Sequence[torch.Tensor], controllers: Sequence[torch.Tensor]) -> bool:
     """Whether :func:`tt_chains_cpu` may merge these: real CPU float32 / float64 tensors of
-    one dtype, outside tracing and ``torch.compile``, kernels enabled."""
-    return cpu_float_tensors_apply(*cores, *controllers)
+    one dtype, outside tracing and ``torch.export`` (under ``torch.compile`` the kernel is
+    an operator), kernels enabled."""
+    return cpu_float_tensors_apply(*cores, *controllers, compiled=True)
 
 
 class _TTChains(torch.autograd.Function):
@@ -427,4 +441,6 @@ def tt_chains_cpu(
     d = len(input_cores)
     if len(output_cores) != d:
         raise ValueError(f"tt_chains_cpu: {d} input cores and {len(output_cores)} output cores (need as many)")
+    if torch.compiler.is_compiling():
+        return tt_chains_compiled(input_cores, output_cores, controllers, in_features, out_features)
     return _TTChains.apply(d, in_features, out_features, *input_cores, *output_cores, *controllers)

@@ -48,12 +48,16 @@ from comera_rec.tensor.kernels.cpu_extension import (  # noqa: F401
 )
 
 
-def cpu_float_operands(*tensors: torch.Tensor) -> bool:
+def cpu_float_operands(*tensors: torch.Tensor, compiled: bool = False) -> bool:
     """Whether these are operands a CPU kernel may take: real CPU float32 / float64 tensors
     of one dtype, outside tracing and ``torch.compile`` (whether the kernel is built and
-    on is the caller's check)."""
+    on is the caller's check). ``compiled``: the kernel is an operator a graph of
+    ``torch.compile`` may call (:mod:`.compiled_ops`), so it may take them while compiling
+    too (not while exporting: a saved program would need this package's operators)."""
     dtype = tensors[0].dtype if tensors else None
-    if dtype not in (torch.float32, torch.float64) or torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if dtype not in (torch.float32, torch.float64) or torch.jit.is_tracing():
+        return False
+    if torch.compiler.is_compiling() and (not compiled or torch.compiler.is_exporting()):
         return False
     # is_cpu: no device object made per tensor (scoring asks this for every layer and lookup)
     return all(t.is_cpu and t.dtype == dtype for t in tensors)
@@ -103,11 +107,12 @@ def records_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def cpu_float_tensors_apply(*tensors: torch.Tensor) -> bool:
+def cpu_float_tensors_apply(*tensors: torch.Tensor, compiled: bool = False) -> bool:
     """Whether the tensor core's CPU kernels may take these operands: real CPU float32 /
-    float64 tensors of one dtype, outside tracing and ``torch.compile``, kernels enabled
-    (each kernel's ``*_applies`` adds its own shape limits)."""
-    return cpu_float_operands(*tensors) and cpu_kernel_enabled()
+    float64 tensors of one dtype, outside tracing and ``torch.compile`` (inside it too for
+    a kernel that is an operator there: ``compiled``, see :func:`cpu_float_operands`),
+    kernels enabled (each kernel's ``*_applies`` adds its own shape limits)."""
+    return cpu_float_operands(*tensors, compiled=compiled) and cpu_kernel_enabled()
 
 
 def cpu_kernel_applies(cores: Sequence[torch.Tensor], ids: torch.Tensor) -> bool:
