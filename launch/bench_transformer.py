@@ -13,6 +13,8 @@ with the compressed and the dense model and reports both validation accuracies.
     python launch/bench_transformer.py              # both parts (about 7 minutes here)
     python launch/bench_transformer.py --quick      # fewer repeats, batch 32 timed once, shorter training
     python launch/bench_transformer.py --skip-train # part 1 only
+    python launch/bench_transformer.py --compile    # compressed and dense, eager against
+                                                    # torch.compile, batch 32 (about 4 minutes)
 """
 
 from __future__ import annotations
@@ -52,9 +54,27 @@ def method_config(name: str, galore_rank: int, lte_heads: int, lte_rank: int) ->
 
 def make_step(name: str, batch: int, galore_rank: int, lte_heads: int, lte_rank: int) -> Callable[[], float]:
     """Build the reference model for one method and return a closure running one training step."""
+    return make_steps(name, batch, galore_rank, lte_heads, lte_rank)["eager"]
+
+
+def make_steps(
+    name: str,
+    batch: int,
+    galore_rank: int,
+    lte_heads: int,
+    lte_rank: int,
+    compiled: bool = False,
+    dropout: float | None = None,
+) -> dict[str, Callable[[], float]]:
+    """Build the reference model for one method: ``{"eager": step}`` and, with ``compiled``,
+    ``"compiled"``: the same training step, optimisers and batch with the model under
+    ``torch.compile`` (inductor), on the same parameters. ``dropout``: the encoder's, if
+    not the preset's."""
     torch.manual_seed(0)
     method = method_config(name, galore_rank, lte_heads, lte_rank)
     cfg = encoder_preset("reference", compressed=method.compressed)
+    if dropout is not None:
+        cfg = cfg.replace(dropout=dropout)
     model = baselines.prepare_model(SequenceClassifier(cfg), method).train()
     optimizers = [build_optimizer(model, OptimConfig(), baselines.engine_parameters(model, method))]
     optimizers += baselines.extra_optimizers(model, method)
@@ -65,9 +85,10 @@ def make_step(name: str, batch: int, galore_rank: int, lte_heads: int, lte_rank:
     segments = (torch.arange(SEQ) >= SEQ // 2).long().expand(batch, SEQ)
     labels = torch.randint(0, cfg.num_labels, (batch,), generator=gen)
     state = {"step": 0}
+    forwards = {"eager": model, **({"compiled": torch.compile(model)} if compiled else {})}
 
-    def step() -> float:
-        loss = F.cross_entropy(model(ids, mask, segments), labels)
+    def step_with(forward: Callable[..., torch.Tensor]) -> float:
+        loss = F.cross_entropy(forward(ids, mask, segments), labels)
         objective = schedule.objective(model, loss, state["step"], global_task_loss=float(loss.detach())).loss
         objective.backward()
         for opt in optimizers:
@@ -77,7 +98,35 @@ def make_step(name: str, batch: int, galore_rank: int, lte_heads: int, lte_rank:
         state["step"] += 1
         return float(loss.detach())
 
-    return step
+    return {kind: functools.partial(step_with, forward) for kind, forward in forwards.items()}
+
+
+def bench_compiled(batches: list[int], repeats: int, args: argparse.Namespace) -> None:
+    """The compressed and the dense model's training step eager against the model under
+    ``torch.compile`` (the compressed TT layers call the fused CPU kernels as operators there),
+    interleaved in one process on the same parameters."""
+    kw = dict(galore_rank=args.galore_rank, lte_heads=args.lte_heads, lte_rank=args.lte_rank, dropout=args.dropout)
+    dropout = encoder_preset("reference").dropout if args.dropout is None else args.dropout
+    print(
+        f"six-encoder, reference shapes, sequence {SEQ}, dropout {dropout}: eager against torch.compile (inductor) "
+        "of the whole model"
+    )
+    for batch in batches:
+        print(f"\nbatch {batch} x {SEQ} tokens: median of {repeats} steps each way, interleaved")
+        print(f"  {'method':10s} {'eager':>10s} {'compiled':>10s} {'compiled/eager':>15s} {'compiling':>10s}")
+        for name in ("compressed", "dense"):
+            steps = make_steps(name, batch, compiled=True, **kw)
+            start = time.perf_counter()
+            steps["compiled"]()  # traced and compiled here
+            compiling = time.perf_counter() - start
+            times = time_interleaved(steps, repeats=repeats, warmup=1)
+            print(
+                f"  {name:10s} {times['eager'] * 1e3:8.1f}ms {times['compiled'] * 1e3:8.1f}ms "
+                f"{times['eager'] / times['compiled']:14.3f}x {compiling:9.0f}s"
+            )
+            del steps
+            torch._dynamo.reset()
+        print("  (compiled/eager above 1: the compiled step is faster; compiling: its first step)")
 
 
 def memory_probe(name: str, batch: int, galore_rank: int, lte_heads: int, lte_rank: int) -> None:
@@ -178,12 +227,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--galore-rank", type=int, default=128)
     parser.add_argument("--lte-heads", type=int, default=4)
     parser.add_argument("--lte-rank", type=int, default=32)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="instead of both parts: the compressed and the dense model's step eager against torch.compile",
+    )
+    parser.add_argument(
+        "--dropout",
+        type=float,
+        default=None,
+        help="with --compile: the encoder's dropout (default the preset's; eager dropout is slow on CPU, compiled "
+        "dropout fused, so 0 shows the rest of the step)",
+    )
     parser.add_argument("--skip-reference", action="store_true", help="skip part 1")
     parser.add_argument("--skip-train", action="store_true", help="skip part 2")
     parser.add_argument("--train-config", default="configs/transformer_synthetic.yaml")
     parser.add_argument("--train-steps", type=int, default=None, help="steps of part 2 (default: the config's)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
+    if args.compile:
+        bench_compiled(
+            args.batches if args.batches != [1, 32] else [32], args.repeats or (2 if args.quick else 6), args
+        )
+        print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+        return
     if not args.skip_reference:
         for batch in args.batches:
             repeats = args.repeats or (1 if args.quick and batch > 8 else 2 if args.quick or batch > 8 else 4)

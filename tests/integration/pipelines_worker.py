@@ -18,6 +18,11 @@ marked ``# comera-rec``:
 * ``tower_adapter``: the compressed ``tower`` model in its own loop with a ``RankAdapter``
   (``model = adapter.step(model, optimizer)`` after each ``optimizer.step()``): one ranking
   over two collections and both towers' MLPs.
+* ``seq``: a sequential recommender in the BERT4Rec example's setup: an
+  ``EmbeddingCollection`` (an item table read by the user's history and the target item,
+  and a genre table) on ``meta``, the history's rows averaged per sample, an MLP to a logit,
+  stock DMP with ``EmbeddingCollectionSharder`` (fused SGD), trained by
+  ``TrainPipelineSparseDist``.
 
 The table-wise plan is there because on CPU TorchRec's planner puts small tables on
 ``data_parallel``, whose FBGEMM dense lookup has no autograd kernel there: such a table
@@ -44,14 +49,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.datasets.utils import Batch
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 from torchrec.models.dlrm import DLRM_DCN, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.mlp import MLP
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -81,7 +87,19 @@ DCN_SIZES = [600, 500, 40, 30]  # t0, t1 compressed (stacked); t2, t3 dense, one
 QUERY = {"user": 600, "query_ctx": 40}  # table (= feature) -> rows; the large ones compressed
 CANDIDATE = {"item": 500, "item_cat": 30}
 
-STYLES = ("dcn_stock", "dcn_compressed", "tower_stock", "tower_compressed", "pipeline_adapter", "tower_adapter")
+SEQ_TABLES = {"item": 600, "genre": 40}  # the item table compressed (read by "history" and "target")
+MAX_HISTORY = 5
+
+STYLES = (
+    "dcn_stock",
+    "dcn_compressed",
+    "tower_stock",
+    "tower_compressed",
+    "pipeline_adapter",
+    "tower_adapter",
+    "seq_stock",
+    "seq_compressed",
+)
 
 
 # ---------------------------------------------------------------------------- shared pieces
@@ -92,6 +110,7 @@ def table_wise_plan(model: nn.Module, sharders: list, world: int):
     names = [
         c.name for m in model.modules() if isinstance(m, EmbeddingBagCollection) for c in m.embedding_bag_configs()
     ]
+    names += [c.name for m in model.modules() if isinstance(m, EmbeddingCollection) for c in m.embedding_configs()]
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world, compute_device="cpu"),
         constraints={name: ParameterConstraints(sharding_types=["table_wise"]) for name in names},
@@ -346,7 +365,112 @@ def run_tower(rank: int, world: int, compressed: bool) -> dict:
     return report(model, initial, losses)
 
 
-# ---------------------------------------------------------------------------- (c) pipeline + RankAdapter
+# ---------------------------------------------------------------------------- (c) sequences
+
+
+class SequenceModel(nn.Module):
+    """A user's history of items (averaged), the target item, its genre and the dense
+    features to a logit: the target's click."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.ec = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(
+                    name="item",
+                    embedding_dim=DIM,
+                    num_embeddings=SEQ_TABLES["item"],
+                    feature_names=["history", "target"],
+                ),
+                EmbeddingConfig(
+                    name="genre", embedding_dim=DIM, num_embeddings=SEQ_TABLES["genre"], feature_names=["genre"]
+                ),
+            ],
+            device=device,
+        )
+        self.mlp = MLP(in_size=3 * DIM + DENSE_IN, layer_sizes=[32], device=CPU)
+        self.out = nn.Linear(32, 1, device=CPU)
+
+    def forward(self, dense: torch.Tensor, features: KeyedJaggedTensor) -> torch.Tensor:
+        sequences = self.ec(features)
+        history = sequences["history"]
+        lengths = history.lengths()
+        # each row's sample; tensor methods only (TorchRec's pipelines FX-trace this forward)
+        sample = torch.repeat_interleave(lengths)
+        summed = dense.new_zeros(dense.shape[0], DIM).index_add(0, sample, history.values())
+        mean = summed / lengths.unsqueeze(1)  # (B, DIM); every history has a row or more
+        x = torch.cat([dense, mean, sequences["target"].values(), sequences["genre"].values()], dim=1)
+        return self.out(self.mlp(x)).squeeze(1)
+
+
+class SequenceTrain(nn.Module):
+    """``batch -> (loss, (loss, logits))``, as a train pipeline calls a model (DLRMTrain's
+    form: the pipeline steps on the first and hands back the second, detached)."""
+
+    def __init__(self, model: SequenceModel) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = nn.BCEWithLogitsLoss()
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        logits = self.model(batch.dense_features, batch.sparse_features)
+        loss = self.loss_fn(logits, batch.labels.float())
+        return loss, (loss.detach(), logits.detach())
+
+
+def seq_model(device: torch.device) -> SequenceTrain:
+    torch.manual_seed(0)
+    return SequenceTrain(SequenceModel(device))
+
+
+def seq_batch(step: int, start: int = 0, stop: int = GLOBAL_BATCH) -> Batch:
+    """Samples [start, stop) of step ``step``'s global batch: histories of 1 to
+    ``MAX_HISTORY`` items; a click when the target item and the genre have the same parity."""
+    g = torch.Generator().manual_seed(200 + step % DISTINCT)
+    dense = torch.rand(GLOBAL_BATCH, DENSE_IN, generator=g)
+    lengths = torch.randint(1, MAX_HISTORY + 1, (GLOBAL_BATCH,), generator=g)
+    history = torch.randint(0, SEQ_TABLES["item"], (int(lengths.sum()),), generator=g)
+    target = torch.randint(0, SEQ_TABLES["item"], (GLOBAL_BATCH,), generator=g)
+    genre = torch.randint(0, SEQ_TABLES["genre"], (GLOBAL_BATCH,), generator=g)
+    labels = (target % 2 == genre % 2).long()
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    mine = slice(start, stop)
+    features = KeyedJaggedTensor.from_lengths_sync(
+        keys=["history", "target", "genre"],
+        values=torch.cat([history[offsets[start] : offsets[stop]], target[mine], genre[mine]]),
+        lengths=torch.cat([lengths[mine], torch.ones(2 * (stop - start), dtype=torch.long)]),
+    )
+    return Batch(dense_features=dense[mine], sparse_features=features, labels=labels[mine])
+
+
+def build_seq(world: int, compressed: bool) -> DistributedModelParallel:
+    model = seq_model(META)
+    if compressed:
+        comera_rec.compress(model, POLICY)  # comera-rec
+    sharders = [EmbeddingCollectionSharder(fused_params={"learning_rate": TOWER_LR})]
+    return DistributedModelParallel(
+        module=model, device=CPU, plan=table_wise_plan(model, sharders, world), sharders=sharders
+    )
+
+
+def run_seq(rank: int, world: int, compressed: bool) -> dict:
+    model = build_seq(world, compressed)
+    initial = initial_state(seq_model, compressed)
+    load_initial(model, initial)
+    optimizer = make_optimizer(model)
+    pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
+    per = GLOBAL_BATCH // world
+    batches = iter([seq_batch(step, rank * per, (rank + 1) * per) for step in range(STEPS)])
+    losses = [pipeline.progress(batches)[0].item() for _ in range(STEPS)]  # (loss, logits) of each step
+    collection = model.module.model.ec
+    result = report(model, initial, losses)
+    # the sharded tables' lookups run in the pipeline's stages (their input is the batch's KJT)
+    result["pipelined"] = isinstance((collection.dense if compressed else collection).forward, PipelinedForward)
+    del pipeline
+    return result
+
+
+# ---------------------------------------------------------------------------- (d) pipeline + RankAdapter
 
 
 def tt_numel(model: DistributedModelParallel) -> int:
@@ -486,7 +610,7 @@ def run_style(style: str, rank: int, world: int) -> dict:
     if style == "tower_adapter":
         return run_tower_adapter(rank, world)
     kind, version = style.split("_")
-    runner = run_dcn if kind == "dcn" else run_tower
+    runner = {"dcn": run_dcn, "tower": run_tower, "seq": run_seq}[kind]
     return runner(rank, world, compressed=version == "compressed")
 
 

@@ -1,12 +1,15 @@
 """TorchRec training pipelines, stock and with ``comera_rec.compress`` added (issue 26).
 
-Three styles as TorchRec's examples write them (``tests/integration/pipelines_worker.py``):
+Four styles as TorchRec's examples write them (``tests/integration/pipelines_worker.py``):
 
 * DLRM-DCN: ``DLRM_DCN`` in ``DLRMTrain``, tables on ``meta``, ``RowWiseAdagrad`` applied
   in backward, stock DMP, ``KeyedOptimizerWrapper`` + ``CombinedOptimizer``;
 * a two-tower retrieval model (query and candidate ``EmbeddingBagCollection`` + MLP,
   dot-product logits, BCE), stock DMP, the sharder's fused SGD;
-* ``TrainPipelineSparseDist`` on the compressed DLRM-DCN with a ``RankAdapter``.
+* ``TrainPipelineSparseDist`` on the compressed DLRM-DCN with a ``RankAdapter``;
+* a sequential recommender (an ``EmbeddingCollection`` of a history, a target item and
+  its genre), stock DMP with ``EmbeddingCollectionSharder``, trained by
+  ``TrainPipelineSparseDist`` as TorchRec's BERT4Rec example does.
 
 Each stock model and its compressed version (one added line) trains: finite, falling
 loss, every TT parameter, every other replicated parameter and every dense table moved.
@@ -41,7 +44,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning"),  # DMP's ShardedTensor state
 ]
 
-TRAINING = ["dcn_stock", "dcn_compressed", "tower_stock", "tower_compressed"]
+TRAINING = ["dcn_stock", "dcn_compressed", "tower_stock", "tower_compressed", "seq_stock", "seq_compressed"]
 # Two ranks sum their halves of the batch in another order than one process, and DDP
 # averages: float32 noise (1e-7 on the loss) that 16 Adagrad steps through the TT products
 # grow to ~3e-5 on a few core entries (the stock models: ~1e-6). A real difference (a
@@ -54,6 +57,8 @@ DENSE_TABLES = {  # the tables TorchRec shards (all of them in the stock models)
     "tower_compressed": {"query_ctx", "item_cat"},
     "pipeline_adapter": {"t2", "t3"},
     "tower_adapter": {"query_ctx", "item_cat"},
+    "seq_stock": {"item", "genre"},
+    "seq_compressed": {"genre"},
 }
 # the compressed collections each adapter style must have cut below the policy's rank
 ADAPTED_COLLECTIONS = {
@@ -101,7 +106,7 @@ def check_trains(result: dict, style: str) -> None:
     assert sum(last) / len(last) < sum(first) / len(first) - 0.05, losses
     assert result["unchanged"] == [], result["unchanged"]
     assert result["unchanged_shards"] == [], result["unchanged_shards"]
-    assert bool(result["tt"]) == (style != "dcn_stock" and style != "tower_stock")
+    assert bool(result["tt"]) == (not style.endswith("_stock"))
     assert not result["tt"] or any("groups" in n for n in result["tt"])  # the tables themselves
 
 
@@ -110,6 +115,15 @@ def test_one_process_trains(one_process, style: str) -> None:
     result = one_process(style)
     check_trains(result, style)
     assert {table_name(n) for n in result["tables"]} == DENSE_TABLES[style]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", ["seq_stock", "seq_compressed"])
+def test_sequence_model_lookups_run_in_the_pipeline(one_process, two_processes, style: str) -> None:
+    # the sharded tables' lookups are the pipeline's (a stock table, or the compressed
+    # collection's dense child: its input is the batch's KJT itself)
+    assert one_process(style)["pipelined"]
+    assert all(r["pipelined"] for r in two_processes(style))
 
 
 @pytest.mark.slow
@@ -135,7 +149,8 @@ def test_two_processes_match_one_process(one_process, two_processes, style: str)
             covered[name] = covered.get(name, 0) + shard.numel()
     assert {table_name(n) for n in covered} == DENSE_TABLES[style]
     assert all(covered[n] == full[n].numel() for n in covered)
-    assert all(r["shards"] for r in ranks)
+    if len(DENSE_TABLES[style]) > 1:  # (one table, table-wise: one rank holds it)
+        assert all(r["shards"] for r in ranks)
     # the losses are of each half; their mean is the one-process loss of the global batch
     torch.testing.assert_close(
         (torch.tensor(ranks[0]["losses"]) + torch.tensor(ranks[1]["losses"])) / 2,
