@@ -38,12 +38,12 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.sharding_plan import get_default_sharders
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from comera_rec.integration.kernel_support import check_dense_table_kernels
+from comera_rec.integration.kernel_support import check_dense_table_kernels, dense_collections, dense_table_names
 from comera_rec.integration.torchrec_internals import (
     collection_device,
     rewrap_dmp_data_parallel,
@@ -85,7 +85,8 @@ def dense_table_constraints(
     ``data_parallel`` is an error.
 
     Args:
-        model: the model whose TorchRec ``EmbeddingBagCollection`` tables are planned.
+        model: the model whose TorchRec ``EmbeddingBagCollection`` / ``EmbeddingCollection``
+            tables are planned.
         device: the compute device of the processes.
         sharding_type: one sharding type for every table, or ``None`` for the planner's choice.
         constraints: per-table constraints, by table name.
@@ -98,12 +99,7 @@ def dense_table_constraints(
         >>> dense_table_constraints(model, torch.device("cpu"))["t_cat_0"].sharding_types  # doctest: +SKIP
         ['table_wise', 'column_wise', 'table_column_wise']
     """
-    names = [
-        cfg.name
-        for _, m in model.named_modules()
-        if type(m) is EmbeddingBagCollection
-        for cfg in m.embedding_bag_configs()
-    ]
+    names = dense_table_names(model)
     out: dict[str, ParameterConstraints] = {}
     if sharding_type is not None:
         out = {name: ParameterConstraints(sharding_types=[sharding_type]) for name in names}
@@ -140,11 +136,7 @@ def materialize_tensor_trains(model: nn.Module, device: torch.device | str) -> N
 
 
 def _fused_table_params(model: nn.Module) -> list[nn.Parameter]:
-    params: list[nn.Parameter] = []
-    for _, module in model.named_modules():
-        if type(module) is EmbeddingBagCollection:
-            params.extend(module.parameters())
-    return params
+    return [p for _, module in dense_collections(model) for p in module.parameters()]
 
 
 def replicated_parameter_groups(model: nn.Module) -> ParamGroups:
@@ -215,6 +207,8 @@ def wrap_model(
     dense tables are sharded by TorchRec's planner, the rest is replicated under DDP.
     Without one (a single process), the model is moved to ``device`` and its dense
     tables get the same optimizer applied in backward, so the training loop is the same.
+    Bag and sequence collections (``EmbeddingBagCollection``, ``EmbeddingCollection``, and
+    the ``dense`` children of compressed ones) alike.
 
     Args:
         model: the model, possibly on the meta device.
@@ -255,8 +249,11 @@ def wrap_model(
             _materialize_rest(model, device)
         model = model.to(device)
         # One process: FBGEMM's table-batched kernels with the optimizer fused into
-        # backward, the same kernels DMP uses when it shards the tables.
-        return model, _fuse_dense_tables(model, spec, device)
+        # backward, the same kernels DMP uses when it shards the tables; sequence tables
+        # (EmbeddingCollection: TorchRec has no fused CPU module for them) get the same
+        # optimizer applied in backward to their own weights.
+        fused_bags = _fuse_dense_tables(model, spec, device)
+        return model, _combined([fused_bags, _sequence_tables_in_backward(model, spec)])
 
     tables = [p for p in _fused_table_params(model) if not hasattr(p, "_in_backward_optimizers")]
     if tables:
@@ -312,11 +309,40 @@ def _materialize_rest(model: nn.Module, device: torch.device) -> None:
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
     for _, module in model.named_modules():
-        if hasattr(module, "embedding_bag_configs") and collection_device(module) is not None:
+        configs = hasattr(module, "embedding_bag_configs") or hasattr(module, "embedding_configs")
+        if configs and collection_device(module) is not None:
             if collection_device(module).type == "meta":
                 set_collection_device(module, device)
-                if type(module) is EmbeddingBagCollection:
+                if type(module) in (EmbeddingBagCollection, EmbeddingCollection):
                     module.reset_parameters()
+
+
+def _sequence_tables_in_backward(model: nn.Module, spec: EmbeddingOptimizerSpec) -> KeyedOptimizer | None:
+    """Apply ``spec``'s optimizer in backward to the weights of every plain
+    ``EmbeddingCollection``, as DMP does before sharding them; a ``KeyedOptimizer`` over
+    those optimizers' state (for checkpoints), or ``None`` without such tables."""
+    weights = {
+        f"{prefix}.{name}" if prefix else name: p
+        for prefix, module in dense_collections(model)
+        if isinstance(module, EmbeddingCollection)
+        for name, p in module.named_parameters()
+        if not hasattr(p, "_in_backward_optimizers")
+    }
+    if not weights:
+        return None
+    _apply_optimizer_in_backward(spec.optimizer_class, list(weights.values()), dict(spec.kwargs))
+    keyed = [
+        KeyedOptimizer({name: p}, p._in_backward_optimizers[0].state, p._in_backward_optimizers[0].param_groups)
+        for name, p in weights.items()
+    ]
+    return _combined(keyed)
+
+
+def _combined(optimizers: list[KeyedOptimizer | None]) -> KeyedOptimizer | None:
+    present = [o for o in optimizers if o is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    return CombinedOptimizer(present)
 
 
 def _strip(name: str) -> str:
@@ -328,11 +354,10 @@ def _strip(name: str) -> str:
 def _table_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """Materialised weights of the tables DMP will shard (it re-initialises them)."""
     out: dict[str, torch.Tensor] = {}
-    for prefix, module in model.named_modules():
-        if type(module) is EmbeddingBagCollection:
-            for name, p in module.named_parameters():
-                if not p.is_meta:
-                    out[f"{prefix}.{name}" if prefix else name] = p.detach().clone()
+    for prefix, module in dense_collections(model):
+        for name, p in module.named_parameters():
+            if not p.is_meta:
+                out[f"{prefix}.{name}" if prefix else name] = p.detach().clone()
     return out
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import fbgemm_gpu
 import torch
 from torch import nn
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingConfig  # noqa: F401  (the example)
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 # An operator of FBGEMM's table-batched training path that the CPU package registers for CPU only.
 _TBE_PROBE_OPERATOR = "fbgemm::get_infos_metadata"
@@ -42,15 +43,31 @@ def fbgemm_has_cuda_kernels() -> bool:
     return not cpu_only
 
 
+def dense_collections(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the model's plain TorchRec collections, ``EmbeddingBagCollection``
+    and ``EmbeddingCollection`` (a compressed collection's ``dense`` child among them): the
+    tables TorchRec shards, or FBGEMM runs, in module order.
+
+    Example::
+
+        >>> ec = EmbeddingCollection(tables=[EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=9, feature_names=["f"])])
+        >>> [name for name, _ in dense_collections(nn.ModuleDict({"ec": ec}))]
+        ['ec']
+    """
+    return [(name, m) for name, m in model.named_modules() if type(m) in (EmbeddingBagCollection, EmbeddingCollection)]
+
+
+def collection_configs(collection: nn.Module) -> list:
+    """The table configs of a TorchRec bag or sequence collection."""
+    if isinstance(collection, EmbeddingBagCollection):
+        return list(collection.embedding_bag_configs())
+    return list(collection.embedding_configs())
+
+
 def dense_table_names(model: nn.Module) -> list[str]:
-    """The tables of the model's plain ``EmbeddingBagCollection`` modules (those FBGEMM runs),
-    in module order."""
-    return [
-        config.name
-        for module in model.modules()
-        if type(module) is EmbeddingBagCollection
-        for config in module.embedding_bag_configs()
-    ]
+    """The tables of the model's plain TorchRec collections (:func:`dense_collections`), in
+    module order."""
+    return [config.name for _, module in dense_collections(model) for config in collection_configs(module)]
 
 
 def check_dense_table_kernels(model: nn.Module, device: torch.device | str) -> None:

@@ -23,6 +23,8 @@ marked ``# comera-rec``:
   and a genre table) on ``meta``, the history's rows averaged per sample, an MLP to a logit,
   stock DMP with ``EmbeddingCollectionSharder`` (fused SGD), trained by
   ``TrainPipelineSparseDist``.
+* ``seq_wrapped``: the compressed ``seq`` model wrapped by ``comera_rec.wrap_model``
+  (its planner and sharders, the embedding optimizer in backward) instead of stock DMP.
 
 The table-wise plan is there because on CPU TorchRec's planner puts small tables on
 ``data_parallel``, whose FBGEMM dense lookup has no autograd kernel there: such a table
@@ -66,7 +68,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import comera_rec  # comera-rec
-from comera_rec.integration import CompressionPolicy
+from comera_rec.integration import CompressionPolicy, EmbeddingOptimizerSpec
 from comera_rec.rank import RankScheduleConfig
 from comera_rec.tensor.train import TensorTrainModule
 
@@ -99,6 +101,7 @@ STYLES = (
     "tower_adapter",
     "seq_stock",
     "seq_compressed",
+    "seq_wrapped",
 )
 
 
@@ -443,18 +446,21 @@ def seq_batch(step: int, start: int = 0, stop: int = GLOBAL_BATCH) -> Batch:
     return Batch(dense_features=dense[mine], sparse_features=features, labels=labels[mine])
 
 
-def build_seq(world: int, compressed: bool) -> DistributedModelParallel:
+def build_seq(world: int, compressed: bool, wrapped: bool = False) -> DistributedModelParallel:
     model = seq_model(META)
     if compressed:
         comera_rec.compress(model, POLICY)  # comera-rec
+    if wrapped:
+        spec = EmbeddingOptimizerSpec(torch.optim.SGD, {"lr": TOWER_LR})
+        return comera_rec.wrap_model(model, device=CPU, embedding_optimizer=spec)[0]
     sharders = [EmbeddingCollectionSharder(fused_params={"learning_rate": TOWER_LR})]
     return DistributedModelParallel(
         module=model, device=CPU, plan=table_wise_plan(model, sharders, world), sharders=sharders
     )
 
 
-def run_seq(rank: int, world: int, compressed: bool) -> dict:
-    model = build_seq(world, compressed)
+def run_seq(rank: int, world: int, compressed: bool, wrapped: bool = False) -> dict:
+    model = build_seq(world, compressed, wrapped)
     initial = initial_state(seq_model, compressed)
     load_initial(model, initial)
     optimizer = make_optimizer(model)
@@ -609,6 +615,8 @@ def run_style(style: str, rank: int, world: int) -> dict:
         return run_pipeline_adapter(rank, world)
     if style == "tower_adapter":
         return run_tower_adapter(rank, world)
+    if style == "seq_wrapped":
+        return run_seq(rank, world, compressed=True, wrapped=True)
     kind, version = style.split("_")
     runner = {"dcn": run_dcn, "tower": run_tower, "seq": run_seq}[kind]
     return runner(rank, world, compressed=version == "compressed")

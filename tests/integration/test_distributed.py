@@ -9,9 +9,11 @@ import pytest
 import torch
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from comera_rec.integration.distributed import (
     CPU_SHARDING_TYPES,
+    EmbeddingOptimizerSpec,
     dense_table_constraints,
     host_memory_bytes,
     planner_topology,
@@ -165,3 +167,56 @@ def test_planner_topology_has_this_hosts_memory(monkeypatch, caplog) -> None:
     assert topology.world_size == 4 and topology.compute_device == "cpu"
     assert all(d.storage.ddr == host_memory_bytes() // 2 for d in topology.devices)
     assert 0 < host_memory_bytes() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def sequence_model():
+    """The compressed sequential recommender of the pipelines tests, on ``meta``: a TTM item
+    table and a dense ``genre`` table in a TorchRec ``EmbeddingCollection`` child."""
+    from comera_rec import compress
+    from tests.integration import pipelines_worker
+
+    model = pipelines_worker.seq_model(torch.device("meta"))
+    compress(model, pipelines_worker.POLICY)
+    return model
+
+
+def test_cpu_sequence_tables_never_planned_data_parallel() -> None:
+    got = dense_table_constraints(sequence_model(), CPU)
+    assert set(got) == {"genre"}
+    assert got["genre"].sharding_types == list(CPU_SHARDING_TYPES)
+
+
+def test_single_process_sequence_tables_get_the_embedding_optimizer_in_backward() -> None:
+    from tests.integration import pipelines_worker
+
+    spec = EmbeddingOptimizerSpec(RowWiseAdagrad, {"lr": 0.5, "eps": 1e-8})
+    wrapped, fused = wrap_model(sequence_model(), device=CPU, embedding_optimizer=spec)
+    assert not any(p.is_meta for p in wrapped.parameters())
+    genre = wrapped.model.ec.dense.embeddings["genre"].weight
+    assert [type(o) for o in genre._in_backward_optimizers] == [RowWiseAdagrad]
+    groups = replicated_parameter_groups(wrapped)
+    replicated = {id(p) for ps in groups.values() for p in ps}
+    assert id(genre) not in replicated  # the table is the in-backward optimizer's alone
+    assert groups["cores"] and all(id(p) in replicated for p in wrapped.model.ec.parameters() if p is not genre)
+    optim = torch.optim.Adagrad([p for ps in groups.values() for p in ps], lr=pipelines_worker.LR)
+    start = genre.detach().clone()
+    losses = []
+    for step in range(pipelines_worker.STEPS):
+        loss, _ = wrapped(pipelines_worker.seq_batch(step))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    assert sum(losses[-4:]) < sum(losses[:4]) - 0.2, losses
+    moved = ((genre.detach() - start).abs().sum(1) > 0).nonzero().flatten().tolist()
+    read = set()
+    for step in range(pipelines_worker.DISTINCT):
+        read |= set(pipelines_worker.seq_batch(step).sparse_features["genre"].values().tolist())
+    assert moved == sorted(read)  # the rows the batches read, and only those
+    assert genre.grad is None  # stepped in backward, not left for another optimiser
+    # the returned optimiser holds the table's row-wise state, for checkpoints
+    state = fused.state_dict()["state"]
+    assert set(state) == {"model.ec.dense.embeddings.genre.weight"}
+    torch.testing.assert_close(
+        state["model.ec.dense.embeddings.genre.weight"]["sum"], genre._in_backward_optimizers[0].state[genre]["sum"]
+    )

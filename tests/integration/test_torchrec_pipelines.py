@@ -44,7 +44,15 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning"),  # DMP's ShardedTensor state
 ]
 
-TRAINING = ["dcn_stock", "dcn_compressed", "tower_stock", "tower_compressed", "seq_stock", "seq_compressed"]
+TRAINING = [
+    "dcn_stock",
+    "dcn_compressed",
+    "tower_stock",
+    "tower_compressed",
+    "seq_stock",
+    "seq_compressed",
+    "seq_wrapped",
+]
 # Two ranks sum their halves of the batch in another order than one process, and DDP
 # averages: float32 noise (1e-7 on the loss) that 16 Adagrad steps through the TT products
 # grow to ~3e-5 on a few core entries (the stock models: ~1e-6). A real difference (a
@@ -59,6 +67,7 @@ DENSE_TABLES = {  # the tables TorchRec shards (all of them in the stock models)
     "tower_adapter": {"query_ctx", "item_cat"},
     "seq_stock": {"item", "genre"},
     "seq_compressed": {"genre"},
+    "seq_wrapped": {"genre"},
 }
 # the compressed collections each adapter style must have cut below the policy's rank
 ADAPTED_COLLECTIONS = {
@@ -118,12 +127,23 @@ def test_one_process_trains(one_process, style: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("style", ["seq_stock", "seq_compressed"])
+@pytest.mark.parametrize("style", ["seq_stock", "seq_compressed", "seq_wrapped"])
 def test_sequence_model_lookups_run_in_the_pipeline(one_process, two_processes, style: str) -> None:
     # the sharded tables' lookups are the pipeline's (a stock table, or the compressed
     # collection's dense child: its input is the batch's KJT itself)
     assert one_process(style)["pipelined"]
     assert all(r["pipelined"] for r in two_processes(style))
+
+
+def test_wrap_model_trains_sequence_tables_with_the_embedding_optimizer(one_process) -> None:
+    # wrap_model applies the embedding optimizer (SGD, lr TOWER_LR) to the EmbeddingCollection's
+    # table before DMP, as the stock style's sharder is given it: the same run. (Before, the
+    # sequence tables got the sharder's default optimizer and the given one was ignored.)
+    wrapped, stock = one_process("seq_wrapped"), one_process("seq_compressed")
+    torch.testing.assert_close(torch.tensor(wrapped["losses"]), torch.tensor(stock["losses"]), rtol=1e-6, atol=1e-7)
+    for (name, offsets, shard), (name_s, offsets_s, shard_s) in zip(wrapped["shards"], stock["shards"]):
+        assert (name, offsets) == (name_s, offsets_s)
+        torch.testing.assert_close(shard, shard_s, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.slow
