@@ -25,6 +25,8 @@ marked ``# comera-rec``:
   ``TrainPipelineSparseDist``.
 * ``seq_wrapped``: the compressed ``seq`` model wrapped by ``comera_rec.wrap_model``
   (its planner and sharders, the embedding optimizer in backward) instead of stock DMP.
+* ``seq_adapter``: the compressed ``seq`` model trained by ``TrainPipelineSparseDist`` with
+  a ``RankAdapter`` (one ranking over the sequence collection's item table and the MLP).
 
 The table-wise plan is there because on CPU TorchRec's planner puts small tables on
 ``data_parallel``, whose FBGEMM dense lookup has no autograd kernel there: such a table
@@ -102,6 +104,7 @@ STYLES = (
     "seq_stock",
     "seq_compressed",
     "seq_wrapped",
+    "seq_adapter",
 )
 
 
@@ -580,6 +583,23 @@ def run_pipeline_adapter(rank: int, world: int) -> dict:
     return result
 
 
+def run_seq_adapter(rank: int, world: int) -> dict:
+    model, initial, optimizer, adapter = start_adapted(build_seq(world, compressed=True), seq_model)
+    pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
+    progress = AdapterProgress(model, adapter)
+    per = GLOBAL_BATCH // world
+    batches = iter([seq_batch(step, rank * per, (rank + 1) * per) for step in range(ADAPTER_STEPS)])
+    for _ in range(ADAPTER_STEPS):
+        loss, _logits = pipeline.progress(batches)
+        model = adapter.step(model, optimizer)  # comera-rec
+        progress.record(model, loss.item())
+    result = adapted_report(model, initial, optimizer, adapter, progress)
+    result["pipelined"] = isinstance(model.module.model.ec.dense.forward, PipelinedForward)
+    adapter.close()
+    del pipeline
+    return result
+
+
 def run_tower_adapter(rank: int, world: int) -> dict:
     model, initial, optimizer, adapter = start_adapted(build_tower(world, compressed=True), tower_model)
     progress = AdapterProgress(model, adapter)
@@ -615,6 +635,8 @@ def run_style(style: str, rank: int, world: int) -> dict:
         return run_pipeline_adapter(rank, world)
     if style == "tower_adapter":
         return run_tower_adapter(rank, world)
+    if style == "seq_adapter":
+        return run_seq_adapter(rank, world)
     if style == "seq_wrapped":
         return run_seq(rank, world, compressed=True, wrapped=True)
     kind, version = style.split("_")

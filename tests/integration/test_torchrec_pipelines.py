@@ -9,7 +9,8 @@ Four styles as TorchRec's examples write them (``tests/integration/pipelines_wor
 * ``TrainPipelineSparseDist`` on the compressed DLRM-DCN with a ``RankAdapter``;
 * a sequential recommender (an ``EmbeddingCollection`` of a history, a target item and
   its genre), stock DMP with ``EmbeddingCollectionSharder``, trained by
-  ``TrainPipelineSparseDist`` as TorchRec's BERT4Rec example does.
+  ``TrainPipelineSparseDist`` as TorchRec's BERT4Rec example does; compressed, also
+  through ``wrap_model`` and with a ``RankAdapter``.
 
 Each stock model and its compressed version (one added line) trains: finite, falling
 loss, every TT parameter, every other replicated parameter and every dense table moved.
@@ -68,11 +69,13 @@ DENSE_TABLES = {  # the tables TorchRec shards (all of them in the stock models)
     "seq_stock": {"item", "genre"},
     "seq_compressed": {"genre"},
     "seq_wrapped": {"genre"},
+    "seq_adapter": {"genre"},
 }
 # the compressed collections each adapter style must have cut below the policy's rank
 ADAPTED_COLLECTIONS = {
     "pipeline_adapter": ["model.sparse_arch.embedding_bag_collection.groups.0"],
     "tower_adapter": ["two_tower.query_tower.ebc.groups.0", "two_tower.candidate_tower.ebc.groups.0"],
+    "seq_adapter": ["model.ec.groups.0"],  # the sequence collection's TTM item table
 }
 
 
@@ -258,8 +261,16 @@ def test_two_tower_loop_with_rank_adapter(one_process) -> None:
     assert {table_name(n) for n in result["tables"]} == DENSE_TABLES["tower_adapter"]
 
 
+def test_sequence_pipeline_with_rank_adapter(one_process) -> None:
+    # the EmbeddingCollection's TTM table ranked and cut with the MLP, through the pipeline
+    result = one_process("seq_adapter")
+    check_adapted(result, "seq_adapter")
+    assert {table_name(n) for n in result["tables"]} == DENSE_TABLES["seq_adapter"]
+    assert result["pipelined"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("style", ["pipeline_adapter", "tower_adapter"])
+@pytest.mark.parametrize("style", ["pipeline_adapter", "tower_adapter", "seq_adapter"])
 def test_rank_adapter_two_processes(two_processes, style: str) -> None:
     ranks = two_processes(style)
     for r in ranks:
