@@ -21,7 +21,13 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from comera_rec.integration.collection_layout import BagOutputLayout, check_input_kind, check_jagged_batch
+from comera_rec.integration.collection_layout import (
+    COLLECTION_NAME,
+    BagOutputLayout,
+    check_input_kind,
+    check_jagged_batch,
+    one_batch_size,
+)
 from comera_rec.integration.fused_tables import fused_tables_lookup, single_lookup
 from comera_rec.integration.in_backward import carry_in_backward_optimizers
 from comera_rec.integration.policy import CompressionPolicy, TablePlan
@@ -314,7 +320,9 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
 
         Args:
             features: a KJT holding at least every feature the tables read, one bag per
-                sample and feature (stride ``B``).
+                sample and feature (stride ``B``); or of variable batch sizes per feature
+                with ``inverse_indices`` (TorchRec's VBE), taken as the KJT of ``B`` samples
+                it stands for (:func:`one_batch_size`; not with sharded dense tables).
 
         Returns:
             A ``KeyedTensor`` of values ``(B, sum of embedding dims)``, keys and
@@ -327,11 +335,25 @@ class TTMEmbeddingBagCollection(TTMTableGroups, EmbeddingBagCollectionInterface)
         call each (:func:`fx_opaque`).
         """
         self._release_in_backward()  # marked after the model was moved (no DMP): see _apply
+        if isinstance(features, KeyedJaggedTensor) and features.variable_stride_per_key():
+            features = self._one_batch_size(features)
         fx_opaque(self, "_check_features", features)  # before any table reads an id
         # sharded: the whole KJT, in eager runs as in the pipeline (a sharded EBC picks its
         # features; its input dist is set up for the keys of its first input)
         dense_out = self.dense(features) if isinstance(self.dense, ShardedModule) else None
         return fx_opaque(self, "_pool", features, dense_out)  # type: ignore[return-value]
+
+    def _one_batch_size(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """A KJT of variable batch sizes per feature (VBE) as the one of one batch size it
+        stands for (:func:`one_batch_size`): its samples' bags, repeated where samples share
+        one. A sharded ``dense`` child takes the batch's KJT as it is (its input distribution
+        runs ahead, in the train pipelines), so VBE is refused with one."""
+        if isinstance(self.dense, ShardedModule):
+            raise ValueError(
+                f"{COLLECTION_NAME}: variable batch sizes per feature (VBE) with sharded dense tables are not "
+                "supported; compress every table of this collection, or give it one batch size per feature"
+            )
+        return one_batch_size(features)
 
     def _check_features(self, features: KeyedJaggedTensor) -> None:
         """The input's type, layout and (if ``validate_inputs``) ids; see :meth:`forward`."""

@@ -128,6 +128,68 @@ class BagOutputLayout:
         return [dense[a] for a in range(len(dense))], [[g[s] for s in range(len(g))] for g in groups]
 
 
+def one_batch_size(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """A KJT of variable batch sizes per feature (TorchRec's VBE: feature ``f`` has its own
+    bags, and ``inverse_indices`` say which of them each of the ``B`` samples reads) as the
+    KJT of one batch size ``B`` it stands for: sample ``b``'s bag of feature ``f`` is bag
+    ``inverse_indices[f][b]``, ids and weights copied. Pooling those bags gives what
+    TorchRec's ``EmbeddingBagCollection`` gives for the VBE input (it pools each feature's
+    own bags, then selects them by the inverse indices), and the gradients of a repeated
+    bag sum, as there.
+
+    Args:
+        features: a KJT with ``variable_stride_per_key()`` and ``inverse_indices``.
+
+    Returns:
+        The same keys, ``B`` bags each, ``B`` the inverse indices' width.
+
+    Raises:
+        ValueError: no inverse indices, or none for one of the keys.
+
+    Example::
+
+        >>> vbe = KeyedJaggedTensor(
+        ...     keys=["user", "item"], values=torch.tensor([7, 8, 1, 2, 3]), lengths=torch.tensor([2, 1, 1, 1]),
+        ...     stride_per_key_per_rank=[[1], [3]], inverse_indices=(["user", "item"], torch.tensor([[0, 0], [2, 1]])))
+        >>> one = one_batch_size(vbe)
+        >>> one.stride(), one.lengths().tolist(), one.values().tolist()
+        (2, [2, 2, 1, 1], [7, 8, 7, 8, 3, 2])
+    """
+    inverse = features.inverse_indices_or_none()
+    if inverse is None:
+        raise ValueError(
+            f"{COLLECTION_NAME}: a KeyedJaggedTensor of variable batch sizes per feature needs inverse_indices "
+            "(which of each feature's bags every sample reads), as TorchRec's EmbeddingBagCollection does"
+        )
+    names, index = inverse
+    row = {name: i for i, name in enumerate(names)}
+    missing = [key for key in features.keys() if key not in row]
+    if missing:
+        raise ValueError(f"{COLLECTION_NAME}: the inverse_indices have no row for feature(s) {missing}")
+    batch = index.shape[1]
+    weighted = features.weights_or_none() is not None
+    values, lengths, weights = [], [], []
+    for key, bags in features.to_dict().items():
+        pick = index[row[key]].long()  # (B,): each sample's bag of this feature
+        offsets = bags.offsets()
+        lens = bags.lengths()[pick]
+        total = int(lens.sum())
+        sample = torch.repeat_interleave(torch.arange(batch, device=lens.device), lens, output_size=total)
+        starts = offsets[:-1][pick] - (torch.cumsum(lens, 0) - lens)  # (B,): source start - new start
+        at = torch.arange(total, device=lens.device) + starts[sample]  # each new id's source position
+        values.append(bags.values()[at])
+        lengths.append(lens)
+        if weighted:
+            weights.append(bags.weights()[at])
+    return KeyedJaggedTensor(
+        keys=features.keys(),
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
+        weights=torch.cat(weights) if weighted else None,
+        stride=batch,
+    )
+
+
 def check_input_kind(features: object, dense: object) -> None:
     """The input is a ``KeyedJaggedTensor`` of one batch size for all features, and the
     train pipeline will not free it before the TTM tables read it.
@@ -143,8 +205,8 @@ def check_input_kind(features: object, dense: object) -> None:
     """
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"{COLLECTION_NAME}: expected a KeyedJaggedTensor, got {type(features).__name__}")
-    if features.variable_stride_per_key():
-        raise ValueError(f"{COLLECTION_NAME}: variable batch sizes per feature are not supported")
+    if features.variable_stride_per_key():  # (forward makes them one batch size, see one_batch_size)
+        raise ValueError(f"{COLLECTION_NAME}: variable batch sizes per feature reached the lookups")
     if getattr(dense, "_free_features_storage_early", False):
         raise RuntimeError(
             f"{COLLECTION_NAME}: the train pipeline's free_features_storage_early=True frees the "

@@ -6,12 +6,15 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import comera_rec.tensor.stacked as stacked
 from comera_rec.integration import CompressionPolicy, TTMEmbeddingBagCollection
+from comera_rec.integration.collection_layout import one_batch_size
 from comera_rec.tensor import cached_weights
 from comera_rec.tensor.derived import derived_cache
 from comera_rec.tensor.stacked import StackedTTMTables
@@ -416,3 +419,110 @@ def test_scoring_and_mean_pooling_keep_the_gather(kernels_on, monkeypatch: pytes
     monkeypatch.setattr(mean, "_pool_in_place", lambda *a: calls.append(1) or original(*a))
     mean(kjt()).values().sum().backward()
     assert calls == []  # mean bags are divided after the lookup
+
+
+# ------------------------------------------------------- variable batch sizes per feature (VBE)
+
+STRIDES = {"f0": 2, "f1": 3, "f2": 1, "f3": 4}  # each feature's own bags
+VBE_BATCH = 5  # the samples, each reading one bag of every feature (the inverse indices)
+
+
+def vbe_kjt(weighted: bool = False, seed: int = 0) -> KeyedJaggedTensor:
+    """The helpers' four features with a batch size each (an empty bag among them) and the
+    inverse indices that map the ``VBE_BATCH`` samples onto them."""
+    g = torch.Generator().manual_seed(seed)
+    bounds = {"f0": 10, "f1": 100, "f2": 90, "f3": 300}
+    lengths = [torch.randint(0, 4, (STRIDES[f],), generator=g) for f in bounds]
+    lengths[0][0] = 0
+    values = torch.cat(
+        [torch.randint(0, n, (int(lens.sum()),), generator=g) for lens, n in zip(lengths, bounds.values())]
+    )
+    inverse = torch.stack([torch.randint(0, STRIDES[f], (VBE_BATCH,), generator=g) for f in bounds])
+    return KeyedJaggedTensor(
+        keys=list(bounds),
+        values=values,
+        lengths=torch.cat(lengths),
+        weights=torch.rand(values.shape, generator=g) if weighted else None,
+        stride_per_key_per_rank=[[STRIDES[f]] for f in bounds],
+        inverse_indices=(list(bounds), inverse),
+    )
+
+
+@pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
+def test_variable_batch_sizes_match_torchrec_ebc(pooling: PoolingType, lookup_path: str) -> None:
+    # TorchRec's EBC pools each feature's own bags, then picks them by the inverse indices
+    ttm = TTMEmbeddingBagCollection(tables(pooling), policy())
+    ref = reference_ebc(ttm, tables(pooling))
+    features = vbe_kjt()
+    out, expected = ttm(features), ref(features)
+    assert out.values().shape == (VBE_BATCH, 40) and out.keys() == expected.keys()
+    torch.testing.assert_close(out.values(), expected.values(), rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_variable_batch_sizes_match_torchrec_ebc(lookup_path: str) -> None:
+    configs = [t for t in tables() if t.name != "b"]
+    ttm = TTMEmbeddingBagCollection(configs, policy(), is_weighted=True, allow_extra_keys=True)
+    ref = reference_ebc(ttm, [t for t in tables() if t.name != "b"], weighted=True)
+    features = vbe_kjt(weighted=True)
+    torch.testing.assert_close(ttm(features).values(), ref(features).values(), rtol=1e-5, atol=1e-6)
+
+
+def test_variable_batch_size_gradients_match_torchrec_ebc(lookup_path: str) -> None:
+    # a bag that several samples read gets the sum of their gradients, as in TorchRec
+    ttm = TTMEmbeddingBagCollection(tables(), policy())
+    ref = EmbeddingBagCollection(tables())
+    features = vbe_kjt(seed=1)
+    grad_out = torch.randn(VBE_BATCH, 40)
+    (ttm(features).values() * grad_out).sum().backward()
+    for name in ("a", "b", "d"):
+        ref.embedding_bags[name].weight.data = ttm.table_weight(name).detach().clone()
+    ref.embedding_bags["c"].weight.data = ttm.dense.embedding_bags["c"].weight.detach().clone()
+    (ref(features).values() * grad_out).sum().backward()
+    for g, group in enumerate(ttm.groups):
+        names = ttm._group_tables[g]
+        recon = sum((group.dense_weight(i) * ref.embedding_bags[n].weight.grad).sum() for i, n in enumerate(names))
+        expected = torch.autograd.grad(recon, list(group.cores) + list(group.controllers))
+        for got, want in zip(list(group.cores) + list(group.controllers), expected):
+            torch.testing.assert_close(got.grad, want, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(ttm.dense.embedding_bags["c"].weight.grad, ref.embedding_bags["c"].weight.grad)
+
+
+def test_variable_batch_sizes_need_inverse_indices() -> None:
+    ttm = TTMEmbeddingBagCollection(tables(), policy())
+    features = vbe_kjt()
+    bare = KeyedJaggedTensor(
+        keys=features.keys(),
+        values=features.values(),
+        lengths=features.lengths(),
+        stride_per_key_per_rank=features.stride_per_key_per_rank(),
+    )
+    with pytest.raises(ValueError, match="variable batch sizes per feature needs inverse_indices"):
+        ttm(bare)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), num_keys=st.integers(1, 3), batch=st.integers(1, 5), weighted=st.booleans())
+def test_one_batch_size_gives_each_sample_its_bag(data, num_keys: int, batch: int, weighted: bool) -> None:
+    keys = [f"k{i}" for i in range(num_keys)]
+    strides = [data.draw(st.integers(1, 4)) for _ in keys]
+    bags = [[data.draw(st.lists(st.integers(0, 50), max_size=3)) for _ in range(s)] for s in strides]
+    inverse = [[data.draw(st.integers(0, s - 1)) for _ in range(batch)] for s in strides]
+    ids = [i for per_key in bags for bag in per_key for i in bag]
+    features = KeyedJaggedTensor(
+        keys=keys,
+        values=torch.tensor(ids, dtype=torch.long),
+        lengths=torch.tensor([len(bag) for per_key in bags for bag in per_key], dtype=torch.long),
+        weights=torch.tensor(ids, dtype=torch.float) / 7 if weighted else None,
+        stride_per_key_per_rank=[[s] for s in strides],
+        inverse_indices=(keys, torch.tensor(inverse)),
+    )
+    one = one_batch_size(features)
+    assert one.keys() == keys and one.stride() == batch and not one.variable_stride_per_key()
+    for k, key in enumerate(keys):
+        got = one[key]
+        for b in range(batch):
+            want = bags[k][inverse[k][b]]
+            lo, hi = int(got.offsets()[b]), int(got.offsets()[b + 1])
+            assert got.values()[lo:hi].tolist() == want
+            if weighted:
+                assert got.weights()[lo:hi].tolist() == (torch.tensor(want, dtype=torch.float) / 7).tolist()

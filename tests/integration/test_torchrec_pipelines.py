@@ -284,3 +284,26 @@ def test_rank_adapter_two_processes(two_processes, style: str) -> None:
     held = [{table_name(n) for n in r["tables"]} for r in ranks]
     assert held[0] | held[1] == DENSE_TABLES[style] and not held[0] & held[1]
     assert all(math.isfinite(v) for r in ranks for v in r["losses"])
+
+
+def test_variable_batch_sizes_are_refused_with_sharded_dense_tables(tmp_path) -> None:
+    # the sharded dense child's input distribution takes the batch's KJT as it is: a VBE
+    # batch is refused by name, not looked up wrongly
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = worker.build_dcn(1, compressed=True)
+        keys = [f"f{i}" for i in range(len(worker.DCN_SIZES))]
+        features = KeyedJaggedTensor(
+            keys=keys,
+            values=torch.tensor([1, 2, 3, 4, 5]),
+            lengths=torch.ones(5, dtype=torch.long),
+            stride_per_key_per_rank=[[2], [1], [1], [1]],
+            inverse_indices=(keys, torch.tensor([[0, 1], [0, 0], [0, 0], [0, 0]])),
+        )
+        batch = worker.dcn_batch(0, 0, 2)
+        with pytest.raises(ValueError, match="VBE. with sharded dense tables are not supported"):
+            model(type(batch)(dense_features=batch.dense_features, sparse_features=features, labels=batch.labels))
+    finally:
+        destroy_distributed()
