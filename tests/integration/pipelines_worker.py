@@ -559,14 +559,26 @@ def start_adapted(
     return model, initial, optimizer, adapter
 
 
-def run_pipeline_adapter(rank: int, world: int) -> dict:
-    model, initial, optimizer, adapter = start_adapted(build_dcn(world, compressed=True), dcn_model)
+def run_pipelined_adapter(
+    model: DistributedModelParallel,
+    build: Callable[[torch.device], nn.Module],
+    batch: Callable[[int, int, int], Batch],
+    rank: int,
+    world: int,
+    collection: Callable[[nn.Module], nn.Module],
+) -> dict:
+    """``model`` trained by ``TrainPipelineSparseDist`` with a ``RankAdapter`` (``model =
+    adapter.step(model, optimizer)`` after each ``progress``) on ``batch(step, start,
+    stop)``; :func:`adapted_report`, whether the compressed collection's (``collection`` of
+    the unwrapped model) dense child ran in the pipeline, and whether the pipeline ended
+    with the batches."""
+    model, initial, optimizer, adapter = start_adapted(model, build)
     pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
     progress = AdapterProgress(model, adapter)
     per = GLOBAL_BATCH // world
-    batches = iter([dcn_batch(step, rank * per, (rank + 1) * per) for step in range(ADAPTER_STEPS)])
+    batches = iter([batch(step, rank * per, (rank + 1) * per) for step in range(ADAPTER_STEPS)])
     for _ in range(ADAPTER_STEPS):
-        loss, _logits, _labels = pipeline.progress(batches)
+        loss = pipeline.progress(batches)[0]  # the model's second output: (loss, ...)
         model = adapter.step(model, optimizer)  # comera-rec
         progress.record(model, loss.item())
     try:
@@ -574,30 +586,29 @@ def run_pipeline_adapter(rank: int, world: int) -> dict:
         exhausted = False
     except StopIteration:
         exhausted = True
-    collection = model.module.model.sparse_arch.embedding_bag_collection
     result = adapted_report(model, initial, optimizer, adapter, progress)
-    result["pipelined"] = isinstance(collection.dense.forward, PipelinedForward)
+    result["pipelined"] = isinstance(collection(model.module).dense.forward, PipelinedForward)
     result["exhausted"] = exhausted
     adapter.close()
     del pipeline
     return result
 
 
+def run_pipeline_adapter(rank: int, world: int) -> dict:
+    return run_pipelined_adapter(
+        build_dcn(world, compressed=True),
+        dcn_model,
+        dcn_batch,
+        rank,
+        world,
+        lambda m: m.model.sparse_arch.embedding_bag_collection,
+    )
+
+
 def run_seq_adapter(rank: int, world: int) -> dict:
-    model, initial, optimizer, adapter = start_adapted(build_seq(world, compressed=True), seq_model)
-    pipeline = TrainPipelineSparseDist(model, optimizer, CPU)
-    progress = AdapterProgress(model, adapter)
-    per = GLOBAL_BATCH // world
-    batches = iter([seq_batch(step, rank * per, (rank + 1) * per) for step in range(ADAPTER_STEPS)])
-    for _ in range(ADAPTER_STEPS):
-        loss, _logits = pipeline.progress(batches)
-        model = adapter.step(model, optimizer)  # comera-rec
-        progress.record(model, loss.item())
-    result = adapted_report(model, initial, optimizer, adapter, progress)
-    result["pipelined"] = isinstance(model.module.model.ec.dense.forward, PipelinedForward)
-    adapter.close()
-    del pipeline
-    return result
+    return run_pipelined_adapter(
+        build_seq(world, compressed=True), seq_model, seq_batch, rank, world, lambda m: m.model.ec
+    )
 
 
 def run_tower_adapter(rank: int, world: int) -> dict:

@@ -114,7 +114,7 @@ def test_tt_chains_operator_passes_opcheck_and_equals_the_kernel() -> None:
     cores, controllers = tt_weight([3, 4], [2, 5], rank=3)
     torch.library.opcheck(compiled_ops.tt_chains_op, [cores, controllers, 2, 10, 9])
     want = kernels.tt_chains_cpu(cores[:2], cores[2:], controllers, 10, 9)
-    got = compiled_ops.tt_chains_compiled(cores[:2], cores[2:], controllers, 10, 9)
+    got = compiled_ops.tt_chains_compiled(cores, controllers, 2, 10, 9)
     for g, w in zip(got, want):
         assert_same(g, w)
     inputs = cores + controllers

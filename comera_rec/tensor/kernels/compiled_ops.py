@@ -406,16 +406,17 @@ tt_chains_op.register_autograd(_tt_chains_backward, setup_context=_tt_chains_set
 
 
 def tt_chains_compiled(
-    input_cores: Sequence[torch.Tensor],
-    output_cores: Sequence[torch.Tensor],
-    controllers: Sequence[torch.Tensor],
-    in_features: int,
-    out_features: int,
+    cores: Sequence[torch.Tensor], controllers: Sequence[torch.Tensor], d: int, in_features: int, out_features: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~comera_rec.tensor.kernels.tt_chains_cpu` through the ``tt_chains`` operator:
-    the same ``(left, right)``, traceable by ``torch.compile``."""
-    d = len(input_cores)
-    if len(output_cores) != d:
-        raise ValueError(f"tt_chains: {d} input cores and {len(output_cores)} output cores (need as many)")
-    out = tt_chains_op([*input_cores, *output_cores], list(controllers), d, in_features, out_features)
+    the same ``(left, right)``, traceable by ``torch.compile``.
+
+    Args:
+        cores: the ``d`` input-side cores, then the ``d`` output-side ones.
+        controllers: the ``2d - 1`` bond controllers.
+        d: the input-side cores.
+        in_features: rows of ``left`` kept.
+        out_features: columns of ``right`` kept.
+    """
+    out = tt_chains_op(list(cores), list(controllers), d, in_features, out_features)
     return out[0], out[1]

@@ -442,5 +442,5 @@ def tt_chains_cpu(
     if len(output_cores) != d:
         raise ValueError(f"tt_chains_cpu: {d} input cores and {len(output_cores)} output cores (need as many)")
     if torch.compiler.is_compiling():
-        return tt_chains_compiled(input_cores, output_cores, controllers, in_features, out_features)
+        return tt_chains_compiled([*input_cores, *output_cores], controllers, d, in_features, out_features)
     return _TTChains.apply(d, in_features, out_features, *input_cores, *output_cores, *controllers)
