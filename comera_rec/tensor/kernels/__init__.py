@@ -12,7 +12,9 @@ See ``docs/gpu.md`` for the design. On CPU, C++ kernels (one extension, built at
 :func:`build_cpu_kernels` / ``python -m comera_rec.tensor.kernels``, else on first use:
 :mod:`.cpu_extension`; the lookup: :mod:`.ttm_cpu`) take the TTM lookup and the TT linear
 with its ReLU, unless ``COMERA_DISABLE_CPU_KERNEL=1`` or :func:`set_cpu_kernel_enabled(False) <set_cpu_kernel_enabled>`;
-each ``*_applies`` function says whether its kernel takes a call. The layers above keep
+each ``*_applies`` function says whether its kernel takes a call. Under ``torch.compile``
+the TT layer kernels are called as ``torch.library`` operators (:mod:`.compiled_ops`), so a
+compiled graph keeps them. The layers above keep
 their own CPU kernels (DLRM's pairwise-dot interaction: ``comera_rec.dlrm.interaction_kernel``;
 the row-wise Adagrad tables: ``comera_rec.integration.rowwise_bag_kernel``), small extensions
 built the same way (:class:`CpuExtension`) and registered with :func:`register_cpu_extension`,
