@@ -222,7 +222,9 @@ def train_small(config: str, steps: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats and a shorter training run")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="batch sizes to time")
+    parser.add_argument(
+        "--batches", type=int, nargs="+", default=None, help="batch sizes to time (default 1 and 32; 32 with --compile)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per method")
     parser.add_argument("--galore-rank", type=int, default=128)
     parser.add_argument("--lte-heads", type=int, default=4)
@@ -244,15 +246,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-config", default="configs/transformer_synthetic.yaml")
     parser.add_argument("--train-steps", type=int, default=None, help="steps of part 2 (default: the config's)")
     args = parser.parse_args(argv)
+    if args.dropout is not None and not args.compile:
+        parser.error("--dropout sets the encoder's dropout for --compile only")
     t0 = time.perf_counter()
     if args.compile:
-        bench_compiled(
-            args.batches if args.batches != [1, 32] else [32], args.repeats or (2 if args.quick else 6), args
-        )
+        bench_compiled(args.batches or [32], args.repeats or (2 if args.quick else 6), args)
         print(f"\ntotal {time.perf_counter() - t0:.0f} s")
         return
     if not args.skip_reference:
-        for batch in args.batches:
+        for batch in args.batches or [1, 32]:
             repeats = args.repeats or (1 if args.quick and batch > 8 else 2 if args.quick or batch > 8 else 4)
             bench_reference([batch], repeats, warmup=1, args=args)
     if not args.skip_train:

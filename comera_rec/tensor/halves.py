@@ -34,6 +34,18 @@ def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where it is laid out row-major (:func:`row_major_strides`), else a row-major
+    copy: unlike ``contiguous``, a dimension of size 1 must have its row-major stride too.
+
+    Example::
+
+        >>> row_major(torch.zeros(1, 4)[:, :2]).stride()
+        (2, 1)
+    """
+    return t if t.stride() == row_major_strides(t.shape) else t.clone(memory_format=torch.contiguous_format)
+
+
 class _RowMajorGrad(torch.autograd.Function):
     """Identity forward; the gradient handed back in row-major layout."""
 
@@ -43,9 +55,7 @@ class _RowMajorGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        if grad.stride() == row_major_strides(grad.shape):
-            return grad
-        return grad.clone(memory_format=torch.contiguous_format)
+        return row_major(grad)
 
 
 def row_major_grad(x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,9 @@ eager, docs/torchrec.md).
   with the products the backward reads; ``comera_train::tt_chains_backward`` its gradients.
 
 An operator's outputs may not share memory with its inputs or each other, so the chains'
-operator returns copies of the few small products the kernel hands out as views.
+operator returns copies of the few small products the kernel hands out as views; and they
+must have the fake outputs' (row-major) strides, so a gradient of a rank that is not a whole
+number of vectors, a view of a padded one, is copied row-major.
 An empty tensor stands for an absent bias or a gradient not asked for.
 """
 
@@ -29,14 +31,15 @@ from typing import Sequence
 
 import torch
 
-from comera_rec.tensor.kernels.cpu_extension import extension
+from comera_rec.tensor.halves import row_major
+from comera_rec.tensor.kernels.cpu_extension import cpu_vector_bytes, extension
 
 _NAMESPACE = "comera_train"
 
 
 def _vector_lanes(dtype: torch.dtype) -> int:
     # the kernels pad ranks to whole vectors: the fake outputs need the padded width
-    return int(extension().vector_bytes()) // torch.empty(0, dtype=dtype).element_size()
+    return cpu_vector_bytes() // torch.empty(0, dtype=dtype).element_size()
 
 
 def _padded(n: int, lanes: int) -> int:
@@ -45,17 +48,6 @@ def _padded(n: int, lanes: int) -> int:
 
 def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return t if t is not None else like.new_empty(0)
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with a new tensor's strides (the fake outputs'), copied where it has others: a
-    gradient of a rank that is not a whole number of vectors is a view of a padded one, and
-    ``contiguous`` keeps the stride of a dimension of size 1."""
-    strides, step = [], 1
-    for size in reversed(t.shape):
-        strides.append(step)
-        step *= size
-    return t if t.stride() == tuple(reversed(strides)) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _unshared(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -112,7 +104,7 @@ def tt_linear_backward_op(
     )
     wanted = (need_grad_x, need_grad_left, True, need_grad_bias)
     grad_x, grad_left, grad_right, grad_bias = (
-        _dense(_or_empty(g if want else None, x)) for g, want in zip(grads, wanted)
+        row_major(_or_empty(g if want else None, x)) for g, want in zip(grads, wanted)
     )
     return grad_x, grad_left, grad_right, grad_bias
 
@@ -236,7 +228,7 @@ def tt_chain_backward_op(
     for k in range(len(lefts)):
         grad_left, grad_right, grad_bias = grads[3 * k : 3 * k + 3]
         out += [grad_left if need_grad_left[k] else None, grad_right, grad_bias if need_grad_bias[k] else None]
-    return [_dense(_or_empty(t, x)) for t in out]
+    return [row_major(_or_empty(t, x)) for t in out]
 
 
 @tt_chain_backward_op.register_fake
@@ -347,7 +339,7 @@ def tt_chains_op(
     left, right, *saved = extension().tt_chains_forward(list(cores), list(controllers), d, in_features, out_features)
     # left and right are views of the train's first rows / columns: the fake's strides are a
     # whole matrix's
-    return _unshared([_dense(left), _dense(right), *saved], list(cores) + list(controllers))
+    return _unshared([row_major(left), row_major(right), *saved], list(cores) + list(controllers))
 
 
 @tt_chains_op.register_fake
@@ -371,7 +363,7 @@ def tt_chains_backward_op(
     grads = extension().tt_chains_backward(
         grad_left.contiguous(), grad_right.contiguous(), list(cores), list(controllers), list(saved), d
     )
-    return _unshared([_dense(g) for g in grads], [grad_left, grad_right, *cores, *controllers, *saved])
+    return _unshared([row_major(g) for g in grads], [grad_left, grad_right, *cores, *controllers, *saved])
 
 
 @tt_chains_backward_op.register_fake
