@@ -106,6 +106,7 @@ from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
 from comera_rec.utils.isa import (
     ISA_CHOICES,
     check_host_runs,
+    cpu_bfloat16_products,
     environment_applies,
     host_cpu_flags,
     isa_environment,
@@ -368,11 +369,18 @@ def main(argv: list[str] | None = None) -> None:
         if other_modes:
             parser.error(f"--autocast times the Kaggle variants' training step; not with {', '.join(other_modes)}")
         if args.isa != "native":
-            # measured: with oneDNN limited too, its bfloat16 products fell to a reference loop,
-            # which is not what an AVX2 host runs either
+            # oneDNN limited too (ONEDNN_MAX_CPU_ISA=AVX2) has no bfloat16 kernels: its products
+            # fall to a reference loop, as on a real AVX2 host, where the trainer refuses autocast
             parser.error(
-                "--autocast with --isa avx2: torch's bfloat16 products are oneDNN's, which --isa does not limit; "
-                "an AVX2 host's bfloat16 path cannot be shown on this one"
+                "--autocast with --isa avx2: torch's bfloat16 products are oneDNN's, which --isa does not limit, "
+                "and an AVX2 host has none (its bfloat16 products run in a reference loop; the trainer refuses "
+                "trainer.autocast=bfloat16 there)"
+            )
+        if not cpu_bfloat16_products():
+            parser.error(
+                f"--autocast: torch has no bfloat16 matrix kernels for this CPU ({libraries_isa()}): its bfloat16 "
+                "products run in a reference loop, about 170x slower than in float32 (the trainer refuses "
+                "trainer.autocast=bfloat16 here too)"
             )
     wanted = isa_environment(args.isa)
     if not environment_applies(wanted):  # the libraries read their switches once: a fresh process

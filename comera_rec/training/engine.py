@@ -80,7 +80,7 @@ from comera_rec.training.optim import OptimConfig, build_optimizer
 from comera_rec.training.process_state import peak_memory_mb, rng_state, set_rng_state  # noqa: F401
 from comera_rec.training.report import JsonlLog
 from comera_rec.training.rundir import RunDir, open_run_dir
-from comera_rec.training.step import EagerStep, GraphedStep, Step, forward_precision
+from comera_rec.training.step import EagerStep, GraphedStep, Step, check_forward_precision, forward_precision
 from comera_rec.training.stop import StopSignals, TrainingStopped
 from comera_rec.training.trainer_config import Task, TrainerConfig, task_hook
 from comera_rec.utils.host import freeze_live_objects, keep_freed_memory
@@ -315,6 +315,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerGraphs, TrainerSteps, Tra
         cfg = self.config
         self._init_distributed()
         self.device = self._device()
+        check_forward_precision(self.device, cfg.autocast)
         if cfg.cuda_graphs:
             self._check_cuda_graphs()
         hint = eager_cuda_hint(self.device, cfg.cuda_graphs, world_size())

@@ -334,7 +334,10 @@ class TrainerConfig:
     CPU the dense demo trained 1.4-1.5x faster, dense TorchRec's Kaggle DLRM stepped 1.4-1.7x
     faster; performance.md). comera-rec's fused CPU kernels stay float32 under it
     (docs/tensor.md, "Mixed precision"), so a compressed model gains nothing on CPU: the
-    compressed demo trained at 0.83-0.95x. Not with cuda_graphs."""
+    compressed demo trained at 0.83-0.95x. Refused (a ValueError at the start of the run) on a
+    CPU for which torch has no bfloat16 matrix kernels, such as an AVX2 x86 CPU: there every
+    bfloat16 product runs in a reference loop, and the dense demo trained 21x slower on an
+    AVX2 EPYC. Not with cuda_graphs."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0."""
     plots: bool = True

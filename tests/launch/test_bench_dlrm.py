@@ -374,3 +374,12 @@ def test_autocast_is_refused_with_avx2_code(monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit):
         bench_dlrm.main(["--autocast", "--isa", "avx2"])
     assert "--autocast with --isa avx2: torch's bfloat16 products are oneDNN's" in capsys.readouterr().err
+
+
+def test_autocast_is_refused_on_a_cpu_without_bfloat16_kernels(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(bench_dlrm, "cpu_bfloat16_products", lambda: False)
+    with pytest.raises(SystemExit):
+        bench_dlrm.main(["--autocast", "--quick"])
+    err = capsys.readouterr().err
+    assert "--autocast: torch has no bfloat16 matrix kernels for this CPU (ATen " in err
+    assert "reference loop" in err

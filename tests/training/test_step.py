@@ -9,9 +9,16 @@ import pytest
 import torch
 from torch import nn
 
+import comera_rec.training.step as step_module
 from comera_rec.rank.schedule import RankSchedule, RankScheduleConfig
 from comera_rec.training.optim import OptimConfig, lr_factor
-from comera_rec.training.step import EagerStep, captured_update, clip_gradients, schedule_learning_rates
+from comera_rec.training.step import (
+    EagerStep,
+    captured_update,
+    check_forward_precision,
+    clip_gradients,
+    schedule_learning_rates,
+)
 
 
 def _model_with_grads(scale: float) -> nn.Module:
@@ -115,3 +122,18 @@ def test_autocast_runs_the_forward_in_bfloat16_and_the_backward_outside() -> Non
         assert model.weight.grad.dtype == torch.float32
         model.zero_grad()
     assert seen == {"forward": [torch.bfloat16, torch.float32], "backward": [False, False]}
+
+
+def test_bfloat16_is_refused_on_a_cpu_without_bfloat16_kernels(monkeypatch) -> None:
+    monkeypatch.setattr(step_module, "cpu_bfloat16_products", lambda: False)
+    with pytest.raises(
+        ValueError, match=r"trainer.autocast='bfloat16' on a CPU .*no bfloat16 matrix kernels.*autocast=none"
+    ):
+        check_forward_precision(torch.device("cpu"), "bfloat16")
+    check_forward_precision(torch.device("cpu"), "none")  # float32 runs on any CPU
+    check_forward_precision(torch.device("cuda", 0), "bfloat16")  # a GPU's products are not the CPU's
+
+
+def test_bfloat16_is_let_through_on_a_cpu_with_bfloat16_kernels(monkeypatch) -> None:
+    monkeypatch.setattr(step_module, "cpu_bfloat16_products", lambda: True)
+    check_forward_precision(torch.device("cpu"), "bfloat16")

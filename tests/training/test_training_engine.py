@@ -11,6 +11,7 @@ import pytest
 import torch
 from toy_task import ToyTask
 
+import comera_rec.training.step as step_module
 from comera_rec.rank import RankScheduleConfig
 from comera_rec.training import OptimConfig, Trainer, TrainerConfig, latest_checkpoint, load_checkpoint, read_jsonl
 
@@ -69,14 +70,23 @@ def test_full_run_learns_and_reports(tmp_path):
     assert gc.get_freeze_count() == 0  # trainer.freeze_gc froze the set-up; close() released it
 
 
-def test_bfloat16_autocast_run_learns(tmp_path):
+def test_bfloat16_autocast_run_learns(tmp_path, monkeypatch):
     # the forward under autocast (the toy's dense head in bfloat16, its TT layer and lookup in
-    # float32), the backward outside it: the run trains and validates as in float32
+    # float32), the backward outside it: the run trains and validates as in float32 (on any
+    # host: one without bfloat16 kernels is refused, the next test)
+    monkeypatch.setattr(step_module, "cpu_bfloat16_products", lambda: True)
     t = run(tmp_path, 40, eval_every=20, checkpoint_every=0, autocast="bfloat16")
     evals = [r for r in read_jsonl(tmp_path / "log.jsonl") if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [20, 40]
     assert evals[-1]["auc"] > 0.6
     assert all(p.dtype == torch.float32 for p in t.model.parameters())
+
+
+def test_bfloat16_autocast_is_refused_before_the_run_starts_on_a_cpu_without_bfloat16_kernels(tmp_path, monkeypatch):
+    monkeypatch.setattr(step_module, "cpu_bfloat16_products", lambda: False)
+    with pytest.raises(ValueError, match=r"trainer.autocast='bfloat16'.*reference loop.*trainer.autocast=none"):
+        run(tmp_path / "run", 3, autocast="bfloat16")
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
 
 
 def test_freeze_gc_freezes_during_the_loop(tmp_path, monkeypatch):

@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from comera_rec.utils.isa import (
     ISA_CHOICES,
     check_host_runs,
+    cpu_bfloat16_products,
     cpu_model,
     environment_applies,
     host_cpu_flags,
@@ -113,3 +115,31 @@ def test_cpu_model_reads_this_machine() -> None:
     assert isinstance(model, str)
     if Path("/proc/cpuinfo").exists() and platform.machine() in ("x86_64", "AMD64"):
         assert "(family " in model and ", model " in model
+
+
+def test_cpu_bfloat16_products_agrees_with_the_cpu_flags() -> None:
+    # torch's own answer against /proc/cpuinfo read another way: oneDNN's bfloat16 kernels
+    # start at AVX-512 (F, BW, VL, DQ) on x86; an AVX2 CPU without AVX-NE-CONVERT has none
+    flags = host_cpu_flags()
+    if not flags or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 host's /proc/cpuinfo")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        assert cpu_bfloat16_products()
+    elif "avx512f" not in flags and "avx_ne_convert" not in flags:
+        assert not cpu_bfloat16_products()
+    else:
+        pytest.skip(f"a CPU between the two kinds: {sorted(f for f in flags if f.startswith('avx'))}")
+
+
+@pytest.mark.parametrize("torch_says, expected", [(True, True), (False, False)])
+def test_cpu_bfloat16_products_is_torchs_check(monkeypatch, torch_says: bool, expected: bool) -> None:
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: torch_says)
+    assert cpu_bfloat16_products() is expected
+
+
+def test_cpu_bfloat16_products_refuses_nothing_where_torch_cannot_tell(monkeypatch) -> None:
+    def missing() -> bool:
+        raise RuntimeError("no oneDNN in this build")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", missing)
+    assert cpu_bfloat16_products() is True
