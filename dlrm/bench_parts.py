@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from comera_rec.dlrm.bench_setup import Setup, build, train_batches, train_step, use_lookup_path, variants
+from comera_rec.dlrm.interaction_kernel import PROFILER_NAMES as INTERACTION_KERNELS
 from comera_rec.tensor import kernels
 from comera_rec.tensor.kernels.tt_linear_cpu import PROFILER_NAMES as TT_LAYER_KERNELS
 from comera_rec.tensor.kernels.ttm_cpu import PHASE_KINDS as TTM_LOOKUP_PHASES
@@ -177,7 +178,8 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     # and the kernels do the same products; per part, and the fused TT layers' own
     kernels.set_cpu_kernel_enabled(False)
     flops = {v: part_times(models[v][0], data[0], count_flops=True) for v in names_}
-    layer_flops = {v: fused_layer_flops(models[v][0], data[0]) for v in names_}
+    layer_flops = {v: fused_kernel_flops(models[v][0], data[0]) for v in names_}
+    interaction_flops = {v: interaction_pass_flops(models[v][0], data[0]) for v in names_}
     kernels.set_cpu_kernel_enabled(True)
     print(
         f"\nmatrix-multiply FLOPs per part (forward + backward, torch.utils.flop_counter, counted on the "
@@ -199,16 +201,21 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     # column-block gathers), the MLP parts more than their fused layers (the chain merges,
     # small dense layers, autograd): the kernels that do those parts' products, against their
     # own FLOPs, from one profile of each variant's step
-    measured, layer_times = {}, {}
+    measured, layer_times, interaction_times = {}, {}, {}
     for v in names_:
         use_lookup_path(v)
         times, contraction_flops = kernel_times(lambda m=models[v], b=itertools.cycle(data): train_step(*m, next(b)))
         if flops[v]["lookups"] > 0:
             measured[v] = lookup_phases(times, contraction_flops)
-        layer_times[v] = fused_layer_times(times)
+        layer_times[v] = fused_kernel_times(times)
+        interaction_times[v] = fused_kernel_times(times, INTERACTION_KERNELS)
     lookup_flops = {v: flops[v]["lookups"] for v in measured}
     print("\n" + "\n".join(lookup_kernel_report(measured, lookup_flops, rate)))
-    print("\n" + "\n".join(fused_layer_report(layer_times, layer_flops, rate)))
+    print("\n" + "\n".join(fused_kernel_report(layer_times, layer_flops, rate)))
+    report = fused_kernel_report(
+        interaction_times, interaction_flops, rate, INTERACTION_HEADING, "no fused interaction kernel"
+    )
+    print("\n" + "\n".join(report))
 
 
 FUSED_LAYER_KINDS = (TTLinear, NarrowLinear)  # the layers the fused CPU TT kernels run while training
@@ -219,7 +226,10 @@ def module_flops(root: nn.Module, phases: Sequence[Callable[[], object]], kinds:
     of a type in ``kinds``, by ``torch.utils.flop_counter``: the phases run in order under one
     counter (a forward, then the backward of its result, is one pass). The first phase must
     call ``root`` itself: the counter names each module by its path from the first module
-    called. Modules of ``kinds`` must not nest.
+    called. Modules of ``kinds`` must not nest, and must be called with their tensors as
+    positional arguments: the counter sees a module's backward end through its positional
+    inputs only, and counts one called with keyword tensors (DLRM's interaction) as running
+    until the whole backward's end (:func:`interaction_pass_flops` counts that one).
 
     Example::
 
@@ -241,50 +251,80 @@ def module_flops(root: nn.Module, phases: Sequence[Callable[[], object]], kinds:
     return [after - before for before, after in zip([0.0, *totals], totals)]
 
 
-def fused_layer_flops(wrapped: nn.Module, batch) -> tuple[float, float]:
-    """``(forward, backward)`` matrix-multiply FLOPs of one training step's layers that the
-    fused CPU TT kernels run (``FUSED_LAYER_KINDS``), counted on whatever path is on (the
-    PyTorch path, where the counter sees every product; the TT layers' chain merges, a few
-    percent, included), in one forward and backward."""
+def fused_kernel_flops(wrapped: nn.Module, batch, kinds: tuple[type, ...] = FUSED_LAYER_KINDS) -> tuple[float, float]:
+    """``(forward, backward)`` matrix-multiply FLOPs of one training step's modules of a type
+    in ``kinds`` (by default the layers the fused CPU TT kernels run), counted on whatever
+    path is on (the PyTorch path, where the counter sees every product; the TT layers' chain
+    merges, a few percent, included), in one forward and backward."""
     losses = []
     forward, backward = module_flops(
         wrapped,
         (lambda: losses.append(wrapped(batch)[0]), lambda: losses.pop().backward()),
-        FUSED_LAYER_KINDS,
+        kinds,
     )
     wrapped.zero_grad(set_to_none=True)
     return forward, backward
 
 
-def fused_layer_times(times: dict[str, float]) -> tuple[float, float]:
-    """``(forward, backward)`` seconds per step in the TT layers' fused CPU kernels (single
-    layers and chains: their autograd nodes' own time, ``TT_LAYER_KERNELS``) in a profile
-    (:func:`op_self_times`); ``(0.0, 0.0)`` where the step ran none."""
-    forward = sum(times.get(name, 0.0) for name in TT_LAYER_KERNELS)
-    backward = sum(times.get(f"{name}Backward", 0.0) for name in TT_LAYER_KERNELS)
+def interaction_pass_flops(wrapped: nn.Module, batch) -> tuple[float, float]:
+    """``(forward, backward)`` matrix-multiply FLOPs of one call of the DLRM's interaction on
+    the batch's pooled embeddings and bottom MLP output (made first, uncounted), counted on
+    whatever path is on; the interaction called with its tensors positionally, so that its
+    backward's count ends where its own backward does (:func:`module_flops`)."""
+    dlrm = _dlrm(wrapped)
+    with torch.no_grad():
+        sparse = dlrm.sparse_arch(batch.sparse_features).requires_grad_()  # (B, F, D)
+        dense = dlrm.dense_arch(batch.dense_features).requires_grad_()  # (B, D)
+    outputs = []
+    forward, backward = module_flops(
+        dlrm.inter_arch,
+        (lambda: outputs.append(dlrm.inter_arch(dense, sparse)), lambda: outputs.pop().sum().backward()),
+        (type(dlrm.inter_arch),),
+    )
     return forward, backward
 
 
-def fused_layer_report(
-    seconds: dict[str, tuple[float, float]], flops: dict[str, tuple[float, float]], rate: float
+def fused_kernel_times(times: dict[str, float], names: Sequence[str] = TT_LAYER_KERNELS) -> tuple[float, float]:
+    """``(forward, backward)`` seconds per step in fused CPU kernels (their autograd nodes'
+    own time; ``names`` the forward nodes', each backward's the name + ``"Backward"``; by
+    default the TT layers' single layers and chains) in a profile (:func:`op_self_times`);
+    ``(0.0, 0.0)`` where the step ran none."""
+    forward = sum(times.get(name, 0.0) for name in names)
+    backward = sum(times.get(f"{name}Backward", 0.0) for name in names)
+    return forward, backward
+
+
+TT_LAYERS_HEADING = (
+    "the TT layers' fused CPU kernels' own time (torch.profiler, in the step) against their layers' FLOP time "
+    "(counted on the PyTorch path, the chain merges included):"
+)
+INTERACTION_HEADING = (
+    "the fused interaction kernel's own time (torch.profiler, in the step) against the interaction's FLOP time "
+    "(counted on the PyTorch path: the whole (n, n) grid forward, one batched product backward):"
+)
+
+
+def fused_kernel_report(
+    seconds: dict[str, tuple[float, float]],
+    flops: dict[str, tuple[float, float]],
+    rate: float,
+    heading: str = TT_LAYERS_HEADING,
+    absent: str = "no fused TT layer",
 ) -> list[str]:
-    """The lines ``--parts`` prints about the TT layers' fused CPU kernels, per variant: their
-    forward and backward time (``seconds``, :func:`fused_layer_times`) against their layers'
-    FLOPs (``flops``, :func:`fused_layer_flops`) at ``rate`` FLOP/s. A variant whose step runs
-    none of them is named so.
+    """The lines ``--parts`` prints about fused CPU kernels (by default the TT layers'), per
+    variant: their forward and backward time (``seconds``, :func:`fused_kernel_times`)
+    against their modules' FLOPs (``flops``, :func:`fused_kernel_flops`) at ``rate`` FLOP/s,
+    under ``heading``. A variant whose step runs none of them is named with ``absent``.
 
     Example::
 
-        >>> fused_layer_report({"tt": (0.002, 0.006)}, {"tt": (2e8, 4e8)}, rate=1e11)[1]
+        >>> fused_kernel_report({"tt": (0.002, 0.006)}, {"tt": (2e8, 4e8)}, rate=1e11)[1]
         'tt             forward  2.00 ms /  2.00 ms = 1.00x   backward  6.00 ms /  4.00 ms = 1.50x'
     """
-    lines = [
-        "the TT layers' fused CPU kernels' own time (torch.profiler, in the step) against their layers' FLOP time "
-        "(counted on the PyTorch path, the chain merges included):"
-    ]
+    lines = [heading]
     for v, (forward, backward) in seconds.items():
         if forward + backward == 0 or v not in flops:
-            lines.append(f"{v:14s} no fused TT layer")
+            lines.append(f"{v:14s} {absent}")
             continue
         cells = []
         for what, t, n in (("forward", forward, flops[v][0]), ("backward", backward, flops[v][1])):

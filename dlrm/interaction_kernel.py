@@ -53,6 +53,11 @@ class _FusedPairwiseDots(torch.autograd.Function):
         return tuple(EXTENSION.load().pairwise_dots_backward(grad, dense, sparse))
 
 
+# the name torch.profiler gives the fused interaction's forward while training (its autograd
+# node); the backward's is the name + "Backward" (benchmarks read them)
+PROFILER_NAMES = (_FusedPairwiseDots.__name__,)
+
+
 def pairwise_dots_cpu(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
     """``(B, D), (B, F, D) -> (B, D + (F + 1) F / 2)``: the dense features, then the dot
     products of every pair ``i < j`` of ``[dense, sparse_1 .. sparse_F]`` in row-major

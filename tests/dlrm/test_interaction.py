@@ -57,6 +57,23 @@ def test_kernel_packs_every_pair_count(features: int, dim: int, batch: int) -> N
     torch.testing.assert_close(pairwise_dots_cpu(dense, sparse), want, rtol=1e-12, atol=1e-12)
 
 
+@settings(max_examples=40, deadline=None)
+@given(features=st.integers(1, 40), dim=st.integers(1, 20), batch=st.integers(1, 4))
+def test_kernel_backward_sums_every_row_tile(features: int, dim: int, batch: int) -> None:
+    # the backward sums gradient rows in tiles of a few rows: every count of rows past the
+    # last whole tile, every tail of D, against autograd through pairs by index lists
+    g = torch.Generator().manual_seed(features * 100 + dim)
+    dense = torch.randn(batch, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    sparse = torch.randn(batch, features, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    rows = torch.cat([dense[:, None], sparse], dim=1)
+    i, j = torch.triu_indices(features + 1, features + 1, offset=1)
+    want = torch.cat([dense, (rows[:, i] * rows[:, j]).sum(-1)], dim=1)
+    grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    ours = torch.autograd.grad(pairwise_dots_cpu(dense, sparse), [dense, sparse], grad)
+    for a, b in zip(ours, torch.autograd.grad(want, [dense, sparse], grad)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_gradcheck(lookup_path: str) -> None:
     g = torch.Generator().manual_seed(0)
     dense = torch.randn(3, 2, generator=g, dtype=torch.float64, requires_grad=True)

@@ -198,14 +198,14 @@ class _OneLayerTrain(nn.Module):
         return self.head(self.narrow(batch)).sum(), None
 
 
-def test_fused_layer_flops_counts_only_the_fused_kinds_forward_and_backward() -> None:
+def test_fused_kernel_flops_counts_only_the_fused_kinds_forward_and_backward() -> None:
     from comera_rec.tensor import kernels
 
     torch.manual_seed(0)
     model, batch = _OneLayerTrain(), torch.randn(6, 3)
     kernels.set_cpu_kernel_enabled(False)  # the PyTorch path, as --parts counts
     try:
-        forward, backward = bench_parts.fused_layer_flops(model, batch)
+        forward, backward = bench_parts.fused_kernel_flops(model, batch)
     finally:
         kernels.set_cpu_kernel_enabled(True)
     # the narrow layer: x W^T forward; its weight's gradient backward (its input needs none);
@@ -216,7 +216,7 @@ def test_fused_layer_flops_counts_only_the_fused_kinds_forward_and_backward() ->
 
 
 @pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
-def test_fused_layer_times_finds_the_chain_and_single_layer_kernels() -> None:
+def test_fused_kernel_times_finds_the_chain_and_single_layer_kernels() -> None:
     from comera_rec.integration.mlp import tt_mlp, unchain_layers
     from comera_rec.tensor import kernels
 
@@ -231,23 +231,114 @@ def test_fused_layer_times_finds_the_chain_and_single_layer_kernels() -> None:
     threads = torch.get_num_threads()
     times = bench_parts.op_self_times(lambda: step(chained), threads, steps=2)
     assert times.get(chain, 0) > 0 and times.get(f"{chain}Backward", 0) > 0 and one_layer not in times
-    assert bench_parts.fused_layer_times(times) == (times[chain], times[f"{chain}Backward"])
+    assert bench_parts.fused_kernel_times(times) == (times[chain], times[f"{chain}Backward"])
     single = unchain_layers(tt_mlp(13, [64, 32], rank=4))  # each TT layer its own kernel call
     times = bench_parts.op_self_times(lambda: step(single), threads, steps=2)
     assert times.get(one_layer, 0) > 0 and times.get(f"{one_layer}Backward", 0) > 0 and chain not in times
-    assert bench_parts.fused_layer_times(times) == (times[one_layer], times[f"{one_layer}Backward"])
+    assert bench_parts.fused_kernel_times(times) == (times[one_layer], times[f"{one_layer}Backward"])
     kernels.set_cpu_kernel_enabled(False)  # the PyTorch path runs no fused kernel
     times = bench_parts.op_self_times(lambda: step(chained), threads, steps=2)
-    assert bench_parts.fused_layer_times(times) == (0.0, 0.0)
+    assert bench_parts.fused_kernel_times(times) == (0.0, 0.0)
 
 
-def test_fused_layer_report_names_a_variant_without_fused_layers() -> None:
-    lines = bench_parts.fused_layer_report({"dense": (0.0, 0.0), "tt": (0.003, 0.009)}, {"tt": (3e8, 6e8)}, rate=1e11)
+class _TinyDLRM(nn.Module):
+    """A stand-in for DLRM's parts as ``--parts`` reaches them: the sparse arch passes the
+    pooled embeddings through, the dense arch is one layer, and the interaction is called
+    with keyword tensors as TorchRec's DLRM calls it."""
+
+    def __init__(self, num_sparse: int, dim: int) -> None:
+        super().__init__()
+        from comera_rec.dlrm.interaction import PairwiseDotInteraction
+
+        self.sparse_arch = nn.Identity()
+        self.dense_arch = nn.Linear(dim, dim)
+        self.inter_arch = PairwiseDotInteraction(num_sparse)
+
+    def forward(self, batch):
+        sparse, dense = self.sparse_arch(batch.sparse_features), self.dense_arch(batch.dense_features)
+        return self.inter_arch(dense_features=dense, sparse_features=sparse).sum(), None
+
+
+class _TinyTrain(nn.Module):
+    """A stand-in for DLRMTrain: the model under ``.model``."""
+
+    def __init__(self, num_sparse: int, dim: int) -> None:
+        super().__init__()
+        self.model = _TinyDLRM(num_sparse, dim)
+
+    def forward(self, batch):
+        return self.model(batch)
+
+
+def test_interaction_pass_flops_counts_the_grid_and_nothing_after_it() -> None:
+    from types import SimpleNamespace
+
+    from comera_rec.tensor import kernels
+
+    torch.manual_seed(0)
+    rows, num_sparse, dim = 5, 3, 4
+    wrapped = _TinyTrain(num_sparse, dim)
+    batch = SimpleNamespace(dense_features=torch.randn(rows, dim), sparse_features=torch.randn(rows, num_sparse, dim))
+    kernels.set_cpu_kernel_enabled(False)  # the PyTorch path, as --parts counts
+    try:
+        forward, backward = bench_parts.interaction_pass_flops(wrapped, batch)
+        # counted by module over the whole step, the keyword call keeps the interaction
+        # "running" through the dense layer's backward: why the interaction has its own count
+        _, through_step = bench_parts.fused_kernel_flops(wrapped, batch, (type(wrapped.model.inter_arch),))
+    finally:
+        kernels.set_cpu_kernel_enabled(True)
+    n = num_sparse + 1
+    # the whole (n, n) grid forward; backward one batched product of the pairs' grid with
+    # the features
+    assert forward == 2 * rows * n * n * dim
+    assert backward == 2 * rows * n * n * dim
+    assert through_step == backward + 2 * rows * dim * dim  # + the dense layer's weight gradient
+    assert all(p.grad is None for p in wrapped.parameters())
+
+
+@pytest.mark.usefixtures("kernels_on")  # tests/conftest.py
+def test_fused_kernel_times_finds_the_interaction_kernel() -> None:
+    from comera_rec.dlrm.interaction import PairwiseDotInteraction
+    from comera_rec.tensor import kernels
+
+    torch.manual_seed(0)
+    interaction = PairwiseDotInteraction(3)
+    dense, sparse = torch.randn(8, 4, requires_grad=True), torch.randn(8, 3, 4, requires_grad=True)
+
+    def step() -> None:
+        interaction(dense, sparse).sum().backward()
+
+    (name,) = bench_parts.INTERACTION_KERNELS
+    threads = torch.get_num_threads()
+    times = bench_parts.op_self_times(step, threads, steps=2)
+    assert times.get(name, 0) > 0 and times.get(f"{name}Backward", 0) > 0
+    assert bench_parts.fused_kernel_times(times, bench_parts.INTERACTION_KERNELS) == (
+        times[name],
+        times[f"{name}Backward"],
+    )
+    assert bench_parts.fused_kernel_times(times) == (0.0, 0.0)  # no TT layer in this step
+    kernels.set_cpu_kernel_enabled(False)  # the PyTorch path runs no fused kernel
+    times = bench_parts.op_self_times(step, threads, steps=2)
+    assert bench_parts.fused_kernel_times(times, bench_parts.INTERACTION_KERNELS) == (0.0, 0.0)
+
+
+def test_fused_kernel_report_names_a_variant_without_fused_layers() -> None:
+    lines = bench_parts.fused_kernel_report({"dense": (0.0, 0.0), "tt": (0.003, 0.009)}, {"tt": (3e8, 6e8)}, rate=1e11)
     assert lines[1].startswith("dense") and "no fused TT layer" in lines[1]
     assert "forward  3.00 ms /  3.00 ms = 1.00x" in lines[2] and "backward  9.00 ms /  6.00 ms = 1.50x" in lines[2]
     # kernels timed but no FLOPs found for their layers: said, not divided by
-    uncounted = bench_parts.fused_layer_report({"tt": (0.003, 0.009)}, {"tt": (0.0, 0.0)}, rate=1e11)
+    uncounted = bench_parts.fused_kernel_report({"tt": (0.003, 0.009)}, {"tt": (0.0, 0.0)}, rate=1e11)
     assert uncounted[1].count("(no FLOPs counted)") == 2
+    # another kernel's lines: its heading, and its own word for a variant without it
+    lines = bench_parts.fused_kernel_report(
+        {"dense": (0.0, 0.0), "tt": (0.001, 0.002)},
+        {"tt": (1e8, 1e8)},
+        rate=1e11,
+        heading=bench_parts.INTERACTION_HEADING,
+        absent="no fused interaction kernel",
+    )
+    assert lines[0] == bench_parts.INTERACTION_HEADING and lines[1].endswith("no fused interaction kernel")
+    assert "forward  1.00 ms /  1.00 ms = 1.00x" in lines[2] and "backward  2.00 ms /  1.00 ms = 2.00x" in lines[2]
 
 
 ROWS = (6, 5, 4, 7)  # a 4-core table of 840 rows, columns (2, 2, 2, 2), ranks (1, 4, 4, 4, 1)
