@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--parts",
         action="store_true",
-        help="time each part of the step (lookups, MLPs, interaction) against its FLOP time, and the lookup and TT layer kernels alone",
+        help="time each part of the step (lookups, MLPs, interaction) against its FLOP time, and the lookup, TT layer and interaction kernels alone",
     )
     parser.add_argument(
         "--ops",
