@@ -178,7 +178,7 @@ def parts(setup: Setup, repeats: int = 20) -> None:
     # and the kernels do the same products; per part, and the fused TT layers' own
     kernels.set_cpu_kernel_enabled(False)
     flops = {v: part_times(models[v][0], data[0], count_flops=True) for v in names_}
-    layer_flops = {v: fused_kernel_flops(models[v][0], data[0]) for v in names_}
+    layer_flops = {v: fused_layer_flops(models[v][0], data[0]) for v in names_}
     interaction_flops = {v: interaction_pass_flops(models[v][0], data[0]) for v in names_}
     kernels.set_cpu_kernel_enabled(True)
     print(
@@ -251,16 +251,16 @@ def module_flops(root: nn.Module, phases: Sequence[Callable[[], object]], kinds:
     return [after - before for before, after in zip([0.0, *totals], totals)]
 
 
-def fused_kernel_flops(wrapped: nn.Module, batch, kinds: tuple[type, ...] = FUSED_LAYER_KINDS) -> tuple[float, float]:
-    """``(forward, backward)`` matrix-multiply FLOPs of one training step's modules of a type
-    in ``kinds`` (by default the layers the fused CPU TT kernels run), counted on whatever
-    path is on (the PyTorch path, where the counter sees every product; the TT layers' chain
-    merges, a few percent, included), in one forward and backward."""
+def fused_layer_flops(wrapped: nn.Module, batch) -> tuple[float, float]:
+    """``(forward, backward)`` matrix-multiply FLOPs of one training step's layers that the
+    fused CPU TT kernels run (``FUSED_LAYER_KINDS``), counted on whatever path is on (the
+    PyTorch path, where the counter sees every product; the TT layers' chain merges, a few
+    percent, included), in one forward and backward."""
     losses = []
     forward, backward = module_flops(
         wrapped,
         (lambda: losses.append(wrapped(batch)[0]), lambda: losses.pop().backward()),
-        kinds,
+        FUSED_LAYER_KINDS,
     )
     wrapped.zero_grad(set_to_none=True)
     return forward, backward
@@ -313,7 +313,8 @@ def fused_kernel_report(
 ) -> list[str]:
     """The lines ``--parts`` prints about fused CPU kernels (by default the TT layers'), per
     variant: their forward and backward time (``seconds``, :func:`fused_kernel_times`)
-    against their modules' FLOPs (``flops``, :func:`fused_kernel_flops`) at ``rate`` FLOP/s,
+    against their modules' FLOPs (``flops``, :func:`fused_layer_flops` or
+    :func:`interaction_pass_flops`) at ``rate`` FLOP/s,
     under ``heading``. A variant whose step runs none of them is named with ``absent``.
 
     Example::

@@ -198,14 +198,14 @@ class _OneLayerTrain(nn.Module):
         return self.head(self.narrow(batch)).sum(), None
 
 
-def test_fused_kernel_flops_counts_only_the_fused_kinds_forward_and_backward() -> None:
+def test_fused_layer_flops_counts_only_the_fused_kinds_forward_and_backward() -> None:
     from comera_rec.tensor import kernels
 
     torch.manual_seed(0)
     model, batch = _OneLayerTrain(), torch.randn(6, 3)
     kernels.set_cpu_kernel_enabled(False)  # the PyTorch path, as --parts counts
     try:
-        forward, backward = bench_parts.fused_kernel_flops(model, batch)
+        forward, backward = bench_parts.fused_layer_flops(model, batch)
     finally:
         kernels.set_cpu_kernel_enabled(True)
     # the narrow layer: x W^T forward; its weight's gradient backward (its input needs none);
@@ -284,7 +284,13 @@ def test_interaction_pass_flops_counts_the_grid_and_nothing_after_it() -> None:
         forward, backward = bench_parts.interaction_pass_flops(wrapped, batch)
         # counted by module over the whole step, the keyword call keeps the interaction
         # "running" through the dense layer's backward: why the interaction has its own count
-        _, through_step = bench_parts.fused_kernel_flops(wrapped, batch, (type(wrapped.model.inter_arch),))
+        losses = []
+        _, through_step = bench_parts.module_flops(
+            wrapped,
+            (lambda: losses.append(wrapped(batch)[0]), lambda: losses.pop().backward()),
+            (type(wrapped.model.inter_arch),),
+        )
+        wrapped.zero_grad(set_to_none=True)
     finally:
         kernels.set_cpu_kernel_enabled(True)
     n = num_sparse + 1
